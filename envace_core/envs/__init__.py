@@ -1,0 +1,1 @@
+"""Environment adapters: one per source of tool environments, all behind `ToolEnvironment`."""

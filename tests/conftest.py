@@ -1,0 +1,61 @@
+"""Shared fixtures: a tiny random-weight Llama built from a config plus the bundled tokenizer."""
+
+from __future__ import annotations
+
+import socket
+
+import envace_core  # noqa: F401  (sets the offline environment before anything imports tau2)
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _no_network(monkeypatch):
+    """Any attempt to open a non-loopback connection fails the test."""
+    real_connect = socket.socket.connect
+
+    def guarded(self, address):
+        host = address[0] if isinstance(address, tuple) else address
+        if isinstance(host, str) and not (host.startswith("127.") or host in ("localhost", "::1")) \
+                and self.family in (socket.AF_INET, socket.AF_INET6):
+            raise AssertionError(f"test tried the network: {address}")
+        return real_connect(self, address)
+
+    monkeypatch.setattr(socket.socket, "connect", guarded)
+
+
+@pytest.fixture(scope="session")
+def bundled_tokenizer_dir(tmp_path_factory):
+    """The SmolLM2 tokenizer read from the bundled GGUF (no weights are dequantised)."""
+    from transformers import AutoTokenizer
+
+    from envace_core.models import bundled_gguf_path
+
+    gguf = bundled_gguf_path()
+    tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    out = tmp_path_factory.mktemp("tok")
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, bundled_tokenizer_dir):
+    """A 2-layer, 64-wide random Llama with the bundled tokenizer and chat template, saved as HF files."""
+    import shutil
+
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    tok = AutoTokenizer.from_pretrained(bundled_tokenizer_dir)
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg)
+    out = tmp_path_factory.mktemp("tiny-llama")
+    model.save_pretrained(out)
+    for f in bundled_tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
