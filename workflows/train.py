@@ -1,0 +1,27 @@
+"""The main job: curate → rollout+train → validate → evaluate → register.
+
+    pyflyte run workflows/train.py train                         # CPU default profile, local
+    pyflyte run workflows/train.py train --profile test --overrides 'train.iterations=1'
+"""
+
+import envace_core  # noqa: F401  (offline environment before tau2 is imported)
+from flytekit import workflow
+
+from tasks.config import resolve_config
+from tasks.curate import curate
+from tasks.evaluate import evaluate
+from tasks.register import register
+from tasks.train import rollout_and_train
+from tasks.validate import validate
+
+
+@workflow
+def train(profile: str = "cpu-smoke", overrides: str = "") -> str:
+    """Train a World Rehearsal policy and register it; returns the registry entry as JSON."""
+    config = resolve_config(profile=profile, overrides=overrides)
+    dataset = curate(config=config)
+    trained = rollout_and_train(config=config, dataset=dataset)
+    validation = validate(config=config, dataset=dataset, trained=trained)
+    evaluation = evaluate(config=config, dataset=dataset, trained=trained, validation=validation)
+    return register(config=config, dataset=dataset, trained=trained, validation=validation,
+                    evaluation=evaluation)
