@@ -9,14 +9,15 @@ Reward functions have the signature ``fn(task, trajectory) -> RewardResult | Non
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from envace_core import EnvaceError
 from envace_core.envs.base import RewardResult, ToolEnvironment
 from envace_core.envs.tau2 import Tau2Environment
 from envace_core.types import Observation, Task, ToolCall, Trajectory
 
-RewardFn = Callable[[Task, Trajectory], Optional[RewardResult]]
+RewardFn = Callable[[Task, Trajectory], RewardResult | None]
 
 
 # ------------------------------------------------------------------------------------ fidelity
@@ -125,12 +126,12 @@ def replay_reward(task: Task, trajectory: Trajectory,
 # -------------------------------------------------------------------------------- actions reward
 
 
-def _compare_args(task: Task) -> dict[str, Optional[list[str]]]:
+def _compare_args(task: Task) -> dict[str, list[str] | None]:
     crit = (task.source or {}).get("evaluation_criteria") or {}
     return {a.get("action_id", ""): a.get("compare_args") for a in (crit.get("actions") or [])}
 
 
-def _matches(gold: ToolCall, pred: ToolCall, keys: Optional[list[str]]) -> bool:
+def _matches(gold: ToolCall, pred: ToolCall, keys: list[str] | None) -> bool:
     if gold.name != pred.name:
         return False
     if keys is None:

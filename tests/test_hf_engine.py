@@ -12,6 +12,15 @@ from envace_core.engines.hf import HFEngine
 from envace_core.models import load_model, load_tokenizer
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The tiny model's ops are too small to gain from threads; one thread avoids stalls on a busy machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def tok(tiny_model_dir):
     return load_tokenizer(tiny_model_dir)
@@ -62,14 +71,42 @@ def test_greedy_matches_model_generate(model, tok, prompts):
 def test_batching_does_not_change_greedy_completions(model, tok, prompts):
     sp = SamplingParams(max_new_tokens=10, temperature=0)
     eng = engine(model, tok)
-    alone = [eng.generate([p], sp)[0][0].token_ids for p in prompts]
+    alone_c = [eng.generate([p], sp)[0][0] for p in prompts]
+    alone = [c.token_ids for c in alone_c]
     batched = eng.generate(prompts, sp)
     assert [b[0].token_ids for b in batched] == alone
+    for b, a in zip(batched, alone_c):  # padding is invisible to the scores too
+        torch.testing.assert_close(torch.tensor(b[0].logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
     # also with the middle one between a shorter and a longer prompt in a different input order
     reordered = eng.generate([prompts[2], prompts[1], prompts[0]], sp)
     assert reordered[1][0].token_ids == alone[1]
     # and with the decode batch split into chunks of 1
     assert [b[0].token_ids for b in engine(model, tok, max_batch_size=1).generate(prompts, sp)] == alone
+
+
+def test_left_padding_masks_and_position_ids(model, tok, prompts):
+    """Rotary models are blind to a common position offset, so check what the model is fed directly."""
+    calls = []
+
+    def spy(_module, args, kwargs):
+        calls.append((kwargs["input_ids"].clone(), kwargs["attention_mask"].clone(), kwargs["position_ids"].clone()))
+
+    handle = model.register_forward_pre_hook(spy, with_kwargs=True)
+    try:
+        engine(model, tok).generate(prompts, SamplingParams(max_new_tokens=3, temperature=0))
+    finally:
+        handle.remove()
+    ids, mask, pos = calls[0]  # prefill, rows sorted by length
+    lens = sorted(len(p) for p in prompts)
+    assert ids.shape == (3, lens[-1])
+    for r, n in enumerate(lens):
+        assert mask[r].tolist() == [0] * (lens[-1] - n) + [1] * n
+        assert pos[r, -n:].tolist() == list(range(n))
+        assert ids[r, -n:].tolist() == sorted(prompts, key=len)[r]
+    for step, (ids, mask, pos) in enumerate(calls[1:]):  # decode: one token, positions continue per row
+        assert ids.shape == (3, 1) and mask.shape == (3, lens[-1] + step + 1)
+        assert pos[:, 0].tolist() == [n + step for n in lens]
+        assert mask[:, -(step + 1):].eq(1).all()
 
 
 def test_recorded_logprobs_match_teacher_forcing(model, tok, prompts):
@@ -149,29 +186,37 @@ def test_peft_lora_sees_weight_updates_and_keeps_train_mode(tiny_model_dir, tok,
     base = load_model(tiny_model_dir)
     pm = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
     pm.train()
-    eng = engine(pm, tok)
+    eng, eng16 = engine(pm, tok), HFEngine(pm, tok, compute_dtype="bfloat16")
     sp = SamplingParams(max_new_tokens=8, temperature=0)
-    before = eng.generate([prompts[1]], sp)[0][0]
+    before, before16 = eng.generate([prompts[1]], sp)[0][0], eng16.generate([prompts[1]], sp)[0][0]
     assert pm.training  # mode restored
     with torch.no_grad():
         for name, p in pm.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 2.0, generator=torch.Generator().manual_seed(0))
-    after = eng.generate([prompts[1]], sp)[0][0]
+    after, after16 = eng.generate([prompts[1]], sp)[0][0], eng16.generate([prompts[1]], sp)[0][0]
     assert after.token_ids != before.token_ids or after.logprobs != pytest.approx(before.logprobs, abs=1e-3)
+    assert after16.token_ids != before16.token_ids or after16.logprobs != pytest.approx(before16.logprobs, abs=0.05)
     torch.testing.assert_close(torch.tensor(after.logprobs),
                                teacher_forced_logprobs(pm, prompts[1], after.token_ids, 1.0), atol=1e-4, rtol=0)
+    torch.testing.assert_close(torch.tensor(after16.logprobs),
+                               teacher_forced_logprobs(pm, prompts[1], after16.token_ids, 1.0), atol=0.1, rtol=0)
     pm.eval()
     eng.generate([prompts[0]], SamplingParams(max_new_tokens=1))
     assert not pm.training
 
 
 def test_bf16_autocast_runs_and_is_close(model, tok, prompts):
-    [[c]] = HFEngine(model, tok, compute_dtype="bfloat16").generate(
-        [prompts[1]], SamplingParams(max_new_tokens=6, seed=0))
-    assert len(c.token_ids) == 6
-    ref = teacher_forced_logprobs(model, prompts[1], c.token_ids, 1.0)
-    torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=0.1, rtol=0)
+    attn = model.config._attn_implementation
+    out = HFEngine(model, tok, compute_dtype="bfloat16").generate(
+        [prompts[1], prompts[2]], SamplingParams(max_new_tokens=6, seed=0, n=2))
+    assert model.config._attn_implementation == attn  # the bf16 decode attention is switched back
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # master weights untouched
+    for p, comps in zip(prompts[1:], out):
+        for c in comps:
+            assert len(c.token_ids) == 6
+            ref = teacher_forced_logprobs(model, p, c.token_ids, 1.0)
+            torch.testing.assert_close(torch.tensor(c.logprobs), ref, atol=0.1, rtol=0)
 
 
 def test_errors(model, tok, prompts):

@@ -31,6 +31,42 @@ _DTYPES = {
 }
 
 
+_F32_DECODE_ATTN = "envace_sdpa_f32_decode"
+_registered = False
+
+
+def _f32_decode_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA, except that one-token (decode) queries attend in float32.
+
+    On CPU, autocast runs SDPA in bf16, and bf16 SDPA with a single query against a long KV cache is ~4-5x
+    slower than float32 (no fast kernel), which made bf16 decode slower than float32 decode. Prefill
+    (many queries) keeps bf16. Shapes as in ``sdpa_attention_forward``; returns (output in query's dtype, None).
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[2] != 1:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    with torch.autocast(query.device.type, enabled=False):
+        out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                              **kwargs)
+    return out.to(query.dtype), weights
+
+
+def _register_f32_decode_attention() -> bool:
+    """Register `_f32_decode_sdpa` (and SDPA's mask builder) with transformers once; False if unsupported."""
+    global _registered
+    if not _registered:
+        try:
+            from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        except ImportError:
+            return False
+        AttentionInterface.register(_F32_DECODE_ATTN, _f32_decode_sdpa)
+        AttentionMaskInterface.register(_F32_DECODE_ATTN, sdpa_mask)
+        _registered = True
+    return True
+
+
 def _row_seed(base: int, prompt_idx: int, sample_idx: int) -> int:
     """A 63-bit seed for sample `sample_idx` of prompt `prompt_idx`, derived from the call's seed."""
     digest = hashlib.blake2b(f"{base}:{prompt_idx}:{sample_idx}".encode(), digest_size=8).digest()
@@ -40,7 +76,7 @@ def _row_seed(base: int, prompt_idx: int, sample_idx: int) -> int:
 def _top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Zero all but the smallest set of highest-probability tokens whose mass reaches `top_p`.
 
-    probs: (S, V) float32 probabilities. Returns (S, V), unnormalised (multinomial does not need it).
+    probs: (S, V) float32 probabilities. Returns (S, V), unnormalised (the sampler does not need it).
     """
     sorted_p, order = probs.sort(dim=-1, descending=True)
     mass_before = sorted_p.cumsum(dim=-1) - sorted_p
@@ -55,8 +91,11 @@ class HFEngine:
         model: a ``transformers`` causal LM or a peft ``PeftModel`` around one. Used by reference: weight
             updates made to it after construction are seen by the next ``generate``.
         tokenizer: its HF tokenizer; ``tokenizer.eos_token_id`` always ends a sample.
-        compute_dtype: "bfloat16" runs forwards under ``torch.autocast`` in bf16 (weights stay as they are,
-            e.g. float32 masters); "float32" runs without autocast ("float16" is accepted for CUDA).
+        compute_dtype: "bfloat16" runs forwards under ``torch.autocast`` in bf16. The model's weights are not
+            touched (e.g. float32 masters): each ``generate`` call casts the ``nn.Linear`` weights once into a
+            transient bf16 copy (~2 bytes/param, freed on return) and, on CPU with SDPA attention, runs the
+            one-token decode attention in float32 (bf16 SDPA decode is several times slower on CPU).
+            "float32" runs without autocast ("float16" is accepted for CUDA).
         max_batch_size: the most sequences held by one decode forward (prefill holds at most
             ``max(1, max_batch_size // n)`` distinct prompts).
 
@@ -98,13 +137,51 @@ class HFEngine:
             return nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
 
-    def _forward(self, input_ids, attention_mask, position_ids, cache) -> torch.Tensor:
+    def _swap_attention(self, device: torch.device) -> Optional[str]:
+        """Switch an SDPA model to `_f32_decode_sdpa` for a bf16 CPU call; returns the name to restore."""
+        cfg = getattr(self.model, "config", None)
+        if (self.compute_dtype == torch.float32 or device.type != "cpu" or cfg is None
+                or getattr(cfg, "_attn_implementation", None) != "sdpa" or getattr(cfg, "sub_configs", None)
+                or not _register_f32_decode_attention()):
+            return None
+        cfg._attn_implementation = _F32_DECODE_ATTN
+        return "sdpa"
+
+    def _lowp_weights(self) -> Optional[dict]:
+        """Low-precision copies of every float32 ``nn.Linear`` weight/bias, keyed by parameter name.
+
+        autocast would cast these on every forward: its weight cache is off under ``inference_mode`` (and
+        never covers frozen weights such as a LoRA base), which makes bf16 decode slower than float32. So
+        they are cast once per ``generate`` call (from the current weights) and swapped in with
+        ``torch.func.functional_call``. Embeddings and norms stay as they are (as under autocast); a tied
+        ``lm_head`` gets its own copy. None for float32 compute.
+        """
+        if self.compute_dtype == torch.float32:
+            return None
+        cast: dict[int, torch.Tensor] = {}
+        out: dict[str, torch.Tensor] = {}
+        for mname, mod in self.model.named_modules(remove_duplicate=False):
+            if not isinstance(mod, torch.nn.Linear):
+                continue
+            for pname in ("weight", "bias"):
+                p = getattr(mod, pname, None)
+                if p is None or p.dtype != torch.float32:
+                    continue
+                if id(p) not in cast:
+                    cast[id(p)] = p.detach().to(self.compute_dtype)
+                out[f"{mname}.{pname}" if mname else pname] = cast[id(p)]
+        return out
+
+    def _forward(self, input_ids, attention_mask, position_ids, cache, weights) -> torch.Tensor:
         """One forward; returns the last position's logits as float32, shape (B, V)."""
-        kwargs = {self._cache_kw: cache}
+        kwargs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids,
+                  "use_cache": True, self._cache_kw: cache}
         if self._logits_kw is not None:
             kwargs[self._logits_kw] = 1
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=True, **kwargs)
+        if weights:
+            out = torch.func.functional_call(self.model, weights, (), kwargs, tie_weights=False, strict=False)
+        else:
+            out = self.model(**kwargs)
         return out.logits[:, -1, :].float()
 
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
@@ -190,36 +267,42 @@ class HFEngine:
         was_training = model.training
         device = self._device()
         model.eval()
+        restore_attn = self._swap_attention(device)
         try:
             torch.clear_autocast_cache()  # never reuse bf16 casts of weights updated since an earlier call
             with torch.inference_mode(), self._autocast(device):
+                weights = self._lowp_weights()
                 for group, chunks in self._plan(prompts, n):
-                    self._run_unit(prompts, group, chunks, n, params, stop, base_seed, device, results)
+                    self._run_unit(prompts, group, chunks, n, params, stop, base_seed, device, weights, results)
+                del weights
         finally:
             torch.clear_autocast_cache()
+            if restore_attn is not None:
+                model.config._attn_implementation = restore_attn
             model.train(was_training)
             self.stats["seconds"] += time.perf_counter() - t0
             self.stats["calls"] += 1
         return results  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ the loop
-    def _run_unit(self, prompts, group, chunks, n, params, stop, base_seed, device, results) -> None:
+    def _run_unit(self, prompts, group, chunks, n, params, stop, base_seed, device, weights, results) -> None:
         """Prefill `group` (left-padded) once, then decode each chunk of rows from a copy of that cache."""
         from transformers import DynamicCache
 
         lens = torch.tensor([len(prompts[i]) for i in group])
         width = int(lens.max())
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        pad = 0 if pad is None else pad
         ids = torch.full((len(group), width), pad, dtype=torch.long)
         mask = torch.zeros((len(group), width), dtype=torch.long)
         for r, i in enumerate(group):
             ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
             mask[r, width - len(prompts[i]):] = 1
-        pos = torch.arange(width).expand(len(group), width).clone()
+        pos = (mask.cumsum(-1) - 1).clamp_(min=0)
         ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
 
         cache = DynamicCache(config=self.model.config)
-        logits = self._forward(ids, mask, pos, cache)  # (G, V)
+        logits = self._forward(ids, mask, pos, cache, weights)  # (G, V)
         self.stats["prompt_tokens"] += int(lens.sum())
 
         for c, rows in enumerate(chunks):
@@ -228,10 +311,10 @@ class HFEngine:
             chunk_cache.batch_select_indices(sel)
             owners = [(group[r // n], r % n) for r in rows]
             self._decode(chunk_cache, logits.index_select(0, sel), mask.index_select(0, sel),
-                         torch.full_like(lens, width).to(device).index_select(0, sel), owners, params, stop, base_seed, results)
+                         lens.to(device).index_select(0, sel), owners, params, stop, base_seed, weights, results)
         del cache
 
-    def _decode(self, cache, logits, mask, next_pos, owners, params, stop, base_seed, results) -> None:
+    def _decode(self, cache, logits, mask, next_pos, owners, params, stop, base_seed, weights, results) -> None:
         """Decode rows until each emits a stop token or reaches max_new_tokens.
 
         cache: KV cache with S rows; logits: (S, V) float32 for the next token; mask: (S, L) attention mask;
@@ -261,8 +344,12 @@ class HFEngine:
                 probs = logp.exp()
                 if params.top_p < 1.0:
                     probs = _top_p_filter(probs, params.top_p)
-                chosen = torch.cat([torch.multinomial(probs[b], 1, generator=gens[a])
-                                    for b, a in enumerate(active)])
+                # inverse-CDF sampling, one uniform per row from that row's own generator
+                cdf = probs.double().cumsum(dim=-1)
+                u = torch.stack([torch.rand((), generator=gens[a], dtype=torch.float64, device=device)
+                                 for a in active])
+                chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
+                chosen = chosen.clamp_(max=cdf.shape[-1] - 1)
             chosen_lp = logp.gather(-1, chosen[:, None])[:, 0]
             chosen_l, chosen_lp_l = chosen.tolist(), chosen_lp.tolist()
 
@@ -285,7 +372,7 @@ class HFEngine:
                 mask, next_pos, chosen = mask[idx], next_pos[idx], chosen[idx]
                 active = [active[b] for b in keep]
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
-            logits = self._forward(chosen[:, None], mask, next_pos[:, None], cache)
+            logits = self._forward(chosen[:, None], mask, next_pos[:, None], cache, weights)
             next_pos = next_pos + 1
 
     def _finish(self, results, owner, toks, lps, reason) -> None:

@@ -19,13 +19,21 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 import envace_core  # noqa: F401  (offline environment variables before tau2 is imported)
 from envace_core import EnvaceError
 from envace_core.envs.base import RewardResult, ToolEnvironment
 from envace_core.types import Observation, Step, Task, TaskContext, ToolCall, ToolSpec
+
+# tau2 logs every tool response (whole DB records) at DEBUG through loguru; that drowns the
+# pipeline's own output. ENVACE_TAU2_LOGS=1 turns it back on for debugging.
+if os.environ.get("ENVACE_TAU2_LOGS") != "1":
+    from loguru import logger as _loguru
+
+    _loguru.disable("tau2")
 
 DOMAINS: tuple[str, ...] = ("airline", "retail", "telecom", "mock")
 POLICY_TRUNCATED_MARKER = "[policy truncated]"
@@ -87,8 +95,17 @@ def _to_task(domain: str, split: str, t: Any) -> Task:
         first_user_message=_first_user_message(t.user_scenario),
         user_scenario=json.dumps(t.user_scenario.model_dump(mode="json"), sort_keys=True),
         gold_actions=gold,
-        source=t.model_dump(mode="json"),
+        source=_deterministic_dump(t),
     )
+
+
+def _deterministic_dump(t: Any) -> dict[str, Any]:
+    """``t.model_dump(mode="json")`` without the ``timestamp`` tau2 stamps on initial-history
+    messages at load time (``default_factory=get_now``), so the same task always dumps the same."""
+    d = t.model_dump(mode="json")
+    for m in ((d.get("initial_state") or {}).get("message_history") or []):
+        m.pop("timestamp", None)
+    return d
 
 
 def load_tasks(domain: str, split: str, limit: int | None = None) -> list[Task]:
@@ -131,7 +148,7 @@ def _tau2_task(task: Task):
     return Tau2Task.model_validate(task.source)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _domain_static(domain: str) -> tuple[tuple[ToolSpec, ...], str]:
     """(agent tool specs, policy text) of a domain; read once per process from a throwaway env."""
     env = _registry().get_env_constructor(_check_domain(domain))()
@@ -192,18 +209,24 @@ class Tau2Environment(ToolEnvironment):
     def __init__(self, domain: str):
         self.domain = _check_domain(domain)
         self.calls_made = 0
-        self._task: Optional[Task] = None
-        self._env = self._fresh_env()
+        self._task: Task | None = None
+        self._env_obj = None  # built on first use (reset, or step/snapshot before any reset)
 
     def _fresh_env(self):
         # The constructor loads the domain DB from the package's data file: a new private copy.
         return _registry().get_env_constructor(self.domain)()
 
+    @property
+    def _env(self):
+        if self._env_obj is None:
+            self._env_obj = self._fresh_env()
+        return self._env_obj
+
     def tools(self) -> list[ToolSpec]:
-        return [_tool_spec(t) for t in self._env.get_tools()]
+        return [t.model_copy(deep=True) for t in _domain_static(self.domain)[0]]
 
     def policy(self) -> str:
-        return self._env.get_policy()
+        return _domain_static(self.domain)[1]
 
     def reset(self, task: Task) -> None:
         """Fresh domain state with the task's ``initial_state`` applied (``initialization_data``,
@@ -219,7 +242,7 @@ class Tau2Environment(ToolEnvironment):
             initialization_actions=init.initialization_actions if init else None,
             message_history=list(init.message_history or []) if init else [],
         )
-        self._env = env
+        self._env_obj = env
         self._task = task
 
     def step(self, call: ToolCall) -> Observation:
@@ -243,7 +266,7 @@ class Tau2Environment(ToolEnvironment):
 
     # ------------------------------------------------------------------------------- scoring
 
-    def _real_observations(self, task: Task, steps: list[Step]) -> list[Optional[Observation]]:
+    def _real_observations(self, task: Task, steps: list[Step]) -> list[Observation | None]:
         """Real observations of the action steps: the recorded `real_observation`s, or (if any is
         missing) those of a fresh private replay; `self`'s state is never touched."""
         if all(s.real_observation is not None for s in steps if s.action is not None):

@@ -1,0 +1,159 @@
+"""Rewards: replay (tau2's own evaluator on a private replay), actions match, fidelity F1."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import envace_core  # noqa: F401  (offline environment before tau2)
+from envace_core import EnvaceError
+from envace_core.envs.tau2 import Tau2Environment, load_tasks
+from envace_core.rewards import (
+    REWARDS,
+    actions_reward,
+    fidelity,
+    flatten_json,
+    get_reward_fn,
+    replay_reward,
+)
+from envace_core.types import Observation, Step, ToolCall, Trajectory
+
+
+def O(x, error=False):
+    return Observation(content=x if isinstance(x, str) else json.dumps(x), error=error)
+
+
+# -------------------------------------------------------------------------------------- fidelity
+
+
+def test_fidelity_identical_disjoint_and_error_class():
+    doc = {"user_id": "u1", "orders": ["#W1", "#W2"], "address": {"zip": "10001"}}
+    assert fidelity(O(doc), O(doc)) == 1.0
+    assert fidelity(O({"a": 1}), O({"b": 2})) == 0.0
+    assert fidelity(O("Error: not found", error=True), O(doc)) == 0.0
+    assert fidelity(O(doc), O("Error: not found", error=True)) == 0.0
+    assert fidelity(O("Error: x", error=True), O("Error: y", error=True)) == 1.0
+    assert fidelity(None, O(doc)) == 0.0
+
+
+def test_fidelity_partial_overlap_is_pair_f1():
+    imagined = {"a": 1, "b": 2, "c": 3}
+    real = {"a": 1, "b": 5}
+    # I = {(/a,1),(/b,2),(/c,3)}, R = {(/a,1),(/b,5)}: |I∩R| = 1 -> 2*1/(3+2)
+    assert fidelity(O(imagined), O(real)) == pytest.approx(0.4)
+    nested_i = {"user": {"id": "u1", "tags": ["x", "y"]}, "n": 2.0}
+    nested_r = {"user": {"id": "u1", "tags": ["x", "z"]}, "n": 2}
+    # pairs: /user/id, /user/tags/0, /user/tags/1, /n ; 3 of 4 shared (2.0 == 2)
+    assert fidelity(O(nested_i), O(nested_r)) == pytest.approx(2 * 3 / 8)
+    assert flatten_json({"a": [], "b": {}}) == {("/a", "[]"), ("/b", "{}")}
+
+
+def test_fidelity_plain_text_and_empty():
+    assert fidelity(O("Transfer successful"), O("Transfer successful")) == 1.0
+    assert fidelity(O("Transfer done"), O("Transfer successful")) == 0.0
+    assert fidelity(O(""), O("  ")) == 1.0
+    assert fidelity(O("not json"), O({"a": 1})) == 0.0
+    assert 0.0 <= fidelity(O([1, 2, 3]), O([1, 2])) <= 1.0
+
+
+# --------------------------------------------------------------------------------- replay reward
+
+
+@pytest.fixture(scope="module")
+def retail5():
+    return next(t for t in load_tasks("retail", "test") if t.id == "retail/5")
+
+
+def test_replay_reward_sets_real_observations_fidelity_and_reward(retail5):
+    # Real observations of the gold calls, to build "imagined" ones that are partly right.
+    env = Tau2Environment("retail")
+    env.reset(retail5)
+    real = [env.step(a) for a in retail5.gold_actions]
+    steps = []
+    for i, (a, r) in enumerate(zip(retail5.gold_actions, real)):
+        imagined = r if i == 0 else O("Error: order not found", error=True)
+        steps.append(Step(action=a, observation=imagined))
+    steps.append(Step(message="I have returned the water bottle for you."))
+    traj = Trajectory(task_id=retail5.id, steps=steps, termination="agent_message")
+    res = replay_reward(retail5, traj)
+    assert res is not None and res.sub_rewards["DB"] == 1.0
+    assert traj.reward == res.reward and traj.sub_rewards == res.sub_rewards
+    assert traj.reward_info["reward_fn"] == "replay"
+    assert [s.real_observation for s in traj.steps[:-1]] == real
+    assert traj.steps[0].fidelity == 1.0
+    assert all(s.fidelity == 0.0 for s in traj.steps[1:-1])
+    assert traj.steps[-1].real_observation is None and traj.steps[-1].fidelity is None
+
+
+def test_replay_reward_dropped_write_and_parse_error_still_scored(retail5):
+    steps = [Step(action=a) for a in retail5.gold_actions[:-1]]
+    traj = Trajectory(task_id=retail5.id, steps=steps, termination="parse_error")
+    res = replay_reward(retail5, traj)
+    assert res is not None and res.sub_rewards["DB"] == 0.0 and traj.reward == 0.0
+    assert traj.reward_info["termination"] == "parse_error"
+
+
+def test_replay_reward_masks_on_scoring_failure(retail5):
+    class Broken(Tau2Environment):
+        def score(self, task, steps, final_message):
+            raise RuntimeError("scorer exploded")
+
+    traj = Trajectory(task_id=retail5.id, steps=[Step(action=retail5.gold_actions[0])], reward=0.5)
+    assert replay_reward(retail5, traj, env_factory=Broken) is None
+    assert traj.reward is None and "scorer exploded" in traj.reward_info["error"]
+    assert traj.steps[0].real_observation is not None
+
+
+def test_replay_uses_a_private_environment(retail5):
+    made = []
+
+    def factory(domain):
+        env = Tau2Environment(domain)
+        made.append(env)
+        return env
+
+    other = Tau2Environment("retail")
+    other.reset(retail5)
+    h = other.snapshot()
+    traj = Trajectory(task_id=retail5.id, steps=[Step(action=a) for a in retail5.gold_actions])
+    replay_reward(retail5, traj, env_factory=factory)
+    assert len(made) == 1 and made[0].calls_made == len(retail5.gold_actions)
+    assert other.snapshot() == h and other.calls_made == 0
+
+
+# -------------------------------------------------------------------------------- actions reward
+
+
+def test_actions_reward_rule(retail5):
+    gold = retail5.gold_actions
+    n = len(gold)
+    full = Trajectory(task_id=retail5.id, steps=[Step(action=a) for a in reversed(gold)])
+    r = actions_reward(retail5, full)
+    assert r.reward == 1.0 and r.sub_rewards == {"ACTION": 1.0} and full.reward == 1.0
+    missing = Trajectory(task_id=retail5.id, steps=[Step(action=a) for a in gold[:-1]])
+    r = actions_reward(retail5, missing)
+    assert r.reward == pytest.approx((n - 1) / n) and r.sub_rewards["ACTION"] == 0.0
+    wrong = gold[-1].model_copy(update={"arguments": {**gold[-1].arguments, "order_id": "#W0"}})
+    r = actions_reward(retail5, Trajectory(task_id=retail5.id,
+                                           steps=[Step(action=a) for a in gold[:-1] + [wrong]]))
+    assert r.reward == pytest.approx((n - 1) / n) and r.info["unmatched_gold"] == [gold[-1].id]
+    # One call satisfies at most one gold action.
+    dup = retail5.model_copy(update={"gold_actions": [gold[0], gold[0]]})
+    r = actions_reward(dup, Trajectory(task_id=dup.id, steps=[Step(action=gold[0])]))
+    assert r.reward == 0.5
+    empty = retail5.model_copy(update={"gold_actions": []})
+    assert actions_reward(empty, Trajectory(task_id=empty.id)).reward == 1.0
+
+
+def test_reward_registry():
+    assert get_reward_fn("replay") is replay_reward and get_reward_fn("actions") is actions_reward
+    assert set(REWARDS) == {"replay", "actions"}
+    with pytest.raises(EnvaceError, match="actions"):
+        get_reward_fn("judge-gpt")
+
+
+def test_tool_call_ids_do_not_need_to_be_unique(retail5):
+    steps = [Step(action=ToolCall(name=a.name, arguments=a.arguments, id="same")) for a in retail5.gold_actions]
+    traj = Trajectory(task_id=retail5.id, steps=steps)
+    assert replay_reward(retail5, traj).sub_rewards["DB"] == 1.0
