@@ -135,14 +135,14 @@ PROFILES: dict[str, dict[str, Any]] = {
         "data": {
             "domains": ["airline", "retail"],
             "max_train_tasks_per_domain": None,
-            "max_test_tasks_per_domain": 2,
+            "max_test_tasks_per_domain": 3,
             "policy_max_chars": 1200,
         },
-        "rollout": {"group_size": 4, "tasks_per_iteration": 1, "max_turns": 2,
+        "rollout": {"group_size": 4, "tasks_per_iteration": 3, "max_turns": 3,
                     "max_new_tokens_act": 64, "max_new_tokens_rehearse": 64},
-        "train": {"iterations": 2},
+        "train": {"iterations": 3},
         "rehearsal": {"mode": "parallel", "n": 2},
-        "eval": {"max_turns": 2},
+        "eval": {"max_turns": 3},
     },
     # Tests: one task, one step, tiny generations. The model ref is set by the test fixture.
     "test": {
@@ -164,7 +164,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "train": {"iterations": 50, "learning_rate": 1e-6, "micro_batch_rows": 8},
         "rehearsal": {"mode": "parallel", "n": 4, "memory_max_tokens": 1024},
         "eval": {"max_turns": 30},
-        "validate": {"max_transitions": 200},
+        "validate": {"max_transitions": 200, "min_json_validity": 0.9, "min_fidelity": 0.5},
     },
 }
 

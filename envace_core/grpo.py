@@ -16,12 +16,12 @@ Formulas and their sources:
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from enum import Enum
-from typing import Optional, Sequence
 
 import torch
 
-__all__ = ["role_advantages", "token_logprobs", "policy_loss"]
+__all__ = ["policy_loss", "role_advantages", "token_logprobs"]
 
 
 def _name(role) -> str:
@@ -38,7 +38,7 @@ def _unbiased_std(xs: list[float]) -> float:
 
 
 def role_advantages(
-    rewards: Sequence[Optional[float]],
+    rewards: Sequence[float | None],
     roles: Sequence[str],
     groups: Sequence[str],
     scale: str = "none",
@@ -153,7 +153,7 @@ def policy_loss(
     mask: torch.Tensor,
     clip_eps: float = 0.2,
     agg: str = "token-mean",
-    ref_logprobs: Optional[torch.Tensor] = None,
+    ref_logprobs: torch.Tensor | None = None,
     kl_beta: float = 0.0,
 ) -> tuple[torch.Tensor, dict]:
     """Token-level PPO-clip loss with optional k3 KL penalty (METHOD.md §3).

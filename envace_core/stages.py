@@ -8,7 +8,6 @@ directly. Large artifacts (datasets, adapters) live in the artifact store; stage
 from __future__ import annotations
 
 import json
-import os
 import random
 import statistics
 import tempfile
@@ -21,7 +20,7 @@ from tqdm.auto import tqdm
 
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
-from envace_core.storage import LocalStore, dir_checksums, open_store, sha256_bytes
+from envace_core.storage import dir_checksums, open_store, sha256_bytes
 from envace_core.types import Role, Task, ToolCall, Trajectory
 
 
@@ -224,6 +223,8 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
                "rollout_seconds": t_roll, "rollout_tokens_per_s": gen_tokens / max(t_roll, 1e-9),
                "seconds": time.perf_counter() - t0}
         history.append(rec)
+        store.write_bytes(f"runs/{run_id}/rollouts/iteration-{it + 1:04d}.jsonl",
+                          "".join(t.model_dump_json() + "\n" for t in trajs).encode())
         with tempfile.TemporaryDirectory() as tmp:
             trainer.save_adapter(str(Path(tmp) / "adapter"))
             (Path(tmp) / "state.json").write_text(json.dumps({"history": history}, default=str))

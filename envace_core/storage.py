@@ -14,7 +14,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from envace_core import EnvaceError
 
@@ -40,6 +40,42 @@ def dir_checksums(directory: str | Path) -> dict[str, str]:
     root = Path(directory)
     return {p.relative_to(root).as_posix(): sha256_path(p)
             for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def atomic_dir(final: str | Path, build: Callable[[Path], None], exists: str = "replace") -> Path:
+    """Build a directory with `build(tmp)` in a temporary sibling of `final`, then rename it into place.
+
+    A reader never sees a half-built directory and a failed or killed build leaves nothing under
+    `final`. `exists` says what to do when `final` already exists: "replace" (swap it out only
+    after the new one is complete), "keep" (return it without building), or "error" (raise
+    FileExistsError; also raised if another writer creates it meanwhile).
+    """
+    final = Path(final)
+    if final.exists() and exists != "replace":
+        if exists == "keep":
+            return final
+        raise FileExistsError(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        build(tmp)
+        if final.exists() and exists == "replace":
+            trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, trash / final.name)
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            try:
+                os.rename(tmp, final)  # fails if another writer got there first
+            except OSError:
+                if exists == "keep" and final.is_dir():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    return final
+                raise FileExistsError(final) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
 
 
 def _check_key(key: str) -> str:
@@ -105,25 +141,17 @@ class LocalStore:
         Returns the sha256 of every file. Raises StoreError if `key` exists and not `overwrite`.
         """
         dest = self.path(key)
-        if dest.exists() and not overwrite:
-            raise StoreError(f"artifact {key!r} already exists in {self.root}")
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
-        try:
+        sums: dict[str, str] = {}
+
+        def build(tmp: Path) -> None:
             shutil.copytree(local_dir, tmp, dirs_exist_ok=True)
-            sums = dir_checksums(tmp)
+            sums.update(dir_checksums(tmp))
             (tmp / "CHECKSUMS.json").write_text(json.dumps(sums, indent=2, sort_keys=True))
-            if dest.exists():
-                old = dest.with_name(f".{dest.name}.old")
-                shutil.rmtree(old, ignore_errors=True)
-                os.replace(dest, old)
-                os.replace(tmp, dest)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.replace(tmp, dest)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+
+        try:
+            atomic_dir(dest, build, exists="replace" if overwrite else "error")
+        except FileExistsError:
+            raise StoreError(f"artifact {key!r} already exists in {self.root}") from None
         return sums
 
     def verify_dir(self, key: str) -> list[str]:

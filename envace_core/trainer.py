@@ -1,36 +1,39 @@
 """The LoRA policy trainer: one role-wise GRPO optimizer step over generation rows (METHOD.md §3).
 
-`PolicyTrainer.step` reads top to bottom: bucket rows by length into micro-batches, forward
-(autocast bf16 on CPU when asked; LoRA master weights stay float32), per-token log-probs of exactly
-the generated ids, PPO-clip loss from `envace_core.grpo`, backward scaled so that the accumulated
-gradient equals that of one big batch, clip, AdamW step.
+`PolicyTrainer.step` reads top to bottom: cut rows into micro-batches, forward (autocast bf16 when
+asked; LoRA master weights stay float32), per-token log-probs of exactly the generated ids, PPO-clip
+loss from `envace_core.grpo`, backward scaled so that the accumulated gradient equals that of one
+big batch, clip, AdamW step.
 
-Speed notes (PERF_NOTES.md): the LM head runs only on completion positions (a 300-token prompt
-costs no [300, V] logits) and in float32 (bf16 logits would put ~1e-2 noise on the ratio); the
-reference policy for KL is the same model with its adapters disabled, never a second copy.
+Speed (PERF_NOTES.md; 16 rows of ~300 prompt + 64 completion tokens, SmolLM2-135M, LoRA r=16 q/v,
+2 cores): ~5.6 s/step in bf16, ~9 s in float32, against ~40 s for TRL's loss forward+backward.
+  - Rows sharing a prompt (a GRPO group) or a prefix (a system message) are batched together and
+    the common prefix runs once at batch size 1; its KV cache, with grad, is repeated over the rows.
+  - The LM head runs only on completion positions (a 300-token prompt costs no [300, V] logits),
+    in float32: bf16 logits would add ~1.7x more noise to the importance ratio.
+  - The reference policy for KL is the same model with its adapters disabled, never a second copy.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
-import os
-import shutil
-import tempfile
 import time
-import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
-from typing import Sequence
 
 import torch
+from transformers import DynamicCache
 
 from envace_core import EnvaceError
 from envace_core.config import TrainConfig
 from envace_core.grpo import policy_loss, token_logprobs
+from envace_core.storage import atomic_dir
 from envace_core.types import Generation
 
-__all__ = ["TrainingRow", "PolicyTrainer", "AdapterLoadError"]
+__all__ = ["AdapterLoadError", "PolicyTrainer", "TrainingRow"]
 
 
 class AdapterLoadError(EnvaceError):
@@ -57,7 +60,7 @@ class TrainingRow:
     temperature: float = 1.0
 
     @classmethod
-    def from_generation(cls, gen: Generation, advantage: float) -> "TrainingRow":
+    def from_generation(cls, gen: Generation, advantage: float) -> TrainingRow:
         return cls(role=_role_name(gen.role), prompt_ids=list(gen.prompt_ids),
                    completion_ids=list(gen.completion_ids), old_logprobs=list(gen.logprobs),
                    advantage=float(advantage), temperature=float(gen.temperature))
@@ -71,6 +74,7 @@ class _Batch:
     input_ids: torch.Tensor  # [B, L]
     attention_mask: torch.Tensor  # [B, L]
     start: int  # first position whose logits are needed: min prompt length - 1
+    shared: int  # length of the token prefix common to every row, capped at `start`
     targets: torch.Tensor  # [B, T] = input_ids[:, start + 1:], T = L - 1 - start
     mask: torch.Tensor  # [B, T] bool: True exactly on completion tokens
     old: torch.Tensor  # [B, T] behaviour log-probs at completion tokens, 0 elsewhere
@@ -92,6 +96,8 @@ class PolicyTrainer:
     Raises:
         ValueError: unknown compute_dtype.
     """
+
+    min_shared_prefix: int = 16  # tokens; a shorter common prefix is not worth a separate call
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, compute_dtype: str = "bfloat16"):
         from peft import LoraConfig, PeftModel, get_peft_model
@@ -115,6 +121,8 @@ class PolicyTrainer:
         causal = self.model.get_base_model()
         self._backbone, self._head = causal.base_model, causal.get_output_embeddings()
         self._split_head = self._head_is_plain_linear()
+        params = inspect.signature(self._backbone.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self._params, lr=self.cfg.learning_rate, weight_decay=0.0)
@@ -150,9 +158,10 @@ class PolicyTrainer:
         cfg, t0 = self.cfg, time.perf_counter()
         keep = self._trainable(rows)
         n_tok = sum(len(r.completion_ids) for r in keep)
-        out = dict(loss=0.0, clip_frac=0.0, approx_kl=0.0, ratio_mean=0.0, kl_ref=0.0, entropy=0.0)
+        out = {k: 0.0 for k in ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy")}
         self.optimizer.zero_grad(set_to_none=True)
-        for mb in self._micro_batches(keep):
+        for idx in self._micro_batches(keep):
+            mb = [keep[i] for i in idx]
             b = self._collate(mb)
             ref = None
             if cfg.kl_beta > 0:  # reference = same weights, adapters off; no second model copy
@@ -197,12 +206,32 @@ class PolicyTrainer:
                                  f"{len(r.old_logprobs)} old_logprobs: they must align one to one")
         return keep
 
-    def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[list[TrainingRow]]:
-        """Rows sorted by total length (longest first) and cut into cfg.micro_batch_rows chunks, so
-        each micro-batch pads little."""
-        order = sorted(rows, key=lambda r: len(r.prompt_ids) + len(r.completion_ids), reverse=True)
-        n = self.cfg.micro_batch_rows
-        return [order[i:i + n] for i in range(0, len(order), n)]
+    def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[list[int]]:
+        """Indices of `rows` in micro-batches of at most cfg.micro_batch_rows.
+
+        Rows are sorted by prompt ids (lexicographic, then completion length), so the rows of a GRPO
+        group (same prompt) and rows sharing a system message are adjacent; `_logits` computes a
+        micro-batch's common prefix once. A micro-batch is also closed early when the next row would
+        shorten its common prefix by more than `min_shared_prefix` tokens (e.g. at a group boundary):
+        a separate batch then costs less than recomputing the lost prefix for every row.
+        """
+        order = sorted(range(len(rows)), key=lambda i: (rows[i].prompt_ids, len(rows[i].completion_ids)))
+        chunks: list[list[int]] = []
+        cur: list[int] = []
+        lcp = 0
+        for i in order:
+            p = rows[i].prompt_ids
+            if cur:
+                first = rows[cur[0]].prompt_ids
+                new = next((k for k in range(min(lcp, len(p))) if p[k] != first[k]), min(lcp, len(p)))
+                if len(cur) < self.cfg.micro_batch_rows and not (
+                        len(cur) > 1 and lcp - new > self.min_shared_prefix):
+                    cur.append(i)
+                    lcp = new
+                    continue
+                chunks.append(cur)
+            cur, lcp = [i], len(p)
+        return chunks + [cur] if cur else chunks
 
     def _collate(self, rows: Sequence[TrainingRow]) -> _Batch:
         """Right-pad prompt + completion. Completion token j of a row with prompt length P sits at
@@ -221,13 +250,23 @@ class PolicyTrainer:
             col = P - 1 - start
             mask[i, col:col + C] = True
             old[i, col:col + C] = torch.tensor(r.old_logprobs, dtype=torch.float32)
+        shared = start
+        for r in rows[1:]:
+            shared = next((k for k in range(shared) if r.prompt_ids[k] != rows[0].prompt_ids[k]), shared)
         dev = self.device
-        return _Batch(ids.to(dev), attn.to(dev), start, ids[:, start + 1:].to(dev), mask.to(dev),
+        return _Batch(ids.to(dev), attn.to(dev), start, shared, ids[:, start + 1:].to(dev), mask.to(dev),
                       old.to(dev), torch.tensor([float(r.advantage) for r in rows], device=dev),
                       torch.tensor([float(r.temperature) for r in rows], device=dev))
 
     def _logits(self, b: _Batch) -> torch.Tensor:
-        """[B, T, V] float32 logits for positions start .. L-2 only (the completion span)."""
+        """[B, T, V] float32 logits for positions start .. L-2 only (the completion span).
+
+        When the rows share a prefix of >= `min_shared_prefix` tokens (a GRPO group's prompt, a
+        system message), it is run once at batch size 1 and its KV cache (with grad) is repeated
+        over the rows: same numbers, and its gradient is summed over the rows as in the plain batch.
+        """
+        B, n = b.input_ids.shape[0], b.shared
+        share = self._split_head and B > 1 and n >= self.min_shared_prefix
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.compute_dtype == "bfloat16"):
             if not self._split_head:
@@ -235,8 +274,17 @@ class PolicyTrainer:
                 out = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask,
                                  use_cache=False, logits_to_keep=keep)
                 return out.logits[:, :-1].float()
-            h = self._backbone(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                               use_cache=False).last_hidden_state[:, b.start:-1]
+            if share:
+                cache = DynamicCache(config=self._backbone.config)  # filled in place by the call
+                self._backbone(input_ids=b.input_ids[:1, :n], use_cache=True, **{self._cache_kw: cache})
+                cache.batch_repeat_interleave(B)
+                h = self._backbone(input_ids=b.input_ids[:, n:], attention_mask=b.attention_mask,
+                                   use_cache=True, **{self._cache_kw: cache}).last_hidden_state
+            else:
+                n = 0
+                h = self._backbone(input_ids=b.input_ids, attention_mask=b.attention_mask,
+                                   use_cache=False).last_hidden_state
+            h = h[:, b.start - n:-1]
         # The LM head in float32 outside autocast: cheap (completion positions only), exact ratios.
         return self._head(h.to(self._head.weight.dtype)).float()
 
@@ -255,18 +303,16 @@ class PolicyTrainer:
         `step`: same micro-batching, dtype and temperature). Every row is scored whatever its role;
         a row with an empty completion gets []. Returns lists in the order of `rows`."""
         out: list[list[float]] = [[] for _ in rows]
-        todo = [(i, r) for i, r in enumerate(rows) if r.completion_ids]
-        for i, r in todo:
-            if not r.prompt_ids:
+        for i, r in enumerate(rows):
+            if r.completion_ids and not r.prompt_ids:
                 raise ValueError(f"row {i} has an empty prompt")
-        n = self.cfg.micro_batch_rows
-        todo.sort(key=lambda x: len(x[1].prompt_ids) + len(x[1].completion_ids), reverse=True)
+        todo = [i for i, r in enumerate(rows) if r.completion_ids]
         with torch.no_grad():
-            for k in range(0, len(todo), n):
-                chunk = todo[k:k + n]
-                b = self._collate([r for _, r in chunk])
+            for idx in self._micro_batches([rows[i] for i in todo]):
+                chunk = [todo[i] for i in idx]
+                b = self._collate([rows[i] for i in chunk])
                 lp = token_logprobs(self._logits(b), b.targets, b.temperature)
-                for j, (i, _) in enumerate(chunk):
+                for j, i in enumerate(chunk):
                     out[i] = lp[j][b.mask[j]].tolist()
         return out
 
@@ -274,21 +320,7 @@ class PolicyTrainer:
         """Write the LoRA adapter (peft `save_pretrained`: adapter_config.json +
         adapter_model.safetensors) to `directory`, atomically: built in a temp sibling, then renamed
         into place (an existing directory is swapped out and removed), so a reader never sees half."""
-        final = Path(directory)
-        final.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
-        try:
-            self.model.save_pretrained(str(tmp))
-            if final.exists():
-                trash = final.with_name(f".{final.name}.old-{uuid.uuid4().hex[:8]}")
-                os.replace(final, trash)
-                os.replace(tmp, final)
-                shutil.rmtree(trash, ignore_errors=True)
-            else:
-                os.replace(tmp, final)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
+        atomic_dir(directory, lambda tmp: self.model.save_pretrained(str(tmp)))
 
     def load_adapter(self, directory: str) -> None:
         """Load LoRA weights saved by `save_adapter` into `self.model` in place (an engine sharing the

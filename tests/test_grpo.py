@@ -22,7 +22,7 @@ def test_all_equal_rewards_give_zero_advantages():
 
 def test_single_row_role_gets_zero_advantage_without_nan():
     for scale in ("none", "std"):
-        adv, valid, stats = role_advantages([1.0, 0.0, 1.0], ["act", "act", "rehearse"], ["g"] * 3,
+        adv, _, stats = role_advantages([1.0, 0.0, 1.0], ["act", "act", "rehearse"], ["g"] * 3,
                                             scale=scale)
         assert not torch.isnan(adv).any()
         assert adv[2] == 0.0

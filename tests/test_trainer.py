@@ -24,14 +24,21 @@ def make_trainer(model_dir, compute_dtype="float32", lora_b_seed=123, **cfg):
     return trainer
 
 
-def make_rows(n=6, seed=0, role="act", vocab=2000):
+def make_rows(n=6, seed=0, role="act", vocab=2000, shared=True):
+    """Ragged rows. shared=True: a 20-token system prefix common to all rows and one prompt per pair
+    of rows (a GRPO group), so micro-batches take the shared-prefix path; False: unrelated prompts."""
     g = torch.Generator().manual_seed(seed)
+    system = torch.randint(1, vocab, (20,), generator=g).tolist()
     rows = []
     for i in range(n):
-        P, C = 5 + 3 * i % 7, 2 + (5 * i) % 6  # ragged prompts and completions
+        if shared:
+            prompt = system + torch.randint(1, vocab, (3 + 4 * (i // 2) % 9,),
+                                            generator=torch.Generator().manual_seed(seed * 100 + i // 2)).tolist()
+        else:
+            prompt = torch.randint(1, vocab, (5 + 3 * i % 7,), generator=g).tolist()
+        C = 2 + (5 * i) % 6  # ragged completions
         rows.append(TrainingRow(
-            role=role, prompt_ids=torch.randint(1, vocab, (P,), generator=g).tolist(),
-            completion_ids=torch.randint(1, vocab, (C,), generator=g).tolist(),
+            role=role, prompt_ids=prompt, completion_ids=torch.randint(1, vocab, (C,), generator=g).tolist(),
             old_logprobs=[0.0] * C, advantage=float(torch.randn((), generator=g)),
             temperature=[1.0, 0.7, 1.3][i % 3]))
     return rows
@@ -59,9 +66,10 @@ def test_from_generation_keeps_exact_ids():
             row.temperature) == ("rehearse", [1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], 0.5, 0.8)
 
 
-def test_completion_logprobs_equal_a_direct_forward(tiny_model_dir):
+@pytest.mark.parametrize("shared", [True, False])
+def test_completion_logprobs_equal_a_direct_forward(tiny_model_dir, shared):
     trainer = make_trainer(tiny_model_dir, micro_batch_rows=4)
-    rows = make_rows(7)
+    rows = make_rows(7, shared=shared)
     got = trainer.completion_logprobs(rows)
     with torch.no_grad():
         for r, lp in zip(rows, got):
@@ -72,6 +80,9 @@ def test_completion_logprobs_equal_a_direct_forward(tiny_model_dir):
             want = want.gather(-1, torch.tensor(r.completion_ids)[:, None])[:, 0]
             assert len(lp) == C
             assert torch.allclose(torch.tensor(lp), want, atol=1e-5)
+    trainer.min_shared_prefix = 10 ** 9  # the plain padded batch gives the same numbers
+    for a, b in zip(trainer.completion_logprobs(rows), got):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), atol=1e-5)
     # the adapters are active in that computation (not the base model's numbers)
     with trainer.model.disable_adapter():
         base = trainer.completion_logprobs(rows)
@@ -195,3 +206,14 @@ def test_load_adapter_errors_are_clear(tiny_model_dir, tmp_path):
     other.save_adapter(str(out))
     with pytest.raises(AdapterLoadError, match="r, alpha"):
         trainer.load_adapter(str(out))
+
+
+def test_micro_batches_keep_groups_together(tiny_model_dir):
+    trainer = make_trainer(tiny_model_dir, micro_batch_rows=8, lora_b_seed=None)
+    system = list(range(100, 140))
+    rows = [TrainingRow("act", system + [7 + g] * 30, [1, 2], [0.0, 0.0], 0.0) for g in (1, 0, 1, 0, 1, 0)]
+    chunks = trainer._micro_batches(rows)
+    assert sorted(sorted(c) for c in chunks) == [[0, 2, 4], [1, 3, 5]]  # split at the group boundary
+    unrelated = [TrainingRow("act", [i] * 5, [1], [0.0], 0.0) for i in range(1, 7)]
+    trainer.cfg.micro_batch_rows = 4
+    assert [len(c) for c in trainer._micro_batches(unrelated)] == [4, 2]
