@@ -21,7 +21,9 @@ $(STAMP): pyproject.toml Makefile
 	rm -f $(VENV)/.installed-*
 	touch $@
 
+# The config and model are checked first, so a bad override or model path fails with one message.
 train: install
+	$(VENV)/bin/envace --profile '$(PROFILE)' --overrides '$(OVERRIDES)' config --check > /dev/null
 	PYTHONUNBUFFERED=1 $(VENV)/bin/pyflyte run workflows/train.py train --profile '$(PROFILE)' --overrides '$(OVERRIDES)'
 
 test: install

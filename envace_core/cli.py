@@ -1,6 +1,7 @@
 """`envace` command line: run the pipeline without Flyte, and inspect the model registry.
 
     envace train [--profile cpu-smoke] [--overrides 'train.iterations=1']
+    envace config [--check]          print the resolved config; --check also resolves the model
     envace registry list|show NAME@VERSION|verify NAME@VERSION [--profile ...]
 """
 
@@ -24,6 +25,21 @@ def _train(args) -> int:
     val = stages.validate(cfg, ds, tr)
     ev = stages.evaluate(cfg, ds, tr)
     stages.register(cfg, ds, tr, val, ev, execution_id="cli")
+    return 0
+
+
+def _config(args) -> int:
+    """Print the resolved config; with --check, also resolve the model and open the stores."""
+    cfg = load_config(args.profile, args.overrides)
+    if args.check:
+        from envace_core.lineage import Registry
+        from envace_core.models import resolve_model
+        from envace_core.storage import open_store
+
+        resolve_model(cfg.model.ref)
+        open_store(cfg.store.root)
+        Registry(cfg.store.registry)
+    print(json.dumps(cfg.to_dict(), indent=2))
     return 0
 
 
@@ -57,12 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--overrides", default="", help="'a.b=v,...', JSON/YAML text, or a file path")
     sub = p.add_subparsers(dest="cmd", required=True)
     sub.add_parser("train", help="run the main job in-process (same stages as the Flyte workflow)")
+    c = sub.add_parser("config", help="print the resolved configuration")
+    c.add_argument("--check", action="store_true", help="also check the model ref and the stores")
     r = sub.add_parser("registry", help="list, show or verify registered models")
     r.add_argument("action", choices=["list", "show", "verify"])
     r.add_argument("ref", nargs="?", help="NAME@VERSION")
     args = p.parse_args(argv)
     try:
-        return _train(args) if args.cmd == "train" else _registry(args)
+        return {"train": _train, "config": _config, "registry": _registry}[args.cmd](args)
     except EnvaceError as e:
         print(f"envace: error: {e}", file=sys.stderr)
         return 2

@@ -44,7 +44,10 @@ class Registry:
 
     def __init__(self, root: str | Path):
         self.root = Path(root).expanduser().resolve()
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RegistryError(f"cannot use {self.root} as the model registry (store.registry): {e}") from e
 
     def version_dir(self, name: str, version: str) -> Path:
         for part in (name, version):

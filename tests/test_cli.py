@@ -1,0 +1,45 @@
+"""The CLI's config check and registry commands give one clear error for bad input."""
+
+import json
+
+import pytest
+
+from envace_core.cli import main
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("model.ref=/no/such/model", "not a directory with config.json"),
+    ("train.iteratons=2", "train.iteratons: Extra inputs are not permitted"),
+    ("rollout.group_size=0", "rollout.group_size"),
+    ("data.domains=[nope]", "unknown domain"),
+    ("{not yaml: [", "neither a file"),
+])
+def test_config_check_names_the_bad_field(override, fragment, capsys):
+    assert main(["--overrides", override, "config", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("envace: error:") and fragment in err
+
+
+def test_s3_model_without_credentials_fails_fast(monkeypatch, capsys):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+    assert main(["--overrides", "model.ref=s3://nobucket/model", "config", "--check"]) == 2
+    assert "no AWS credentials" in capsys.readouterr().err
+
+
+def test_config_prints_the_resolved_profile(tiny_model_dir, tmp_path, capsys):
+    over = json.dumps({"model": {"ref": str(tiny_model_dir)}, "store": {"root": str(tmp_path / "s"),
+                                                                        "registry": str(tmp_path / "r")}})
+    assert main(["--profile", "test", "--overrides", over, "config", "--check"]) == 0
+    assert json.loads(capsys.readouterr().out)["profile"] == "test"
+
+
+def test_registry_show_unknown_and_bad_ref(tmp_path, capsys):
+    over = f"store.registry={tmp_path / 'r'}"
+    assert main(["--overrides", over, "registry", "show", "nope@1"]) == 2
+    assert "not registered" in capsys.readouterr().err
+    assert main(["--overrides", over, "registry", "verify", "nope"]) == 2
+    assert "NAME@VERSION" in capsys.readouterr().err
