@@ -37,7 +37,7 @@ def _config(args) -> int:
         from envace_core.storage import open_store
 
         resolve_model(cfg.model.ref)
-        open_store(cfg.store.root)
+        open_store(cfg.store.root).check()
         Registry(cfg.store.registry)
     print(json.dumps(cfg.to_dict(), indent=2))
     return 0

@@ -78,7 +78,8 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
             store.put_dir(tmp, key)
     print(f"[curate] dataset {version}: {len(train)} train / {len(test)} test tasks "
           f"({', '.join(d.domains)}) -> {store.uri(key)}")
-    return {"dir": store.uri(key), "version": version, "n_train": len(train), "n_test": len(test)}
+    return {"store": cfg.store.root, "key": key, "dir": store.uri(key), "version": version,
+            "n_train": len(train), "n_test": len(test)}
 
 
 def _pkg_version(name: str) -> str:
@@ -91,7 +92,8 @@ def _pkg_version(name: str) -> str:
 
 
 def load_dataset(dataset: dict[str, Any], split: str) -> list[Task]:
-    path = Path(dataset["dir"]) / "tasks.parquet"
+    """The tasks of one split of a curated dataset (fetched from the artifact store if remote)."""
+    path = open_store(dataset["store"]).get_dir(dataset["key"]) / "tasks.parquet"
     if not path.is_file():
         raise EnvaceError(f"dataset file {path} is missing: re-run the curate stage")
     df = pd.read_parquet(path)
@@ -191,7 +193,7 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
     history: list[dict[str, Any]] = []
     if store.exists(f"{ckpt_key}/state.json"):
         state = store.read_json(f"{ckpt_key}/state.json")
-        trainer.load_adapter(str(store.path(f"{ckpt_key}/adapter")))
+        trainer.load_adapter(str(store.get_dir(ckpt_key) / "adapter"))
         history = state["history"]
         print(f"[train] resuming run {run_id} after iteration {len(history)}")
     params = rollout_params(cfg)
@@ -232,7 +234,7 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
         bar.set_postfix(reward=f"{rec['reward_mean/act'] if 'reward_mean/act' in rec else 0:.2f}",
                         secs=f"{rec['seconds']:.0f}")
     print_training_table(history)
-    return {"run_id": run_id, "adapter_dir": str(store.path(f"{ckpt_key}/adapter")),
+    return {"run_id": run_id, "adapter_dir": str(store.get_dir(ckpt_key) / "adapter"),
             "base_model_dir": str(base), "history": history}
 
 

@@ -59,3 +59,46 @@ def tiny_model_dir(tmp_path_factory, bundled_tokenizer_dir):
     for f in bundled_tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="module")
+def s3_server(tmp_path_factory):
+    """A real S3-compatible server (moto) on 127.0.0.1 at a free port, for one test module.
+
+    Points the standard AWS environment at it (endpoint, fake credentials, region; no instance
+    metadata look-ups, no ~/.aws files), creates an empty bucket `envace-test-<random>` (moto's
+    state is per process, so each module gets its own), and yields a namespace with `endpoint`,
+    `bucket`, `root` ("s3://<bucket>") and a boto3 `client`.
+    The server stops and the environment is restored after the module.
+    """
+    import uuid
+    from types import SimpleNamespace
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    nowhere = tmp_path_factory.mktemp("aws") / "absent"
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    try:
+        host, port = server.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        with pytest.MonkeyPatch.context() as mp:
+            for var in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3", "AWS_RETRY_MODE",
+                        "AWS_MAX_ATTEMPTS", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI",
+                        "AWS_CONTAINER_CREDENTIALS_FULL_URI", "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_ROLE_ARN"):
+                mp.delenv(var, raising=False)
+            mp.setenv("AWS_ENDPOINT_URL", endpoint)
+            mp.setenv("AWS_ACCESS_KEY_ID", "testing")
+            mp.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+            mp.setenv("AWS_DEFAULT_REGION", "us-east-1")
+            mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+            mp.setenv("AWS_CONFIG_FILE", str(nowhere))
+            mp.setenv("AWS_SHARED_CREDENTIALS_FILE", str(nowhere))
+            bucket = f"envace-test-{uuid.uuid4().hex[:8]}"
+            # a fresh session, not boto3.client: the default session would cache these fake credentials
+            client = boto3.session.Session().client("s3")
+            client.create_bucket(Bucket=bucket)
+            yield SimpleNamespace(endpoint=endpoint, bucket=bucket, root=f"s3://{bucket}", client=client)
+    finally:
+        server.stop()

@@ -36,3 +36,27 @@ def test_workflow_rejects_bad_config_with_a_clear_error(tmp_path, monkeypatch):
 
     with pytest.raises(Exception, match="unknown domain"):
         train(profile="test", overrides="data.domains=[nope]")
+
+
+def test_workflow_with_an_s3_artifact_store_resumes_from_s3(s3_server, tiny_model_dir, tmp_path,
+                                                            monkeypatch):
+    """Datasets and checkpoints in S3 (a real moto server on loopback); a re-run resumes from S3."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ENVACE_CACHE", str(tmp_path / "cache"))
+    from envace_core import stages
+    from envace_core.config import load_config
+    from envace_core.storage import open_store
+
+    cfg = load_config("test", {"model": {"ref": str(tiny_model_dir), "compute_dtype": "float32"},
+                               "store": {"root": f"{s3_server.root}/envace",
+                                         "registry": str(tmp_path / "registry")}})
+    ds = stages.curate(cfg)
+    first = stages.rollout_and_train(cfg, ds)
+    store = open_store(cfg.store.root)
+    assert store.exists(f"runs/{first['run_id']}/checkpoint/state.json")
+    import shutil
+
+    shutil.rmtree(tmp_path / "cache")  # a fresh machine: nothing local, everything from S3
+    again = stages.rollout_and_train(cfg, ds)
+    assert again["history"] == first["history"]  # resumed, not retrained
+    assert (Path(again["adapter_dir"]) / "adapter_config.json").is_file()

@@ -1,0 +1,215 @@
+"""S3Store against a real S3-compatible server (moto) on loopback: see the `s3_server` fixture."""
+
+import json
+import os
+import uuid
+
+import pytest
+from botocore.exceptions import ConnectionClosedError
+
+from envace_core.storage import (
+    LocalStore,
+    S3Store,
+    StoreError,
+    open_store,
+    sha256_bytes,
+)
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def store(s3_server, tmp_path):
+    """A fresh prefix of the test bucket; files of 5 MiB or more go multipart in 5 MiB parts."""
+    return _store(s3_server, tmp_path, f"t-{uuid.uuid4().hex[:8]}")
+
+
+def _store(s3_server, tmp_path, prefix, cache="cache"):
+    return S3Store(f"{s3_server.root}/{prefix}", cache_dir=tmp_path / cache,
+                   multipart_threshold=5 * MiB, multipart_chunksize=5 * MiB)
+
+
+def _src(tmp_path, name="src", **files):
+    d = tmp_path / name
+    for rel, data in files.items():
+        (d / rel).parent.mkdir(parents=True, exist_ok=True)
+        (d / rel).write_bytes(data if isinstance(data, bytes) else data.encode())
+    return d
+
+
+def _obj(store, key):
+    return f"{store.prefix}/{key}"
+
+
+def _fail_uploads_after_first_object(store):
+    """Make the server 'drop the connection' for every upload except the first object's."""
+    seen = {"first": None, "failed_attempts": 0}
+
+    def hook(request, **kw):
+        obj = request.url.split("?")[0]
+        if seen["first"] in (None, obj):
+            seen["first"] = obj
+            return
+        seen["failed_attempts"] += 1
+        raise ConnectionClosedError(endpoint_url=request.url)
+
+    for op in ("PutObject", "CreateMultipartUpload", "UploadPart", "CompleteMultipartUpload"):
+        store.client.meta.events.register(f"before-send.s3.{op}", hook)
+    return seen
+
+
+def test_open_store_and_single_objects_round_trip(s3_server, store, monkeypatch, tmp_path):
+    monkeypatch.setenv("ENVACE_CACHE", str(tmp_path / "envcache"))
+    opened = open_store(f"{s3_server.root}/x/")
+    assert isinstance(opened, S3Store) and opened.root == f"{s3_server.root}/x"
+    assert opened.cache_dir == tmp_path / "envcache" / "s3-store" / s3_server.bucket / "x"
+    assert opened.uri("a//b") == f"{s3_server.root}/x/a/b"
+    opened.check()
+
+    assert store.write_bytes("blob/a.bin", b"\x00abc") == sha256_bytes(b"\x00abc")
+    assert store.read_bytes("blob/a.bin") == b"\x00abc"
+    store.write_json("meta/m.json", {"b": 1, "a": [1, 2]})
+    assert store.read_json("meta/m.json") == {"a": [1, 2], "b": 1}
+    assert store.exists("meta/m.json") and not store.exists("meta/nope.json")
+    store.write_bytes("bad.json", b"{not json")
+    with pytest.raises(StoreError, match="corrupt"):
+        store.read_json("bad.json")
+    with pytest.raises(StoreError, match="not found"):
+        store.read_bytes("missing")
+    with pytest.raises(StoreError, match="invalid artifact key"):
+        store.read_bytes("../escape")
+    with pytest.raises(StoreError, match="get_dir"):
+        store.path("blob")
+
+
+def test_put_dir_multipart_get_dir_and_resume(s3_server, store, tmp_path):
+    big = os.urandom(9 * MiB + 17)
+    src = _src(tmp_path, big=big, **{"state.json": json.dumps({"history": [1, 2]}),
+                                      "adapter/adapter_config.json": "{}", "adapter/copy.json": "{}"})
+    sums = store.put_dir(src, "runs/r1/checkpoint")
+    assert set(sums) == {"big", "state.json", "adapter/adapter_config.json", "adapter/copy.json"}
+
+    # the 9 MiB file went up in two 5 MiB-threshold parts; identical files are stored once
+    big_obj = {"Bucket": s3_server.bucket, "Key": _obj(store, f"runs/r1/checkpoint/objects/{sums['big']}")}
+    assert s3_server.client.head_object(**big_obj, PartNumber=1)["PartsCount"] == 2
+    assert s3_server.client.head_object(**big_obj)["ETag"].strip('"').endswith("-2")
+    listed = s3_server.client.list_objects_v2(Bucket=s3_server.bucket, Prefix=_obj(store, "runs/"))
+    assert len(listed["Contents"]) == 3 + 1  # 3 distinct contents + the commit object
+
+    # resume as stages.train does, from a fresh process-like store with an empty cache
+    fresh = _store(s3_server, tmp_path, store.prefix, cache="cache2")
+    assert fresh.exists("runs/r1/checkpoint") and fresh.exists("runs/r1/checkpoint/state.json")
+    assert not fresh.exists("runs/r1/checkpoint/nope.json")
+    assert fresh.read_json("runs/r1/checkpoint/state.json") == {"history": [1, 2]}
+    local = fresh.get_dir("runs/r1/checkpoint")
+    assert local.is_relative_to(tmp_path / "cache2")
+    assert (local / "big").read_bytes() == big and (local / "adapter" / "copy.json").read_text() == "{}"
+    assert json.loads((local / "CHECKSUMS.json").read_text()) == sums
+    assert fresh.verify_dir("runs/r1/checkpoint") == []
+    fresh.client.download_file = None  # a second get_dir is served from the verified cache
+    assert fresh.get_dir("runs/r1/checkpoint") == local
+    assert fresh.list_dirs("runs") == ["runs/r1/checkpoint"]
+
+
+def test_tampered_objects_are_reported_by_name(s3_server, store, tmp_path):
+    sums = store.put_dir(_src(tmp_path, **{"a.bin": b"weights", "b.bin": b"other"}), "ckpt")
+    s3_server.client.put_object(Bucket=s3_server.bucket, Key=_obj(store, f"ckpt/objects/{sums['a.bin']}"),
+                                Body=b"evil")
+    with pytest.raises(StoreError, match=r"'a\.bin'.*corrupt"):
+        store.get_dir("ckpt")
+    assert store.verify_dir("ckpt") == ["a.bin"]
+    with pytest.raises(StoreError, match="corrupt"):
+        store.read_bytes("ckpt/a.bin")
+    assert not list((tmp_path / "cache").rglob("a.bin"))  # nothing half-verified left in the cache
+    s3_server.client.put_object(Bucket=s3_server.bucket, Key=_obj(store, f"ckpt/objects/{sums['a.bin']}"),
+                                Body=b"weights")
+    s3_server.client.delete_object(Bucket=s3_server.bucket, Key=_obj(store, f"ckpt/objects/{sums['b.bin']}"))
+    with pytest.raises(StoreError, match="missing from S3"):
+        store.get_dir("ckpt")
+    assert store.verify_dir("ckpt") == ["b.bin"]
+
+    store.write_bytes("single", b"good")
+    s3_server.client.put_object(Bucket=s3_server.bucket, Key=_obj(store, "single"), Body=b"bad!",
+                                Metadata={"sha256": sha256_bytes(b"good")})
+    with pytest.raises(StoreError, match="corrupt"):
+        store.read_bytes("single")
+
+
+def test_server_failing_mid_upload_commits_nothing(s3_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    prefix = f"t-{uuid.uuid4().hex[:8]}"
+    good = _store(s3_server, tmp_path, prefix)
+    v1 = _src(tmp_path, "v1", **{"a.bin": b"v1-a", "b.bin": b"v1-b", "state.json": '{"it": 1}'})
+    good.put_dir(v1, "models/m/1")
+    good.put_dir(v1, "runs/r/checkpoint")
+
+    flaky = _store(s3_server, tmp_path, prefix, cache="cache-flaky")
+    seen = _fail_uploads_after_first_object(flaky)
+    v2 = _src(tmp_path, "v2", **{"a.bin": b"v2-a", "b.bin": b"v2-b", "state.json": '{"it": 2}'})
+    with pytest.raises(StoreError, match="cannot reach S3") as err:
+        flaky.put_dir(v2, "runs/r/checkpoint")
+    assert err.value.__cause__ is None and "'b.bin'" in str(err.value)
+    assert seen["failed_attempts"] == 2  # bounded retries (AWS_MAX_ATTEMPTS), then give up
+    # the old complete version is still what readers get, intact
+    assert good.read_json("runs/r/checkpoint/state.json") == {"it": 1}
+    assert (good.get_dir("runs/r/checkpoint") / "b.bin").read_bytes() == b"v1-b"
+    assert good.verify_dir("runs/r/checkpoint") == []
+
+    # a brand-new key whose upload failed does not exist at all
+    with pytest.raises(StoreError):
+        flaky.put_dir(v2, "models/m/2")
+    assert not good.exists("models/m/2") and not good.exists("models/m/2/state.json")
+    with pytest.raises(StoreError, match="not found.*did not finish"):
+        good.get_dir("models/m/2")
+    assert good.list_dirs("models") == ["models/m/1"]  # registry listing skips the failed version
+    assert good.list_dirs() == ["models/m/1", "runs/r/checkpoint"]
+
+    # a later successful re-upload replaces the commit and drops the unreferenced objects
+    sums = good.put_dir(v2, "runs/r/checkpoint")
+    assert good.read_json("runs/r/checkpoint/state.json") == {"it": 2}
+    objs = s3_server.client.list_objects_v2(Bucket=s3_server.bucket, Prefix=_obj(good, "runs/r/checkpoint/objects/"))
+    assert {o["Key"].rsplit("/", 1)[1] for o in objs["Contents"]} == set(sums.values())
+    with pytest.raises(StoreError, match="already exists"):
+        good.put_dir(v2, "runs/r/checkpoint", overwrite=False)
+
+
+def test_missing_credentials_bucket_and_endpoint_give_clear_errors(s3_server, store, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "sekrit-value-42")
+    nobucket = S3Store("s3://envace-no-such-bucket/p", cache_dir=tmp_path)
+    for call in (lambda: nobucket.exists("k"), lambda: nobucket.write_bytes("k", b"x"), nobucket.check,
+                 lambda: nobucket.get_dir("k")):
+        with pytest.raises(StoreError, match="'envace-no-such-bucket' does not exist") as err:
+            call()
+        assert "sekrit" not in str(err.value) and err.value.__cause__ is None
+
+    monkeypatch.delenv("AWS_ACCESS_KEY_ID")
+    monkeypatch.delenv("AWS_SECRET_ACCESS_KEY")
+    nocreds = S3Store(store.root, cache_dir=tmp_path)
+    with pytest.raises(StoreError, match="no AWS credentials.*AWS_ACCESS_KEY_ID.*AWS_PROFILE"):
+        nocreds.write_bytes("k", b"x")
+    with pytest.raises(StoreError, match="no AWS credentials"):
+        nocreds.put_dir(_src(tmp_path, f="x"), "d")
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    import socket
+
+    with socket.socket() as s:  # a loopback port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed}")
+    with pytest.raises(StoreError, match="cannot reach S3.*AWS_ENDPOINT_URL"):
+        S3Store(store.root, cache_dir=tmp_path).read_bytes("k")
+
+
+def test_local_store_has_the_same_directory_api(tmp_path):
+    local = open_store(str(tmp_path / "store"))
+    assert isinstance(local, LocalStore)
+    local.put_dir(_src(tmp_path, a="1"), "models/m/1")
+    local.put_dir(_src(tmp_path, "s2", a="2"), "models/m/2")
+    assert local.get_dir("models/m/1") == local.path("models/m/1")
+    assert local.list_dirs("models") == ["models/m/1", "models/m/2"] == local.list_dirs()
+    with pytest.raises(StoreError, match="not found"):
+        local.get_dir("models/m/3")
+    local.check()
