@@ -89,8 +89,11 @@ class TrainConfig(_Strict):
 
 
 class RehearsalConfig(_Strict):
-    mode: Literal["none", "parallel"] = "parallel"
+    mode: Literal["none", "parallel", "sequential"] = Field(
+        "parallel", description="Private Rehearsal at evaluation (METHOD.md §4); 'none' = plain ACT")
     n: int = Field(2, ge=1)
+    verifier: bool = Field(True, description="drop rehearsals the domain's code checks reject")
+    reenter: bool = Field(False, description="rehearse again before every real step")
     memory_max_tokens: int = Field(256, ge=16)
     temperature: float = Field(1.0, gt=0)
 

@@ -333,6 +333,7 @@ def evaluate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     from envace_core.engines.hf import HFEngine
     from envace_core.envs.tau2 import Tau2Environment, task_context
     from envace_core.rehearsal import RehearsalAgent
+    from envace_core.verifier import default_checks
 
     model, tok, _ = load_policy(cfg, trained["adapter_dir"])
     engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype)
@@ -344,9 +345,11 @@ def evaluate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     tasks = load_dataset(dataset, "test")
     results = []
     for cond, (mode, n) in conditions.items():
-        agent = RehearsalAgent(engine, mode, n, cfg.rehearsal.memory_max_tokens, act, reh,
-                               seed=cfg.train.seed)
         for task in tqdm(tasks, desc=f"evaluate {cond}", unit="task"):
+            agent = RehearsalAgent(
+                engine, mode, n, cfg.rehearsal.memory_max_tokens, act, reh, seed=cfg.train.seed,
+                verifier=default_checks(task.domain) if cfg.rehearsal.verifier else None,
+                reenter=cfg.rehearsal.reenter)
             env = Tau2Environment(task.domain)
             env.reset(task)
             res = agent.run(task_context(task, cfg.data.policy_max_chars), env)
@@ -354,7 +357,8 @@ def evaluate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
             results.append({"condition": cond, "task_id": task.id, "domain": task.domain,
                             "reward": traj.reward, "success": float((traj.reward or 0) >= 1.0),
                             "sub_rewards": traj.sub_rewards, "termination": traj.termination,
-                            "rehearsals": len(res.rehearsals), "isolation": res.isolation})
+                            "rehearsals": len(res.rehearsals), "rejected": len(res.rejected),
+                            "isolation": res.isolation})
     summary = summarise_eval(results)
     print_eval_table(summary)
     return {"summary": summary, "results": results,
