@@ -1,0 +1,1 @@
+"""Benchmark evaluation adapters (FinMCP-Bench, VitaBench, ...); import the submodules directly."""
