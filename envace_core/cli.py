@@ -32,13 +32,9 @@ def _config(args) -> int:
     """Print the resolved config; with --check, also resolve the model and open the stores."""
     cfg = load_config(args.profile, args.overrides)
     if args.check:
-        from envace_core.lineage import Registry
-        from envace_core.models import resolve_model
-        from envace_core.storage import open_store
+        from envace_core.stages import preflight
 
-        resolve_model(cfg.model.ref)
-        open_store(cfg.store.root).check()
-        Registry(cfg.store.registry)
+        preflight(cfg, resolve_remote=True)
     print(json.dumps(cfg.to_dict(), indent=2))
     return 0
 

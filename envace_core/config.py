@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from envace_core import EnvaceError
 
@@ -58,6 +58,16 @@ class DataConfig(_Strict):
         if bad or not v:
             raise ValueError(f"unknown domain(s) {bad}; choose from {list(KNOWN_DOMAINS)}")
         return v
+
+    @model_validator(mode="after")
+    def _splits(self) -> "DataConfig":
+        if self.train_split == self.test_split:
+            raise ValueError(f"train_split and test_split are both {self.train_split!r}: "
+                             "training on the evaluation tasks is not allowed")
+        if "mock" in self.domains and {self.train_split, self.test_split} - {"base"}:
+            raise ValueError("the mock domain has only the 'base' split, so it cannot supply separate "
+                             "train and test tasks; use airline, retail or telecom")
+        return self
 
 
 class RolloutConfig(_Strict):
@@ -186,6 +196,27 @@ def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _split_top_level(text: str) -> list[str]:
+    """Split 'a=1,b.c=[x,y]' at commas outside brackets and quotes."""
+    parts, depth, quote, cur = [], 0, None, []
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            parts.append("".join(cur))
+            cur = []
+            continue
+        cur.append(ch)
+    parts.append("".join(cur))
+    return [p for p in parts if p.strip()]
+
+
 def _parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
     """Overrides: a dict, a JSON/YAML string, a path to a YAML/JSON file, or 'a.b=v' pairs."""
     if overrides is None or overrides == "":
@@ -197,13 +228,20 @@ def _parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
         text = Path(text).read_text()
     if "=" in text and not text.lstrip().startswith("{") and "\n" not in text:
         out: dict[str, Any] = {}
-        for pair in text.split(","):
-            key, _, raw = pair.partition("=")
+        for pair in _split_top_level(text):
+            key, sep, raw = pair.partition("=")
+            if not sep or not key.strip():
+                raise ConfigError(f"override {pair!r} is not of the form a.b=value")
             node = out
             *parents, leaf = key.strip().split(".")
             for p in parents:
                 node = node.setdefault(p, {})
-            node[leaf] = yaml.safe_load(raw)
+                if not isinstance(node, dict):
+                    raise ConfigError(f"override {pair!r} conflicts with an earlier one")
+            try:
+                node[leaf] = yaml.safe_load(raw)
+            except yaml.YAMLError as e:
+                raise ConfigError(f"the value of override {key.strip()!r} is not valid YAML: {raw!r}") from e
         return out
     try:
         data = yaml.safe_load(text)

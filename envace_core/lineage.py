@@ -92,7 +92,11 @@ class Registry:
         path = self.version_dir(name, version) / MANIFEST
         if not path.is_file():
             raise RegistryError(f"{name}@{version} is not registered in {self.root}")
-        return json.loads(path.read_text())
+        try:
+            return json.loads(path.read_text())
+        except json.JSONDecodeError as e:
+            raise RegistryError(f"the manifest of {name}@{version} ({path}) is corrupt: {e}; "
+                                "this version cannot be trusted") from e
 
     def verify(self, name: str, version: str) -> list[str]:
         """Artifacts whose sha256 differs from the manifest, or that are missing/extra (empty = ok)."""
