@@ -3,6 +3,9 @@
     envace train [--profile cpu-smoke] [--overrides 'train.iterations=1']
     envace config [--check]          print the resolved config; --check also resolves the model
     envace registry list|show NAME@VERSION|verify NAME@VERSION [--profile ...]
+    envace rehearse --task airline/3 [--mode parallel] [--n 4] [--model REF] [--adapter DIR]
+                    [--reenter] [--no-verifier] [--max-turns K]      Private Rehearsal on one tau2 task
+    envace rehearse --list [DOMAIN]  list the tau2 task ids per split
 """
 
 from __future__ import annotations
@@ -63,20 +66,67 @@ def _registry(args) -> int:
     return 0
 
 
+def _rehearse(args) -> int:
+    """Private Rehearsal on one tau2 task, shown step by step (`envace_core.rehearse_run`)."""
+    from envace_core import rehearse_run
+
+    if args.list is not None:
+        from envace_core.envs.tau2 import DOMAINS
+
+        domains = [args.list] if args.list else [d for d in DOMAINS if d != "mock"]
+        for dom in domains:
+            if dom not in DOMAINS:
+                raise EnvaceError(f"unknown tau2 domain {dom!r}; choose one of {', '.join(DOMAINS)}")
+            for split, ids in rehearse_run.task_ids(dom).items():
+                print(f"{dom} {split} ({len(ids)}): {' '.join(ids)}")
+        return 0
+    if not args.task:
+        raise EnvaceError(f"give the task as --task DOMAIN/ID (e.g. airline/3); {rehearse_run.LIST_HINT}")
+    if args.n is not None and args.n < 1:
+        raise EnvaceError(f"--n must be >= 1, got {args.n}")
+    if args.max_turns is not None and args.max_turns < 1:
+        raise EnvaceError(f"--max-turns must be >= 1, got {args.max_turns}")
+    cfg = load_config(args.profile, args.overrides)
+    if args.model:
+        cfg.model.ref = args.model
+    rehearse_run.find_task(args.task)  # an unknown id fails before the model loads
+    res = rehearse_run.rehearse_task(cfg, args.task, args.mode, args.n, adapter_dir=args.adapter,
+                                     reenter=True if args.reenter else None,
+                                     verifier=False if args.no_verifier else None,
+                                     max_turns=args.max_turns)
+    rehearse_run.print_result(res)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="envace")
     p.add_argument("--profile", default="cpu-smoke", choices=sorted(PROFILES))
     p.add_argument("--overrides", default="", help="'a.b=v,...', JSON/YAML text, or a file path")
     sub = p.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("train", help="run the main job in-process (same stages as the Flyte workflow)")
+    t = sub.add_parser("train", help="run the main job in-process (same stages as the Flyte workflow)")
     c = sub.add_parser("config", help="print the resolved configuration")
     c.add_argument("--check", action="store_true", help="also check the model ref and the stores")
     r = sub.add_parser("registry", help="list, show or verify registered models")
     r.add_argument("action", choices=["list", "show", "verify"])
     r.add_argument("ref", nargs="?", help="NAME@VERSION")
+    h = sub.add_parser("rehearse", help="Private Rehearsal on one tau2 task: rehearsals, memory, real run")
+    h.add_argument("--task", help="tau2 task id DOMAIN/ID, e.g. airline/3 (see --list)")
+    h.add_argument("--list", nargs="?", const="", metavar="DOMAIN", help="list the task ids and exit")
+    h.add_argument("--mode", choices=["none", "parallel", "sequential"],
+                   help="rehearsal mode (default: the profile's rehearsal.mode)")
+    h.add_argument("--n", type=int, help="rehearsals N per round (default: the profile's rehearsal.n)")
+    h.add_argument("--model", help="base model: a local HF folder, bundled:..., or s3:// (model.ref)")
+    h.add_argument("--adapter", help="a LoRA adapter folder (e.g. a registered model's artifacts/adapter)")
+    h.add_argument("--reenter", action="store_true", help="rehearse again before every real step")
+    h.add_argument("--no-verifier", action="store_true", help="keep rehearsals the verifier would reject")
+    h.add_argument("--max-turns", type=int, help="ACT turns (default: the profile's eval.max_turns)")
+    for sp in (t, c, r, h):  # the global options are also accepted after the subcommand
+        sp.add_argument("--profile", choices=sorted(PROFILES), default=argparse.SUPPRESS)
+        sp.add_argument("--overrides", default=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
-        return {"train": _train, "config": _config, "registry": _registry}[args.cmd](args)
+        return {"train": _train, "config": _config, "registry": _registry,
+                "rehearse": _rehearse}[args.cmd](args)
     except EnvaceError as e:
         print(f"envace: error: {e}", file=sys.stderr)
         return 2
