@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import os
 from pathlib import Path
 
 from envace_core import EnvaceError
-from envace_core.storage import atomic_dir, sha256_path
+from envace_core.storage import atomic_dir, cache_root, sha256_path
 
 BUNDLED = "bundled:smollm2-135m-instruct"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -26,10 +25,6 @@ _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 class ModelNotFoundError(EnvaceError):
     """The model reference does not resolve to loadable weights."""
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("ENVACE_CACHE", Path.home() / ".cache" / "envace"))
 
 
 def bundled_gguf_path() -> Path:

@@ -32,9 +32,9 @@ from envace_core.rollout import (
     RolloutParams,
     _act_turn,
     _generation,
-    _rehearse_turn,
     _Seeds,
     real_rollout,
+    unroll,
 )
 from envace_core.types import Message, Role, Step, TaskContext, Trajectory
 from envace_core.verifier import Check, verify
@@ -90,22 +90,6 @@ def summarise(traj: Trajectory, k: int) -> str:
             lines.append(f"- told the user: {s.message}")
     lines.append(f"- ended: {traj.termination}")
     return "\n".join(lines)
-
-
-def _unroll(engine: Engine, ctx: TaskContext, history: list[Message], n: int, p: RolloutParams,
-            seeds: _Seeds, memory: str | None) -> list[Trajectory]:
-    """`rollout.rehearsal_rollouts` started from `history` (same loop, same seed use): from the
-    one-message history [first user message] it produces exactly what `rehearsal_rollouts` does."""
-    trajs = [Trajectory(task_id=ctx.task_id, group_index=g, imagined=True) for g in range(n)]
-    histories = [list(history) for _ in range(n)]
-    for turn in range(p.max_turns):
-        calling = _act_turn(engine, ctx, trajs, histories, p, seeds, memory, first=turn == 0)
-        _rehearse_turn(engine, ctx, trajs, histories, calling, p, seeds)
-        if all(t.termination for t in trajs):
-            break
-    for t in trajs:
-        t.termination = t.termination or "max_turns"
-    return trajs
 
 
 class RehearsalAgent:
@@ -194,11 +178,11 @@ class RehearsalAgent:
                     blocks.append(text)
 
         if self.mode == "parallel":
-            judge(_unroll(self.engine, ctx, history, self.n, p, seeds, None))
+            judge(unroll(self.engine, ctx, history, self.n, p, seeds, None))
         else:  # sequential: rehearsal k sees the memory of rehearsals 1..k-1
             for k in range(self.n):
                 memory = roles.memory_text(blocks, self.memory_max_tokens, tok)
-                t = _unroll(self.engine, ctx, history, 1, p, seeds, memory or None)[0]
+                t = unroll(self.engine, ctx, history, 1, p, seeds, memory or None)[0]
                 t.group_index = k
                 judge([t])
         rnd.memory = roles.memory_text(blocks, self.memory_max_tokens, tok)

@@ -105,17 +105,17 @@ def _rehearse_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory],
         histories[i].append(Message(role="tool", content=obs.content, error=obs.error))
 
 
-def rehearsal_rollouts(engine: Engine, ctx: TaskContext, group_size: int, p: RolloutParams,
-                       seed: Optional[int] = None, memory: Optional[str] = None) -> list[Trajectory]:
-    """G self-unfolded trajectories of one task (one GRPO group), ACT and REHEARSE alternating.
+def unroll(engine: Engine, ctx: TaskContext, history: list[Message], n: int, p: RolloutParams,
+           seeds: _Seeds, memory: Optional[str] = None) -> list[Trajectory]:
+    """n self-unfolded trajectories continuing from `history`, ACT and REHEARSE alternating.
 
     A trajectory ends when ACT speaks to the user ("agent_message"), an output fails to parse
     ("parse_error": METHOD.md §2, format), or after `p.max_turns` ACT turns ("max_turns").
+    `seeds` is consumed one seed per engine call, so callers can share one stream across rounds.
     Rewards are not set here (see `rewards.replay_reward`).
     """
-    trajs = [Trajectory(task_id=ctx.task_id, group_index=g, imagined=True) for g in range(group_size)]
-    histories = [[Message(role="user", content=ctx.first_user_message)] for _ in range(group_size)]
-    seeds = _Seeds(seed)
+    trajs = [Trajectory(task_id=ctx.task_id, group_index=g, imagined=True) for g in range(n)]
+    histories = [list(history) for _ in range(n)]
     for turn in range(p.max_turns):
         calling = _act_turn(engine, ctx, trajs, histories, p, seeds, memory, first=turn == 0)
         _rehearse_turn(engine, ctx, trajs, histories, calling, p, seeds)
@@ -124,6 +124,13 @@ def rehearsal_rollouts(engine: Engine, ctx: TaskContext, group_size: int, p: Rol
     for t in trajs:
         t.termination = t.termination or "max_turns"
     return trajs
+
+
+def rehearsal_rollouts(engine: Engine, ctx: TaskContext, group_size: int, p: RolloutParams,
+                       seed: Optional[int] = None, memory: Optional[str] = None) -> list[Trajectory]:
+    """G self-unfolded trajectories of one task from its first user message (one GRPO group)."""
+    start = [Message(role="user", content=ctx.first_user_message)]
+    return unroll(engine, ctx, start, group_size, p, _Seeds(seed), memory)
 
 
 def real_rollout(engine: Engine, ctx: TaskContext, env: ToolEnvironment, p: RolloutParams,

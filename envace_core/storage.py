@@ -129,7 +129,8 @@ CHECKSUMS = "CHECKSUMS.json"  # the per-directory manifest {relpath: sha256}; on
 log = logging.getLogger(__name__)
 
 
-def _cache_root() -> Path:
+def cache_root() -> Path:
+    """Where envace caches derived files (dequantised models, S3 downloads): $ENVACE_CACHE or ~/.cache/envace."""
     return Path(os.environ.get("ENVACE_CACHE", Path.home() / ".cache" / "envace"))
 
 
@@ -266,7 +267,7 @@ class S3Store:
         self.bucket = bucket
         self.prefix = "/".join(PurePosixPath(prefix).parts) if prefix.strip("/") else ""
         self.root = f"s3://{bucket}/{self.prefix}".rstrip("/")
-        self.cache_dir = Path(cache_dir) if cache_dir else _cache_root() / "s3-store" / bucket / self.prefix
+        self.cache_dir = Path(cache_dir) if cache_dir else cache_root() / "s3-store" / bucket / self.prefix
         self.multipart_threshold = multipart_threshold
         self.multipart_chunksize = multipart_chunksize
         self.max_concurrency = max_concurrency

@@ -112,8 +112,9 @@ def import_bfcl() -> types.SimpleNamespace:
 
     Raises `EnvaceError` when bfcl-eval is not installed.
     """
-    cache_root = os.environ.get("ENVACE_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "envace"))
-    os.environ.setdefault("BFCL_PROJECT_ROOT", os.path.join(cache_root, "bfcl"))
+    from envace_core.storage import cache_root
+
+    os.environ.setdefault("BFCL_PROJECT_ROOT", str(cache_root() / "bfcl"))
     _install_model_config_stand_in()
     try:
         from bfcl_eval.constants import category_mapping as cm
