@@ -10,7 +10,10 @@ place, so a registry reader never sees half a version; registering an existing v
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import hmac
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,6 +23,19 @@ from envace_core import EnvaceError
 from envace_core.storage import atomic_dir, dir_checksums
 
 MANIFEST = "manifest.json"
+HMAC_KEY_ENV = "ENVACE_REGISTRY_HMAC_KEY"  # the signing key comes from the environment, never from config
+
+
+def _signing_key() -> bytes | None:
+    key = os.environ.get(HMAC_KEY_ENV)
+    return key.encode() if key else None
+
+
+def manifest_signature(manifest: dict[str, Any], key: bytes) -> str:
+    """HMAC-SHA256 (RFC 2104) over the canonical JSON of the manifest without its `signature` field."""
+    body = {k: v for k, v in manifest.items() if k != "signature"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hmac.new(key, canonical, hashlib.sha256).hexdigest()
 
 
 class RegistryError(EnvaceError):
@@ -76,7 +92,11 @@ class Registry:
                 "registered_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
                 "artifacts": {f"artifacts/{k}": v for k, v in dir_checksums(tmp / "artifacts").items()},
             }
-            (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True, default=str))
+            full = json.loads(json.dumps(full, default=str))  # what is signed is what is stored
+            key = _signing_key()
+            if key:
+                full["signature"] = {"alg": "HMAC-SHA256", "value": manifest_signature(full, key)}
+            (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True))
 
         try:
             atomic_dir(final, build, exists="error")
@@ -99,9 +119,18 @@ class Registry:
                                 "this version cannot be trusted") from e
 
     def verify(self, name: str, version: str) -> list[str]:
-        """Artifacts whose sha256 differs from the manifest, or that are missing/extra (empty = ok)."""
+        """What fails verification (empty = ok): every artifact whose sha256 differs from the manifest,
+        is missing or is extra, and `manifest.json (signature)` when a signing key is configured
+        ($ENVACE_REGISTRY_HMAC_KEY) and the manifest's HMAC is absent or does not match (an edited
+        manifest)."""
         manifest = self.show(name, version)
         vdir = self.version_dir(name, version)
         actual = {f"artifacts/{k}": v for k, v in dir_checksums(vdir / "artifacts").items()}
         expected = manifest["artifacts"]
-        return sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
+        bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
+        key = _signing_key()
+        if key is not None:
+            sig = (manifest.get("signature") or {}).get("value", "")
+            if not hmac.compare_digest(sig, manifest_signature(manifest, key)):
+                bad.append(f"{MANIFEST} (signature)")
+        return bad

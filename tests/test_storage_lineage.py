@@ -65,3 +65,22 @@ def test_registry_register_list_verify_and_refuse_duplicate(tmp_path):
         reg.register("m", "1", art, {})
     (path / "artifacts" / "adapter.safetensors").write_bytes(b"evil")
     assert reg.verify("m", "1") == ["artifacts/adapter.safetensors"]
+
+
+def test_signed_manifest_detects_an_edited_metric(tmp_path, monkeypatch):
+    monkeypatch.setenv("ENVACE_REGISTRY_HMAC_KEY", "k3y")
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "w").write_bytes(b"w")
+    reg = Registry(tmp_path / "reg")
+    path = reg.register("m", "1", art, {"metrics": {"pass^1": 0.1}})
+    man = json.loads((path / "manifest.json").read_text())
+    assert man["signature"]["alg"] == "HMAC-SHA256"
+    assert reg.verify("m", "1") == []
+    man["metrics"]["pass^1"] = 0.9
+    (path / "manifest.json").write_text(json.dumps(man))
+    assert reg.verify("m", "1") == ["manifest.json (signature)"]
+    monkeypatch.setenv("ENVACE_REGISTRY_HMAC_KEY", "another key")
+    man["metrics"]["pass^1"] = 0.1
+    (path / "manifest.json").write_text(json.dumps(man))
+    assert reg.verify("m", "1") == ["manifest.json (signature)"]  # wrong key: not trusted

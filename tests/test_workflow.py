@@ -60,3 +60,10 @@ def test_workflow_with_an_s3_artifact_store_resumes_from_s3(s3_server, tiny_mode
     again = stages.rollout_and_train(cfg, ds)
     assert again["history"] == first["history"]  # resumed, not retrained
     assert (Path(again["adapter_dir"]) / "adapter_config.json").is_file()
+
+
+def test_weekly_retrain_launch_plan_is_scheduled_with_the_gpu_profile():
+    from workflows.train import weekly_retrain
+
+    assert weekly_retrain.schedule.cron_schedule.schedule == "0 3 * * 0"
+    assert weekly_retrain.fixed_inputs.literals["profile"].scalar.primitive.string_value == "gpu-8b"

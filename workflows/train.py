@@ -5,7 +5,7 @@
 """
 
 import envace_core  # noqa: F401  (offline environment before tau2 is imported)
-from flytekit import workflow
+from flytekit import CronSchedule, LaunchPlan, workflow
 
 from tasks.config import resolve_config
 from tasks.curate import curate
@@ -25,3 +25,15 @@ def train(profile: str = "cpu-smoke", overrides: str = "") -> str:
     evaluation = evaluate(config=config, dataset=dataset, trained=trained, validation=validation)
     return register(config=config, dataset=dataset, trained=trained, validation=validation,
                     evaluation=evaluation)
+
+
+# Scheduled retraining: every Sunday 03:00 UTC on the cluster, with the GPU profile. The launch plan
+# fixes the profile so a schedule can't silently run the CPU smoke job; overrides stay a default
+# input that an operator can change when activating it (see README "Scheduled retraining").
+weekly_retrain = LaunchPlan.get_or_create(
+    workflow=train,
+    name="envace_weekly_retrain",
+    fixed_inputs={"profile": "gpu-8b"},
+    default_inputs={"overrides": ""},
+    schedule=CronSchedule(schedule="0 3 * * 0"),
+)
