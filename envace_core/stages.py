@@ -82,10 +82,12 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
 
     d = cfg.data
     train = [t for dom in d.domains for t in load_tasks(dom, d.train_split, d.max_train_tasks_per_domain)]
-    test = [t for dom in d.domains for t in load_tasks(dom, d.test_split, d.max_test_tasks_per_domain)]
-    all_test_ids = {t.id for dom in d.domains for t in load_tasks(dom, d.test_split)}
+    full_test = {dom: load_tasks(dom, d.test_split) for dom in d.domains}
+    test = [t for dom in d.domains for t in full_test[dom][:d.max_test_tasks_per_domain]]
+    all_test_ids = {t.id for tasks in full_test.values() for t in tasks}
     records = [_task_record(t) for t in train + test]
-    gate = dataset_gate(pd.DataFrame(records), all_test_ids, d.min_dataset_rows, d.max_dataset_rows,
+    frame = pd.DataFrame(records)
+    gate = dataset_gate(frame, all_test_ids, d.min_dataset_rows, d.max_dataset_rows,
                         train_split=d.train_split, test_split=d.test_split, domains=d.domains)
     print(f"[curate] dataset gate: {'PASS' if gate.success else 'FAIL'} "
           f"({sum(gate.checks.values())}/{len(gate.checks)} expectations, {gate.seconds:.2f}s)")
@@ -96,7 +98,7 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
     gate_key = f"validation/dataset/{version}/gate.json"
     if not store.exists(f"{key}/manifest.json"):
         with tempfile.TemporaryDirectory() as tmp:
-            pd.DataFrame(records).to_parquet(Path(tmp) / "tasks.parquet", index=False)
+            frame.to_parquet(Path(tmp) / "tasks.parquet", index=False)
             (Path(tmp) / "manifest.json").write_text(json.dumps({
                 "version": version, "domains": d.domains, "n_train": len(train), "n_test": len(test),
                 "splits": {"train": d.train_split, "test": d.test_split},

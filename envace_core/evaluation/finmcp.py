@@ -149,16 +149,26 @@ def _arguments(v: Any, where: str) -> Any:
     raise EnvaceError(f"{where}.arguments: must be a JSON object or JSON text, got {type(v).__name__}")
 
 
+def _function_part(obj: dict[str, Any], where: str, fields: str, why: str = "") -> tuple[dict[str, Any], str, str]:
+    """(function object, its error location, stripped name) of an OpenAI-format call or tool.
+
+    OpenAI nests both under "function"; a flat object with the same fields is accepted too.
+    """
+    fn = obj.get("function", obj)
+    fwhere = f"{where}.function" if "function" in obj else where
+    if not isinstance(fn, dict):
+        raise EnvaceError(f"{fwhere}: must be an object with {fields}")
+    name = fn.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise EnvaceError(f"{fwhere}.name: missing or not a non-empty string{why}")
+    return fn, fwhere, name
+
+
 def _tool_call(tc: Any, where: str) -> dict[str, Any]:
     if not isinstance(tc, dict):
         raise EnvaceError(f"{where}: a tool call must be an object, got {type(tc).__name__}")
-    fn = tc.get("function", tc)  # OpenAI nests under "function"; accept a flat {"name", "arguments"} too
-    fwhere = f"{where}.function" if "function" in tc else where
-    if not isinstance(fn, dict):
-        raise EnvaceError(f"{fwhere}: must be an object with 'name' and 'arguments'")
-    name = fn.get("name")
-    if not isinstance(name, str) or not name.strip():
-        raise EnvaceError(f"{fwhere}.name: missing or not a non-empty string (a tool call needs a function name)")
+    fn, fwhere, name = _function_part(tc, where, "'name' and 'arguments'",
+                                      " (a tool call needs a function name)")
     return {"id": str(tc.get("id") or ""), "name": name.strip(),
             "arguments": _arguments(fn.get("arguments"), fwhere)}
 
@@ -192,13 +202,7 @@ def _message(m: Any, where: str) -> dict[str, Any]:
 def _tool_spec(t: Any, where: str) -> ToolSpec:
     if not isinstance(t, dict):
         raise EnvaceError(f"{where}: a tool must be an object in OpenAI function format")
-    fn = t.get("function", t)
-    fwhere = f"{where}.function" if "function" in t else where
-    if not isinstance(fn, dict):
-        raise EnvaceError(f"{fwhere}: must be an object with 'name', 'description', 'parameters'")
-    name = fn.get("name")
-    if not isinstance(name, str) or not name.strip():
-        raise EnvaceError(f"{fwhere}.name: missing or not a non-empty string")
+    fn, fwhere, name = _function_part(t, where, "'name', 'description', 'parameters'")
     params = fn.get("parameters", PERMISSIVE_SCHEMA)
     if params is None:
         params = PERMISSIVE_SCHEMA
