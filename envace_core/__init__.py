@@ -12,6 +12,8 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# DVC (data versioning) would otherwise send anonymous usage analytics over the network.
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")
 
 __version__ = "0.1.0"
 
