@@ -1,17 +1,18 @@
 """Flyte task: resolve the run configuration once, so every stage reads the same resolved config."""
 
 import envace_core  # noqa: F401  (offline environment before anything imports tau2)
-from flytekit import task
 
 from envace_core.config import load_config
 from envace_core.stages import preflight
+from tasks.settings import stage_task
 
 
-@task
+@stage_task("resolve_config")
 def resolve_config(profile: str, overrides: str) -> str:
     """Profile + overrides → the full resolved config as JSON (recorded in the lineage).
 
     Also checks the model reference, the artifact store and the registry before any work starts.
+    Not cached: it takes seconds, and its preflight checks must see the world as it is now.
     """
     cfg = load_config(profile, overrides)
     preflight(cfg)

@@ -3,12 +3,13 @@
 import json
 
 import envace_core  # noqa: F401
-from flytekit import task
 
 from envace_core import stages
 from envace_core.config import config_from_json
+from tasks.settings import stage_task
 
 
-@task
+@stage_task("curate")
 def curate(config: str) -> str:
+    """The curated dataset's location and version (JSON). Cached: same config + same code → same data."""
     return json.dumps(stages.curate(config_from_json(config)))

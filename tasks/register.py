@@ -3,18 +3,27 @@
 import json
 
 import envace_core  # noqa: F401
-from flytekit import current_context, task
+from flytekit import current_context
 
 from envace_core import stages
 from envace_core.config import config_from_json
+from tasks.settings import fetch_inputs, stage_task
 
 
-@task
+@stage_task("register")
 def register(config: str, dataset: str, trained: str, validation: str, evaluation: str) -> str:
+    """Write the model and its lineage manifest to the registry; returns the entry as JSON.
+
+    Never cached: registering is a side effect, not a function of the inputs. A cache hit would
+    skip writing the entry (a deleted registry would not be rebuilt, a new execution id would not be
+    recorded) and would hand back a version that may no longer exist; the registry, not a cache,
+    decides what is already registered and refuses a duplicate version.
+    """
     try:
         execution_id = str(current_context().execution_id)
     except Exception:  # outside a Flyte execution context
         execution_id = "local"
-    out = stages.register(config_from_json(config), json.loads(dataset), json.loads(trained),
-                          json.loads(validation), json.loads(evaluation), execution_id=execution_id)
+    cfg, ds = config_from_json(config), json.loads(dataset)
+    out = stages.register(cfg, ds, fetch_inputs(cfg, ds, json.loads(trained)), json.loads(validation),
+                          json.loads(evaluation), execution_id=execution_id)
     return json.dumps(out)

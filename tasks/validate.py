@@ -1,24 +1,30 @@
-"""Flyte task: rehearsal-quality validation and the registration gate (results shown in a Flyte Deck)."""
+"""Flyte task: rehearsal-quality validation and the registration gate (results shown in a Flyte Deck).
+
+Runs REHEARSE with the trained policy on held-out transitions, so it gets a GPU and the CUDA
+evaluation image (an 8B policy on CPU would take hours), unlike the CPU-only data stages.
+"""
 
 import json
 
 import envace_core  # noqa: F401
-from flytekit import Deck, task
+from flytekit import Deck
 
 from envace_core import stages
 from envace_core.config import config_from_json
 from envace_core.gates import render_gate_html
 from envace_core.storage import open_store
+from tasks.settings import fetch_inputs, stage_task
 
 
-@task(enable_deck=True)
+@stage_task("validate", enable_deck=True)
 def validate(config: str, dataset: str, trained: str) -> str:
+    """Rehearsal-quality metrics and gate results (JSON). A failed gate raises and is never cached."""
+    cfg, ds = config_from_json(config), json.loads(dataset)
     try:
-        out = stages.validate(config_from_json(config), json.loads(dataset), json.loads(trained))
+        out = stages.validate(cfg, ds, fetch_inputs(cfg, ds, json.loads(trained)))
     except stages.GateError as e:  # show the failed expectations, then stop the workflow
         if getattr(e, "result", None) is not None:
             Deck("rehearsal-quality gate", render_gate_html(e.result))
         raise
-    cfg = config_from_json(config)
     Deck("rehearsal-quality gate", render_gate_html(open_store(cfg.store.root).read_json(out["gate_key"])))
     return json.dumps(out)

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import socket
+import tempfile
 
 import envace_core  # noqa: F401  (sets the offline environment before anything imports tau2)
 import pytest
+
+# flytekit's local task cache for this test session: never the user's, never the repo's .envace/
+# (a cached stage from an earlier session could otherwise answer for code the tests just changed).
+os.environ.setdefault("ENVACE_FLYTE_CACHE", tempfile.mkdtemp(prefix="envace-test-flyte-cache-"))
 
 
 @pytest.fixture(autouse=True)

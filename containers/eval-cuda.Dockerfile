@@ -1,0 +1,6 @@
+# envace CUDA evaluation image: validate, evaluate, rehearse (same content as tasks/images.py EVAL_IMAGE):
+# the training image's packages plus bfcl-eval's data and checkers (installed --no-deps, as the Makefile does).
+# Build from the repository root:  docker build -f containers/eval-cuda.Dockerfile -t REGISTRY/envace-eval-cuda:TAG .
+ARG TRAIN_IMAGE=envace-train-cuda:latest
+FROM ${TRAIN_IMAGE}
+RUN uv pip install --no-deps $(python tasks/image_requirements.py eval-cuda --no-deps)

@@ -1,0 +1,21 @@
+# envace CUDA training image: rollout_and_train (same content as tasks/images.py TRAIN_IMAGE):
+# vLLM for rollouts, the CUDA torch build vLLM pins, accelerate/peft for the LoRA updates.
+# Build from the repository root:  docker build -f containers/train-cuda.Dockerfile -t REGISTRY/envace-train-cuda:TAG .
+ARG BASE_IMAGE=nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04
+FROM ghcr.io/astral-sh/uv:0.5.1 AS uv
+FROM ${BASE_IMAGE}
+COPY --from=uv /uv /usr/local/bin/uv
+ENV UV_PYTHON_INSTALL_DIR=/opt/python VIRTUAL_ENV=/opt/venv PATH=/opt/venv/bin:$PATH \
+    UV_COMPILE_BYTECODE=1 UV_LINK_MODE=copy PYTHONPATH=/root
+# gcc: Triton (under vLLM and torch.compile) compiles small C launchers at run time.
+RUN apt-get update && apt-get install -y --no-install-recommends ca-certificates gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* && uv venv --python 3.11 /opt/venv
+WORKDIR /root
+COPY pyproject.toml README.md ./
+COPY tasks/image_requirements.py tasks/image_requirements.py
+RUN python tasks/image_requirements.py train-cuda > /tmp/requirements.txt \
+    && uv pip install -r /tmp/requirements.txt
+COPY envace_core envace_core
+RUN uv pip install --no-deps . && uv pip install --no-deps $(python tasks/image_requirements.py train-cuda --no-deps)
+COPY tasks tasks
+COPY workflows workflows
