@@ -1,10 +1,12 @@
 """Lineage manifests and the model registry.
 
-A registered model version is a directory `<registry>/<name>/<version>/` holding the model artifacts
-(the LoRA adapter, the config) and `manifest.json`: base model and its hash, dataset hash, git
-commit and dirty flag, the full resolved config, metrics, gate results, the execution id and the
-sha256 of every artifact. The version directory is built in a temporary sibling and renamed into
-place, so a registry reader never sees half a version; registering an existing version is refused.
+A registered model version holds the model artifacts (the LoRA adapter, the config, reports) and
+`manifest.json`: base model and its hash, dataset version and DVC md5, git commit and dirty flag,
+the full resolved config, metrics, gate results, the execution id and the sha256 of every artifact,
+signed with HMAC-SHA256 when $ENVACE_REGISTRY_HMAC_KEY is set. The registry is a local directory
+(`<registry>/<name>/<version>/`, built in a temporary sibling and renamed into place) or
+`s3://bucket/prefix` (one `storage.S3Store` directory per version, committed last), so a registry
+reader never sees half a version; registering an existing version is refused.
 """
 
 from __future__ import annotations
@@ -16,11 +18,12 @@ import json
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 from typing import Any
 
 from envace_core import EnvaceError
-from envace_core.storage import atomic_dir, dir_checksums
+from envace_core.storage import CHECKSUMS, S3Store, StoreError, atomic_dir, dir_checksums
 
 MANIFEST = "manifest.json"
 HMAC_KEY_ENV = "ENVACE_REGISTRY_HMAC_KEY"  # the signing key comes from the environment, never from config
@@ -56,9 +59,21 @@ def git_state(repo_dir: str | Path | None = None) -> dict[str, Any]:
 
 
 class Registry:
-    """A model registry in a local directory."""
+    """A model registry in a local directory or under `s3://bucket/prefix`.
+
+    Local: version `<root>/<name>/<version>/` = `artifacts/` + `manifest.json`, built in a temporary
+    sibling and renamed into place. S3: the same files as one `storage.S3Store` directory
+    `<prefix>/<name>/<version>` (content-addressed objects, then the CHECKSUMS.json commit object
+    last, written with If-None-Match), so a reader never sees half a version and an upload that
+    dies midway registers nothing. Opening an S3 registry makes no request; endpoint, region and
+    credentials come from the standard AWS environment/config (see storage.py).
+    """
 
     def __init__(self, root: str | Path):
+        self._s3 = S3Store(str(root)) if str(root).startswith("s3://") else None
+        if self._s3 is not None:
+            self.root: Any = self._s3.root
+            return
         self.root = Path(root).expanduser().resolve()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -66,21 +81,32 @@ class Registry:
             raise RegistryError(f"cannot use {self.root} as the model registry (store.registry): {e}") from e
 
     def version_dir(self, name: str, version: str) -> Path:
-        for part in (name, version):
-            if not part or "/" in part or part.startswith("."):
-                raise RegistryError(f"invalid model name/version {part!r}")
+        """The local directory of `name@version` (RegistryError for an invalid name or an S3 registry)."""
+        _check_ref(name, version)
+        if self._s3 is not None:
+            raise RegistryError(f"{self.uri(name, version)} is in S3 and has no local directory")
         return self.root / name / version
 
+    def uri(self, name: str, version: str) -> str:
+        """Where `name@version` lives: its directory path, or its s3:// URI."""
+        _check_ref(name, version)
+        return self._s3.uri(f"{name}/{version}") if self._s3 else str(self.root / name / version)
+
     def register(self, name: str, version: str, artifacts_dir: str | Path,
-                 manifest: dict[str, Any]) -> Path:
+                 manifest: dict[str, Any]) -> Path | str:
         """Copy `artifacts_dir` and write the manifest (with artifact hashes) as `name@version`.
 
+        The manifest gains name, version, registered_at, `artifacts` {"artifacts/<relpath>": sha256}
+        and, when $ENVACE_REGISTRY_HMAC_KEY is set, `signature` (HMAC-SHA256). Returns the version
+        directory (a Path), or its s3:// URI (a str) for an S3 registry.
+
         Raises:
-            RegistryError: the version already exists (versions are immutable).
+            RegistryError: the version already exists (versions are immutable), also when another
+                writer registered it concurrently; S3 failures as storage.StoreError.
         """
-        final = self.version_dir(name, version)
-        if final.exists():
-            raise RegistryError(f"{name}@{version} is already registered at {final}; "
+        _check_ref(name, version)
+        if self._exists(name, version):
+            raise RegistryError(f"{name}@{version} is already registered at {self.uri(name, version)}; "
                                 "versions are immutable: register a new version")
 
         def build(tmp: Path) -> None:
@@ -99,34 +125,82 @@ class Registry:
             (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True))
 
         try:
-            atomic_dir(final, build, exists="error")
+            if self._s3 is None:
+                return atomic_dir(self.version_dir(name, version), build, exists="error")
+            with tempfile.TemporaryDirectory() as tmp:
+                build(Path(tmp))
+                self._s3.put_dir(tmp, f"{name}/{version}", overwrite=False)
+            return self.uri(name, version)
         except FileExistsError:
             raise RegistryError(f"{name}@{version} was registered concurrently") from None
-        return final
+        except StoreError as e:
+            if "already exists" in str(e):
+                raise RegistryError(f"{name}@{version} was registered concurrently") from None
+            raise
+
+    def _exists(self, name: str, version: str) -> bool:
+        if self._s3 is None:
+            return self.version_dir(name, version).exists()
+        return self._s3.exists(f"{name}/{version}/{CHECKSUMS}")
 
     def list(self) -> list[tuple[str, str]]:
-        return sorted((d.parent.name, d.name) for d in self.root.glob("*/*")
-                      if (d / MANIFEST).is_file())
+        """(name, version) of every registered model, sorted; S3 uploads that never committed are skipped."""
+        if self._s3 is None:
+            return sorted((d.parent.name, d.name) for d in self.root.glob("*/*")
+                          if (d / MANIFEST).is_file())
+        return sorted(tuple(k.split("/")) for k in self._s3.list_dirs() if k.count("/") == 1)  # type: ignore[misc]
 
     def show(self, name: str, version: str) -> dict[str, Any]:
+        """The manifest of `name@version`. RegistryError if it is not registered or corrupt."""
+        _check_ref(name, version)
+        try:
+            raw = self._read_manifest(name, version)
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, StoreError) as e:
+            if isinstance(e, StoreError) and "not found" in str(e):
+                raise RegistryError(f"{name}@{version} is not registered in {self.root}") from None
+            raise RegistryError(f"the manifest of {name}@{version} ({self.uri(name, version)}/{MANIFEST}) "
+                                f"is corrupt: {e}; this version cannot be trusted") from None
+
+    def _read_manifest(self, name: str, version: str) -> bytes:
+        if self._s3 is not None:
+            return self._s3.read_bytes(f"{name}/{version}/{MANIFEST}")
         path = self.version_dir(name, version) / MANIFEST
         if not path.is_file():
             raise RegistryError(f"{name}@{version} is not registered in {self.root}")
-        try:
-            return json.loads(path.read_text())
-        except json.JSONDecodeError as e:
-            raise RegistryError(f"the manifest of {name}@{version} ({path}) is corrupt: {e}; "
-                                "this version cannot be trusted") from e
+        return path.read_bytes()
+
+    def _actual_artifacts(self, name: str, version: str) -> dict[str, str]:
+        """{"artifacts/<relpath>": sha256 of what is stored now}; S3 objects that no longer match
+        their commit (or are gone) get the value "tampered"."""
+        if self._s3 is None:
+            vdir = self.version_dir(name, version)
+            return {f"artifacts/{k}": v for k, v in dir_checksums(vdir / "artifacts").items()}
+        key = f"{name}/{version}"
+        bad = set(self._s3.verify_dir(key))
+        sums = self._s3.read_json(f"{key}/{CHECKSUMS}")
+        return {rel: "tampered" if rel in bad else sha for rel, sha in sums.items()
+                if rel.startswith("artifacts/")}
 
     def verify(self, name: str, version: str) -> list[str]:
         """What fails verification (empty = ok): every artifact whose sha256 differs from the manifest,
         is missing or is extra, and `manifest.json (signature)` when a signing key is configured
         ($ENVACE_REGISTRY_HMAC_KEY) and the manifest's HMAC is absent or does not match (an edited
-        manifest)."""
-        manifest = self.show(name, version)
-        vdir = self.version_dir(name, version)
-        actual = {f"artifacts/{k}": v for k, v in dir_checksums(vdir / "artifacts").items()}
-        expected = manifest["artifacts"]
+        manifest). On S3 every object is streamed and hashed; if the manifest object itself no longer
+        matches its commit, the result lists `manifest.json` and every other file that fails.
+
+        Raises:
+            RegistryError: `name@version` is not registered.
+        """
+        try:
+            manifest = self.show(name, version)
+        except RegistryError:
+            broken = self._broken_s3_manifest(name, version)
+            if broken is None:
+                raise
+            return broken
+        actual = self._actual_artifacts(name, version)
+        expected = manifest.get("artifacts") or {}
         bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
         key = _signing_key()
         if key is not None:
@@ -134,3 +208,17 @@ class Registry:
             if not hmac.compare_digest(sig, manifest_signature(manifest, key)):
                 bad.append(f"{MANIFEST} (signature)")
         return bad
+
+    def _broken_s3_manifest(self, name: str, version: str) -> list[str] | None:
+        """For an S3 version whose manifest object no longer matches its commit: every file that
+        fails (manifest.json included); None otherwise (local, not registered, other errors)."""
+        if self._s3 is None or not self._exists(name, version):
+            return None
+        bad = self._s3.verify_dir(f"{name}/{version}")
+        return bad if MANIFEST in bad else None
+
+
+def _check_ref(name: str, version: str) -> None:
+    for part in (name, version):
+        if not part or "/" in part or part.startswith("."):
+            raise RegistryError(f"invalid model name/version {part!r}")

@@ -213,3 +213,140 @@ def test_local_store_has_the_same_directory_api(tmp_path):
     with pytest.raises(StoreError, match="not found"):
         local.get_dir("models/m/3")
     local.check()
+
+
+# ----------------------------------------------------------------------- the registry on S3 --
+
+def _registry(s3_server):
+    from envace_core.lineage import Registry
+
+    return Registry(f"{s3_server.root}/reg-{uuid.uuid4().hex[:8]}")
+
+
+def _commit(s3_server, reg, name, version):
+    key = f"{reg._s3.prefix}/{name}/{version}/CHECKSUMS.json"
+    return json.loads(s3_server.client.get_object(Bucket=s3_server.bucket, Key=key)["Body"].read())
+
+
+def _overwrite(s3_server, reg, name, version, rel, body):
+    """What an attacker with bucket write access does: replace a committed file's object in place."""
+    sha = _commit(s3_server, reg, name, version)[rel]
+    s3_server.client.put_object(Bucket=s3_server.bucket, Key=f"{reg._s3.prefix}/{name}/{version}/objects/{sha}",
+                                Body=body)
+
+
+def test_s3_registry_register_list_show_verify_and_refuse_duplicate(s3_server, tmp_path):
+    from envace_core.lineage import RegistryError
+
+    reg = _registry(s3_server)
+    art = _src(tmp_path, "art", **{"adapter/adapter_model.safetensors": b"weights", "config.json": "{}"})
+    uri = reg.register("m", "1", art, {"dataset": {"dvc": {"md5": "abc.dir"}}, "metrics": {"pass^1": 0.5}})
+    assert uri == f"{reg.root}/m/1" == reg.uri("m", "1")
+    reg.register("m", "2", art, {})
+    reg.register("other", "1", art, {})
+    assert reg.list() == [("m", "1"), ("m", "2"), ("other", "1")]
+    man = reg.show("m", "1")
+    assert man["name"] == "m" and man["dataset"]["dvc"]["md5"] == "abc.dir"
+    assert set(man["artifacts"]) == {"artifacts/adapter/adapter_model.safetensors", "artifacts/config.json"}
+    assert man["artifacts"]["artifacts/config.json"] == sha256_bytes(b"{}")
+    assert reg.verify("m", "1") == []
+    with pytest.raises(RegistryError, match="already registered"):
+        reg.register("m", "1", art, {})
+    with pytest.raises(RegistryError, match="not registered"):
+        reg.show("m", "9")
+    with pytest.raises(RegistryError, match="invalid model name"):
+        reg.register("../x", "1", art, {})
+    with pytest.raises(RegistryError, match="no local directory"):
+        reg.version_dir("m", "1")
+
+
+def test_s3_registry_verify_reports_tampered_objects_and_rewritten_commits(s3_server, tmp_path):
+    from envace_core.lineage import RegistryError
+    from envace_core.storage import S3Store
+
+    reg = _registry(s3_server)
+    art = _src(tmp_path, "art", **{"adapter.safetensors": b"weights", "config.json": "{}"})
+    reg.register("m", "1", art, {})
+    _overwrite(s3_server, reg, "m", "1", "artifacts/adapter.safetensors", b"evil")
+    assert reg.verify("m", "1") == ["artifacts/adapter.safetensors"]
+
+    # an attacker re-commits the version with a new artifact but the old manifest: still caught
+    reg.register("m", "2", art, {})
+    forged = reg._s3.get_dir("m/2")
+    (forged / "artifacts" / "config.json").write_text('{"lr": 1}')
+    S3Store(reg.root, cache_dir=tmp_path / "attacker").put_dir(forged, "m/2")
+    assert reg.verify("m", "2") == ["artifacts/config.json"]
+
+    # a replaced manifest object: show refuses it, verify names it (and any other bad file)
+    reg.register("m", "3", art, {})
+    _overwrite(s3_server, reg, "m", "3", "manifest.json", b'{"artifacts": {}}')
+    with pytest.raises(RegistryError, match="corrupt.*cannot be trusted"):
+        reg.show("m", "3")
+    _overwrite(s3_server, reg, "m", "3", "artifacts/config.json", b"{}!")
+    assert reg.verify("m", "3") == ["artifacts/config.json", "manifest.json"]
+
+
+def test_s3_registry_signed_manifest_detects_an_edited_metric(s3_server, tmp_path, monkeypatch):
+    from envace_core.storage import S3Store
+
+    monkeypatch.setenv("ENVACE_REGISTRY_HMAC_KEY", "k3y")
+    reg = _registry(s3_server)
+    reg.register("m", "1", _src(tmp_path, "art", w="w"), {"metrics": {"pass^1": 0.1}})
+    assert reg.show("m", "1")["signature"]["alg"] == "HMAC-SHA256" and reg.verify("m", "1") == []
+    local = reg._s3.get_dir("m/1")
+    man = json.loads((local / "manifest.json").read_text())
+    man["metrics"]["pass^1"] = 0.9
+    (local / "manifest.json").write_text(json.dumps(man))
+    S3Store(reg.root, cache_dir=tmp_path / "attacker").put_dir(local, "m/1")  # a consistent re-commit
+    assert reg.show("m", "1")["metrics"]["pass^1"] == 0.9
+    assert reg.verify("m", "1") == ["manifest.json (signature)"]
+
+
+def test_s3_registry_listing_skips_a_version_whose_upload_failed(s3_server, tmp_path, monkeypatch):
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    reg = _registry(s3_server)
+    art = _src(tmp_path, "art", **{"a.bin": b"a", "b.bin": b"b"})
+    reg.register("m", "1", art, {})
+    seen = _fail_uploads_after_first_object(reg._s3)
+    with pytest.raises(StoreError, match="cannot reach S3"):
+        reg.register("m", "2", art, {})
+    assert seen["failed_attempts"] == 2
+    assert reg.list() == [("m", "1")]  # nothing half-registered is listed
+    from envace_core.lineage import Registry
+
+    again = Registry(reg.root)  # a fresh client, without the failing hook
+    again.register("m", "2", art, {})  # the failed attempt did not block the version
+    assert again.list() == [("m", "1"), ("m", "2")] and again.verify("m", "2") == []
+
+
+def test_s3_registry_refuses_a_concurrent_duplicate(s3_server, tmp_path, monkeypatch):
+    from envace_core.lineage import Registry, RegistryError
+
+    reg = _registry(s3_server)
+    art = _src(tmp_path, "art", w="w")
+    reg.register("m", "1", art, {})
+    late = Registry(reg.root)
+    monkeypatch.setattr(late, "_exists", lambda name, version: False)  # it checked before the other wrote
+    with pytest.raises(RegistryError, match="registered concurrently"):
+        late.register("m", "1", art, {"metrics": {"other": 1}})
+    assert "other" not in reg.show("m", "1").get("metrics", {})
+
+
+def test_cli_registry_list_show_verify_on_s3(s3_server, tmp_path, capsys):
+    from envace_core.cli import main
+
+    reg = _registry(s3_server)
+    reg.register("m", "1", _src(tmp_path, "art", **{"adapter.safetensors": b"weights"}), {"execution_id": "x"})
+    over = f"store.registry={reg.root}"
+    assert main(["--overrides", over, "registry", "list"]) == 0
+    assert capsys.readouterr().out.split() == ["m@1"]
+    assert main(["--overrides", over, "registry", "show", "m@1"]) == 0
+    assert json.loads(capsys.readouterr().out)["execution_id"] == "x"
+    assert main(["--overrides", over, "registry", "verify", "m@1"]) == 0
+    assert capsys.readouterr().out.startswith("OK m@1")
+    _overwrite(s3_server, reg, "m", "1", "artifacts/adapter.safetensors", b"evil")
+    assert main(["--overrides", over, "registry", "verify", "m@1"]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("TAMPERED m@1") and "artifacts/adapter.safetensors" in out
+    assert main(["--overrides", over, "registry", "show", "m@2"]) == 2
+    assert "not registered" in capsys.readouterr().err

@@ -1,9 +1,10 @@
 import json
+from pathlib import Path
 
 import pytest
 
 from envace_core.lineage import Registry, RegistryError, git_state
-from envace_core.storage import LocalStore, StoreError
+from envace_core.storage import LocalStore, StoreError, dir_checksums
 
 
 def test_put_dir_is_atomic_and_checksummed(tmp_path):
@@ -84,3 +85,47 @@ def test_signed_manifest_detects_an_edited_metric(tmp_path, monkeypatch):
     man["metrics"]["pass^1"] = 0.1
     (path / "manifest.json").write_text(json.dumps(man))
     assert reg.verify("m", "1") == ["manifest.json (signature)"]  # wrong key: not trusted
+
+
+def test_register_writes_every_lineage_field_the_auditors_need(tmp_path, monkeypatch):
+    """Issue item 5: name+version, base model+hash, dataset DVC hash, git commit+dirty, full config,
+    Flyte execution id, metrics, both gates, and sha256 of every artifact (gate reports included)."""
+    from envace_core import stages
+    from envace_core.config import load_config
+    from envace_core.models import model_fingerprint
+
+    monkeypatch.setenv("ENVACE_REGISTRY_HMAC_KEY", "k")
+    cfg = load_config("test", {"store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "reg")}})
+    store = LocalStore(cfg.store.root)
+    store.write_json("validation/dataset/d1/gate.json", {"success": True, "checks": {"schema": True}})
+    store.write_json("validation/r1/gate.json", {"success": True, "checks": {"fidelity": True}})
+    base, adapter = tmp_path / "base", tmp_path / "adapter"
+    base.mkdir()
+    adapter.mkdir()
+    (base / "model.safetensors").write_bytes(b"base weights")
+    (adapter / "adapter_model.safetensors").write_bytes(b"lora")
+    dvc = {"tracked": True, "md5": "0123abcd.dir", "remote": "/r", "dvcfile": "data.dvc"}
+    dataset = {"version": "d1", "dir": "x", "n_train": 1, "n_test": 1, "gate": {"schema": True},
+               "gate_key": "validation/dataset/d1/gate.json", "dvc": dvc}
+    trained = {"adapter_dir": str(adapter), "base_model_dir": str(base), "run_id": "r1",
+               "history": [{"iteration": 1, "train/loss": 0.5}], "learning_signal": True}
+    validation = {"metrics": {"fidelity": 0.7}, "gate": {"fidelity": True}, "gate_key": "validation/r1/gate.json"}
+    evaluation = {"summary": {"no_rehearsal|all": {"pass^1": 0.25}}}
+    out = stages.register(cfg, dataset, trained, validation, evaluation, execution_id="f1234-n0-0")
+
+    m = json.loads(Path(out["manifest"]).read_text())
+    assert (m["name"], m["version"]) == (cfg.store.model_name, out["version"])
+    assert m["base_model"] == {"ref": cfg.model.ref, "sha256": model_fingerprint(base)}
+    assert m["dataset"]["dvc"]["md5"] == "0123abcd.dir" and m["dataset"]["version"] == "d1"
+    assert m["code"]["commit"] and isinstance(m["code"]["dirty"], bool)
+    assert m["config"] == cfg.to_dict() and m["execution_id"] == "f1234-n0-0"
+    assert m["metrics"]["training"]["train/loss"] == 0.5 and m["metrics"]["validation"]["fidelity"] == 0.7
+    assert m["metrics"]["evaluation"] == {"no_rehearsal|all": 0.25}
+    assert m["gates"] == {"dataset": {"schema": True}, "rehearsal": {"fidelity": True}}
+    vdir = Path(out["path"])
+    assert json.loads((vdir / "artifacts/gates/dataset.json").read_text())["checks"] == {"schema": True}
+    on_disk = {f"artifacts/{k}": v for k, v in dir_checksums(vdir / "artifacts").items()}
+    assert m["artifacts"] == on_disk and "artifacts/adapter/adapter_model.safetensors" in on_disk
+    assert m["signature"]["alg"] == "HMAC-SHA256"
+    reg = Registry(cfg.store.registry)
+    assert reg.verify(out["name"], out["version"]) == [] and reg.uri(out["name"], out["version"]) == str(vdir)
