@@ -6,6 +6,9 @@
     envace rehearse --task airline/3 [--mode parallel] [--n 4] [--model REF] [--adapter DIR]
                     [--reenter] [--no-verifier] [--max-turns K]      Private Rehearsal on one tau2 task
     envace rehearse --list [DOMAIN]  list the tau2 task ids per split
+    envace eval --model REF --bench tau2:airline,bfcl:simple [--rehearsal parallel:4] [--out DIR]
+                [--trials K] [--split test|full] [--limit N] [--user-model REF | --user-url URL]
+                                     benchmarks with their own scorers; results.json + report.md + PNGs
 """
 
 from __future__ import annotations
@@ -98,6 +101,23 @@ def _rehearse(args) -> int:
     return 0
 
 
+def _eval(args) -> int:
+    """Benchmark evaluation (`envace_core.eval_run`), then the report (`evaluation.report`)."""
+    from envace_core import eval_run
+    from envace_core.evaluation import report
+
+    opts = eval_run.EvalOptions(
+        model=args.model, benches=args.bench, out=args.out, rehearsal=args.rehearsal, user_model=args.user_model,
+        user_url=args.user_url, user_url_model=args.user_url_model, judge_model=args.judge_model,
+        judge_url=args.judge_url, trials=args.trials, split=args.split, limit=args.limit, max_steps=args.max_steps,
+        seed=args.seed, profile=args.profile, overrides=args.overrides)
+    res = eval_run.run_eval(opts)
+    paths = report.write_report(res, args.out)
+    report.print_summary(res)
+    print(f"report: {paths['report']}\nresults: {paths['results']}\nplots: {', '.join(paths['plots'])}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="envace")
     p.add_argument("--profile", default="cpu-smoke", choices=sorted(PROFILES))
@@ -120,13 +140,29 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--reenter", action="store_true", help="rehearse again before every real step")
     h.add_argument("--no-verifier", action="store_true", help="keep rehearsals the verifier would reject")
     h.add_argument("--max-turns", type=int, help="ACT turns (default: the profile's eval.max_turns)")
-    for sp in (t, c, r, h):  # the global options are also accepted after the subcommand
+    e = sub.add_parser("eval", help="evaluate a model on benchmarks (tau2, BFCL, VitaBench, FinMCP) with their scorers")
+    e.add_argument("--model", required=True, help="local HF folder, s3://..., bundled:smollm2-135m-instruct, "
+                   "or registry:NAME@VERSION (verified, then base model + adapter)")
+    e.add_argument("--bench", required=True, help="comma-separated: tau2:DOMAIN, bfcl:CATEGORY, vita:PATH, finmcp:PATH")
+    e.add_argument("--rehearsal", default="none", help="none | parallel:N | sequential:N (tau2 and VitaBench)")
+    e.add_argument("--out", default=".envace/eval", help="output folder (report, results, resume cache)")
+    e.add_argument("--trials", type=int, default=1, help="k trials per task (pass^k)")
+    e.add_argument("--split", default="test", choices=["test", "full"], help="tau2 split (full = every task)")
+    e.add_argument("--limit", type=int, help="first N tasks / entries / samples per bench (smoke runs)")
+    e.add_argument("--max-steps", type=int, default=30, help="tau2 orchestrator steps per task")
+    e.add_argument("--user-model", help="user simulator model ref (default: the evaluated policy)")
+    e.add_argument("--user-url", help="user simulator as an OpenAI-compatible base URL (…/v1)")
+    e.add_argument("--user-url-model", default="default", help="model name sent to --user-url / --judge-url")
+    e.add_argument("--judge-model", help="VitaBench rubric judge model ref (default: the user simulator)")
+    e.add_argument("--judge-url", help="VitaBench rubric judge as an OpenAI-compatible base URL")
+    e.add_argument("--seed", type=int, default=0)
+    for sp in (t, c, r, h, e):  # the global options are also accepted after the subcommand
         sp.add_argument("--profile", choices=sorted(PROFILES), default=argparse.SUPPRESS)
         sp.add_argument("--overrides", default=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
         return {"train": _train, "config": _config, "registry": _registry,
-                "rehearse": _rehearse}[args.cmd](args)
+                "rehearse": _rehearse, "eval": _eval}[args.cmd](args)
     except EnvaceError as e:
         print(f"envace: error: {e}", file=sys.stderr)
         return 2

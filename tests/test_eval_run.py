@@ -1,0 +1,200 @@
+"""`envace eval`: bench specs, model refs (registry included), a tiny-model end-to-end run, resume, report."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from envace_core import EnvaceError
+from envace_core.cli import main
+from envace_core.eval_run import (
+    BenchSpec,
+    BenchSpecError,
+    ModelRefError,
+    load_engine,
+    parse_benches,
+    parse_rehearsal,
+    resolve_model_ref,
+)
+
+FINMCP = Path(__file__).parent / "fixtures" / "finmcp_sample.json"
+VITA = Path(__file__).resolve().parents[2] / "shared" / "data" / "vitabench"
+if not VITA.exists():
+    VITA = Path("/work/shared/data/vitabench")
+
+
+@pytest.fixture
+def over(tmp_path):
+    return json.dumps({"model": {"compute_dtype": "float32"},
+                       "store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "registry")}})
+
+
+# ------------------------------------------------------------------------------------------- specs
+def test_specs_parse_normalise_and_dedupe():
+    got = parse_benches("tau2:airline, bfcl:simple,bfcl:simple_python,tau2:mock," f"finmcp:{FINMCP}")
+    assert got == [BenchSpec("tau2", "airline"), BenchSpec("bfcl", "simple_python"), BenchSpec("tau2", "mock"),
+                   BenchSpec("finmcp", str(FINMCP.resolve()))]
+    assert parse_rehearsal("none") == ("none", 0)
+    assert parse_rehearsal("parallel:4") == ("parallel", 4)
+    assert parse_rehearsal("sequential:2") == ("sequential", 2)
+
+
+@pytest.mark.parametrize("spec,needles", [
+    ("tau3:airline", ["tau3", "tau2, bfcl, vita, finmcp"]),
+    ("airline", ["BENCH:ARG"]),
+    ("tau2:banking", ["banking", "airline, retail, telecom, mock"]),
+    ("bfcl:java", ["java", "simple_python", "multi_turn_base", "live_simple"]),
+    ("vita:/nonexistent/vita", ["/nonexistent/vita", "does not exist"]),
+    ("finmcp:", ["finmcp needs the path"]),
+    ("", ["empty"]),
+])
+def test_bad_specs_name_the_item_and_the_choices(spec, needles):
+    with pytest.raises(BenchSpecError) as e:
+        parse_benches(spec)
+    for n in needles:
+        assert n in str(e.value)
+
+
+@pytest.mark.parametrize("text", ["parallel", "parallel:0", "sideways:2", "parallel:x", "none:3"])
+def test_bad_rehearsal_spec(text):
+    with pytest.raises(EnvaceError, match="parallel:N"):
+        parse_rehearsal(text)
+
+
+def test_cli_reports_bad_spec_in_one_line_before_loading_a_model(capsys, tmp_path):
+    assert main(["eval", "--model", "/nowhere/model", "--bench", "bfcl:cobol", "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "cobol" in err and "simple_python" in err and len(err.strip().splitlines()) == 1
+
+
+# ----------------------------------------------------------------------------------------- registry
+@pytest.fixture
+def registered(tiny_model_dir, tmp_path):
+    """A tiny LoRA adapter on the tiny model, registered as tiny@v1 in a tmp registry."""
+    from peft import LoraConfig, get_peft_model
+
+    from envace_core.lineage import Registry
+    from envace_core.models import load_model, model_fingerprint
+
+    art = tmp_path / "art"
+    model = get_peft_model(load_model(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    model.save_pretrained(art / "adapter")
+    root = tmp_path / "registry"
+    Registry(root).register("tiny", "v1", art, {"base_model": {"ref": str(tiny_model_dir),
+                                                               "sha256": model_fingerprint(tiny_model_dir)}})
+    return root
+
+
+def test_registry_ref_verifies_then_loads_base_plus_adapter(registered, tiny_model_dir):
+    from envace_core.config import load_config
+
+    m = resolve_model_ref("registry:tiny@v1", str(registered))
+    assert m.base_ref == str(tiny_model_dir) and m.manifest["version"] == "v1"
+    assert Path(m.adapter_dir, "adapter_config.json").is_file()
+    cfg = load_config("test", {"model": {"compute_dtype": "float32"}})
+    engine, n = load_engine(cfg, m)
+    _, n_base = load_engine(cfg, resolve_model_ref(str(tiny_model_dir), str(registered)))
+    assert n > n_base  # the LoRA weights are loaded on top of the base
+    assert type(engine.model).__name__.startswith("Peft")
+
+
+def test_registry_ref_errors(registered):
+    with pytest.raises(ModelRefError, match="NAME@VERSION"):
+        resolve_model_ref("registry:tiny", str(registered))
+    with pytest.raises(ModelRefError, match="not registered"):
+        resolve_model_ref("registry:tiny@v9", str(registered))
+    weights = next((registered / "tiny" / "v1" / "artifacts" / "adapter").glob("*.safetensors"))
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1  # one flipped bit
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ModelRefError, match="fails verification.*adapter_model.safetensors"):
+        resolve_model_ref("registry:tiny@v1", str(registered))
+
+
+def test_registry_ref_refuses_another_base_model(registered, tmp_path):
+    from envace_core.config import load_config
+
+    mf = registered / "tiny" / "v1" / "manifest.json"
+    m = resolve_model_ref("registry:tiny@v1", str(registered))
+    m.manifest["base_model"]["sha256"] = "0" * 64  # as if the base folder had been swapped since training
+    with pytest.raises(ModelRefError, match="base_model.sha256"):
+        load_engine(load_config("test", {"model": {"compute_dtype": "float32"}}), m)
+    assert mf.is_file()
+
+
+# ------------------------------------------------------------------------------------ end to end
+def _count_generate(monkeypatch) -> list[int]:
+    from envace_core.engines.hf import HFEngine
+
+    calls = [0]
+    real = HFEngine.generate
+
+    def counted(self, *a, **k):
+        calls[0] += 1
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(HFEngine, "generate", counted)
+    return calls
+
+
+def test_tiny_model_end_to_end_then_resume(tiny_model_dir, over, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "evalrun"
+    benches = f"tau2:airline,bfcl:simple,finmcp:{FINMCP}" + (f",vita:{VITA}" if VITA.exists() else "")
+    argv = ["--profile", "test", "--overrides", over, "eval", "--model", str(tiny_model_dir), "--bench", benches,
+            "--rehearsal", "parallel:2", "--limit", "1", "--max-steps", "4", "--out", str(out)]
+    calls = _count_generate(monkeypatch)
+    assert main(argv) == 0
+    first = json.loads((out / "results.json").read_text())
+    assert calls[0] > 0
+    assert {b["bench"] for b in first["benches"]} >= {"tau2", "bfcl", "finmcp"}
+    assert all(w["ran"] >= 1 and w["cached"] == 0 for w in first["work"].values())
+    tau = next(b for b in first["benches"] if b["bench"] == "tau2")
+    [rec] = tau["results"]
+    assert rec["task_id"] == "2" and rec["error"] is None and rec["reward"] in (0.0, 1.0)
+    assert tau["summary"]["pass_hat_k"]["1"] == rec["reward"]
+    assert rec["agent_stats"]["rehearsal_rounds"] >= (1 if rec["agent_stats"]["act_calls"] else 0)
+    bfcl = next(b for b in first["benches"] if b["bench"] == "bfcl")["report"]
+    assert bfcl["categories"]["simple_python"]["n"] == 1 and not bfcl["complete"]
+    for name in ("report.md", "report.html", "scores.png", "published_comparison.png"):
+        assert (out / name).stat().st_size > 0
+    assert (out / "scores.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    printed = capsys.readouterr().out
+    assert "report: " + str(out / "report.md") in printed and "simple_python" in printed
+
+    calls[0] = 0  # the same command again: everything comes from the cache, nothing is generated
+    assert main(argv) == 0
+    again = json.loads((out / "results.json").read_text())
+    assert calls[0] == 0
+    assert {k: w["cached"] for k, w in again["work"].items()} == {k: w["ran"] for k, w in first["work"].items()}
+    assert all(w["ran"] == 0 for w in again["work"].values())
+    assert [b.get("summary", b.get("report", b.get("micro"))) for b in again["benches"]] == \
+        [b.get("summary", b.get("report", b.get("micro"))) for b in first["benches"]]
+
+
+def test_report_states_model_user_and_labels_published_figures(tiny_model_dir, over, tmp_path):
+    out = tmp_path / "r"
+    assert main(["--profile", "test", "--overrides", over, "eval", "--model", str(tiny_model_dir), "--bench",
+                 "bfcl:simple", "--limit", "1", "--out", str(out)]) == 0
+    md = (out / "report.md").read_text()
+    assert "## Published figures beside ours" in md
+    assert "| EnvACE-8B (published) | 46.04 | 36.7 | 16.0 | 32.91 |" in md
+    assert "| Qwen3-8B (published) | 44.04 | 30.0 | 11.4 | 28.48 |" in md
+    assert "| EnvACE-8B (published) | 46.78 | 54.04 |" in md
+    assert "not measured here" in md and "arXiv:2608.06197" in md
+    assert "M parameters" in md and "user simulator (tau2): the evaluated policy itself" in md
+    res = json.loads((out / "results.json").read_text())
+    assert res["model"]["n_params"] > 0 and res["headline"]["BFCL-v4"] == res["benches"][0]["report"]["overall"]
+    html = (out / "report.html").read_text()
+    assert "(published)" in html and "data:image/png;base64," in html
+
+
+def test_evaluate_workflow_runs_locally_with_a_deck(tiny_model_dir, over, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # Flyte's local sandbox stays in tmp
+    from workflows.evaluate import evaluate
+
+    out = json.loads(evaluate(model=str(tiny_model_dir), bench="bfcl:simple", limit=1, out=str(tmp_path / "wf"),
+                              profile="test", overrides=over))
+    assert out["benches"][0]["report"]["categories"]["simple_python"]["n"] == 1
+    assert Path(out["report_paths"]["report"]).is_file() and len(out["report_paths"]["plots"]) == 2
