@@ -1,14 +1,32 @@
-"""Flyte task: alternate rollouts and role-wise GRPO steps for K iterations (one machine owns the loop)."""
+"""Flyte task: alternate rollouts and role-wise GRPO steps for K iterations.
+
+One worker (the default, and every local run) is a plain task on one GPU. ENVACE_TRAIN_NNODES /
+ENVACE_TRAIN_GPUS above 1 at registration make it a flytekitplugins-kfpytorch `Elastic` task with
+one worker per GPU (see tasks/settings.py): torch elastic starts the workers with WORLD_SIZE, RANK,
+MASTER_ADDR/PORT set, they join one process group (`envace_core.distributed`) and train data
+parallel (rollouts split by task, LoRA gradients all-reduced every optimizer step); rank 0 writes
+the checkpoints and its result is the task's output.
+"""
 
 import json
 
 import envace_core  # noqa: F401
-from flytekit import task
 
-from envace_core import stages
+from envace_core import distributed, stages
 from envace_core.config import config_from_json
+from tasks.settings import stage_task, train_scale, train_task_config
+
+_ELASTIC = train_task_config(*train_scale())
 
 
-@task
+# Elastic workers share tensors through /dev/shm, which a pod's default 64 MiB cannot hold.
+@stage_task("rollout_and_train", task_config=_ELASTIC, shared_memory=_ELASTIC is not None)
 def rollout_and_train(config: str, dataset: str) -> str:
-    return json.dumps(stages.rollout_and_train(config_from_json(config), json.loads(dataset)), default=str)
+    """K iterations of rollouts + role-wise GRPO; checkpoints to the artifact store (JSON result).
+
+    Cached on (config, dataset, code): a finished run with the same inputs is not trained again.
+    A run that failed is not cached, and re-running it resumes from its last checkpoint.
+    """
+    with distributed.session():  # one worker: no process group; Elastic workers: one, torn down after
+        return json.dumps(stages.rollout_and_train(config_from_json(config), json.loads(dataset)),
+                          default=str)

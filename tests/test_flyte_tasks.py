@@ -190,13 +190,16 @@ def test_train_task_is_plain_for_one_worker_and_elastic_for_several():
             train_scale(bad)
 
 
-def test_training_refuses_to_run_as_several_uncoordinated_workers(monkeypatch):
-    from tasks.settings import FlyteSettingsError
-    from tasks.train import _require_single_worker
+def test_training_workers_need_the_torch_elastic_rendezvous_variables(monkeypatch):
+    from envace_core.distributed import DistributedSetupError
+    from tasks.train import rollout_and_train
 
     monkeypatch.setenv("WORLD_SIZE", "4")
-    with pytest.raises(FlyteSettingsError, match="single-process"):
-        _require_single_worker()
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    monkeypatch.delenv("MASTER_PORT", raising=False)
+    with pytest.raises(DistributedSetupError, match="MASTER_ADDR"):
+        rollout_and_train.task_function(config="{}", dataset="{}")
 
 
 def test_weekly_retrain_launch_plan_fixes_the_profile_and_defaults_the_overrides():

@@ -18,3 +18,19 @@ def test_tiny_model_loads_and_generates(tiny_model_dir):
 def test_bad_model_ref_names_the_fix(ref):
     with pytest.raises(ModelNotFoundError, match="model|bundled"):
         resolve_model(ref)
+
+
+def test_policy_device_is_cpu_without_cuda_and_cuda_is_refused_clearly(monkeypatch):
+    import torch
+
+    from envace_core import EnvaceError
+    from envace_core.stages import policy_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert policy_device("auto") == torch.device("cpu")
+    assert policy_device("cpu") == torch.device("cpu")
+    with pytest.raises(EnvaceError, match="model.device=cuda"):
+        policy_device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert policy_device("auto") == torch.device("cuda", 3)  # the launcher's GPU, not always cuda:0
