@@ -8,16 +8,23 @@ import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
 from envace_core import EnvaceError
+from envace_core.config import ConfigError, load_config
+from envace_core.envs.base import RewardResult
 from envace_core.envs.tau2 import Tau2Environment, load_tasks
 from envace_core.rewards import (
     REWARDS,
     actions_reward,
     fidelity,
     flatten_json,
+    generation_rewards,
     get_reward_fn,
+    register_reward,
     replay_reward,
+    reward_fn_from_config,
+    row_rewards,
+    score_trajectory,
 )
-from envace_core.types import Observation, Step, ToolCall, Trajectory
+from envace_core.types import Generation, Observation, Role, Step, ToolCall, Trajectory
 
 
 def O(x, error=False):
@@ -148,9 +155,75 @@ def test_actions_reward_rule(retail5):
 
 def test_reward_registry():
     assert get_reward_fn("replay") is replay_reward and get_reward_fn("actions") is actions_reward
-    assert set(REWARDS) == {"replay", "actions"}
-    with pytest.raises(EnvaceError, match="actions"):
+    assert set(REWARDS) == {"replay", "actions", "judge"}
+    with pytest.raises(EnvaceError, match="reward.name.*actions"):
         get_reward_fn("judge-gpt")
+    with pytest.raises(EnvaceError, match="needs \\['judge'\\]"):
+        get_reward_fn("judge")  # the judge's engine is a resource that must be bound
+
+
+def test_a_new_reward_is_one_function_and_selectable_by_config(retail5, monkeypatch):
+    monkeypatch.setattr("envace_core.rewards.REWARDS", dict(REWARDS))
+
+    @register_reward("n_calls")
+    def n_calls(task, trajectory, scale=1.0):
+        r = RewardResult(reward=scale * len(trajectory.tool_calls()), info={"reward_fn": "n_calls"})
+        trajectory.reward, trajectory.reward_info = r.reward, dict(r.info)
+        return r
+
+    cfg = load_config("test", "reward.name=n_calls")
+    fn = reward_fn_from_config(cfg)
+    traj = Trajectory(task_id=retail5.id, steps=[Step(action=a) for a in retail5.gold_actions],
+                      termination="agent_message")
+    score_trajectory(retail5, traj, fn)
+    assert traj.reward == len(retail5.gold_actions)
+    assert all(s.real_observation is not None for s in traj.steps)  # fidelity/replay filled anyway
+    with pytest.raises(EnvaceError, match="already registered"):
+        register_reward("replay")(n_calls)
+    with pytest.raises(ConfigError, match="unknown reward 'nope'"):
+        load_config("test", "reward.name=nope")
+
+
+# ------------------------------------------------------------------- termination and row rewards
+
+
+def test_score_trajectory_termination_rule_and_masking(retail5):
+    gold = [Step(action=a) for a in retail5.gold_actions]
+    clean = Trajectory(task_id=retail5.id, steps=gold + [Step(message="Done.")], termination="user_stop")
+    assert score_trajectory(retail5, clean, actions_reward).reward == 1.0  # user stop is clean
+    cut = Trajectory(task_id=retail5.id, steps=list(gold), termination="max_turns")
+    assert score_trajectory(retail5, cut, actions_reward).reward == 0.0
+    assert cut.reward_info["actions_reward"] == 1.0
+    bad = Trajectory(task_id=retail5.id, steps=list(gold), termination="parse_error")
+    assert score_trajectory(retail5, bad, actions_reward, format_penalty=-0.5).reward == -0.5
+
+    def failing(task, trajectory):
+        trajectory.reward, trajectory.reward_info = None, {"reward_fn": "failing", "error": "x"}
+
+    masked = Trajectory(task_id=retail5.id, steps=list(gold), termination="max_turns")
+    assert score_trajectory(retail5, masked, failing).reward is None  # masked, never 0
+
+
+def _gen(role):
+    return Generation(role=role, prompt_ids=[1], completion_ids=[2], logprobs=[0.0])
+
+
+def test_row_rewards_fidelity_bonus_for_rehearse_rows_only():
+    a = ToolCall(name="f", arguments={})
+    steps = [Step(action=a, observation=O({"x": 1}), real_observation=O({"x": 1}), fidelity=1.0),
+             Step(action=a, observation=None, real_observation=O({"x": 2})),  # unparseable rehearsal
+             Step(message="done")]
+    gens = [_gen(Role.ACT), _gen(Role.REHEARSE), _gen(Role.ACT), _gen(Role.REHEARSE), _gen(Role.ACT),
+            _gen(Role.USER)]
+    t = Trajectory(task_id="t", steps=steps, generations=gens, reward=0.5)
+    assert row_rewards(t) == [0.5] * 6
+    assert row_rewards(t, 0.2) == [0.5, pytest.approx(0.7), 0.5, 0.5, 0.5, 0.5]
+    unknown = t.model_copy(update={"steps": [Step(action=a, observation=O({}))] * 2})
+    assert row_rewards(unknown, 0.2)[1] is None and row_rewards(unknown, 0.2)[0] == 0.5
+    t.reward = None
+    assert row_rewards(t, 0.2) == [None] * 6
+    rows = generation_rewards([t.model_copy(update={"reward": 1.0})], 0.0)
+    assert [g.role for _, g, _ in rows] == [g.role for g in gens] and {r for *_, r in rows} == {1.0}
 
 
 def test_tool_call_ids_do_not_need_to_be_unique(retail5):

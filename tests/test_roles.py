@@ -309,3 +309,59 @@ def test_memory_text_budget(tok):
         assert all(line in lines for line in m.splitlines())
     assert roles.memory_text(rehearsals, 5, tok) == ""  # a header alone is never emitted
     assert roles.memory_text(["same\nx", "same\ny"], 100, tok) == "[rehearsal 2]\nsame\ny\n[rehearsal 1]\nx"
+
+
+# ------------------------------------------------------------------------------------ USER-REHEARSE
+@pytest.fixture(scope="module")
+def airline_task():
+    from envace_core.envs.tau2 import load_tasks
+
+    return load_tasks("airline", "train", limit=3)[2]
+
+
+def test_user_constants_are_tau2s():
+    from tau2.orchestrator.orchestrator import DEFAULT_FIRST_AGENT_MESSAGE
+    from tau2.user.base import OUT_OF_SCOPE, STOP, TRANSFER
+
+    assert roles.USER_STOP_TOKENS == (STOP, TRANSFER, OUT_OF_SCOPE)
+    assert roles.AGENT_GREETING == DEFAULT_FIRST_AGENT_MESSAGE.content
+
+
+def test_user_prompt_is_tau2s_user_simulator_prompt(tok, airline_task):
+    """Same system prompt and role flipping as tau2's UserSimulator (as our eval user simulator sends it)."""
+    from tau2.data_model.message import AssistantMessage, UserMessage
+
+    from envace_core.evaluation.tau2 import EnvaceUserSimulator
+
+    instr = roles.user_instructions(airline_task.user_scenario)
+    assert "Known info:" in instr and "anya_garcia_5901" in instr and "Unknown info:" in instr
+    history = [Message(role="user", content=airline_task.first_user_message),
+               Message(role="assistant", tool_call=ToolCall(name="get_user_details", arguments={"user_id": "u"})),
+               Message(role="tool", content='{"membership": "silver"}'),
+               Message(role="assistant", content="You are a silver member.")]
+    ours = roles.user_messages(instr, history)
+    sim = EnvaceUserSimulator(instructions=instr, engine=object())
+    state = sim.get_init_state(message_history=[
+        AssistantMessage(role="assistant", content=roles.AGENT_GREETING),
+        UserMessage(role="user", content=airline_task.first_user_message),
+        AssistantMessage(role="assistant", content="You are a silver member.")])
+    assert ours == sim._chat(state.system_messages + state.flip_roles())
+    text = tok.decode(roles.user_prompt_ids(tok, instr, history))
+    assert "silver" in text and '"membership"' not in text and "get_user_details" not in text  # no tool I/O
+    assert text.endswith("<|im_start|>assistant\n")
+    with pytest.raises(EnvaceError, match="user_scenario"):
+        roles.user_instructions('{"persona": 3}')
+
+
+def test_parse_user():
+    assert roles.parse_user("  My id is u1. ") == roles.UserTurn("My id is u1.", False)
+    assert roles.parse_user("###STOP###").stop
+    assert roles.parse_user("Thanks, bye! ###TRANSFER###\n") == roles.UserTurn("Thanks, bye! ###TRANSFER###", True)
+    with pytest.raises(roles.InvalidUserTurn, match="after the stop token"):
+        roles.parse_user("###STOP### and one more thing")
+    assert roles.parse_user("###STOP### and one more thing", strict=False).stop
+    with pytest.raises(roles.InvalidUserTurn, match="no tools"):
+        roles.parse_user(call_text())
+    with pytest.raises(EmptyOutput):
+        roles.parse_user(" \n")
+    assert isinstance(roles.InvalidUserTurn("x"), ParseError)

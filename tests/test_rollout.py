@@ -66,3 +66,171 @@ def test_trained_token_ids_are_exactly_the_generated_ones(tiny_model_dir):
         assert r.old_logprobs == g.logprobs
     for g, lp in zip(gens, trainer.completion_logprobs(rows)):
         assert lp == pytest.approx(g.logprobs, abs=1e-4)
+
+
+# ------------------------------------------------------------------------------------ USER-REHEARSE
+class UserScriptedEngine(ScriptedEngine):
+    """ScriptedEngine that also answers USER-REHEARSE prompts (recognised by tau2's <scenario> tag):
+    user reply i = user_texts[i], i = the user's own earlier turns (after the first message)."""
+
+    def __init__(self, tokenizer, act_texts, user_texts, rehearse_text='{"status": "ok"}'):
+        super().__init__(tokenizer, act_texts, rehearse_text)
+        self.user_texts, self.user_prompts = list(user_texts), []
+
+    def generate(self, prompts, params):
+        out = []
+        for p in prompts:
+            text = self.tokenizer.decode(p)
+            if "<scenario>" not in text:
+                out += super().generate([p], params)
+                continue
+            self.calls.append("user")
+            self.user_prompts.append(text)
+            i = text.count("<|im_start|>assistant") - 2  # own turns, minus the opening and the generation prompt
+            reply = self.user_texts[min(i, len(self.user_texts) - 1)]
+            out.append([self._completion(reply) for _ in range(params.n)])
+        return out
+
+
+ASK = "Could you tell me your user id?"
+
+
+@pytest.fixture(scope="module")
+def one_call_task():
+    return next(t for t in load_tasks("airline", "test") if len(t.gold_actions) == 1)
+
+
+def test_user_rehearse_imagines_user_turns_until_stop(tiny_model_dir, one_call_task):
+    from envace_core import roles
+
+    task, tok = one_call_task, load_tokenizer(tiny_model_dir)
+    engine = UserScriptedEngine(tok, [ASK, _gold_text(task.gold_actions[0]), "All done."],
+                                ["My user id is in my first message.", "Thanks! ###STOP###"])
+    p = RolloutParams(max_turns=4, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
+    instr = roles.user_instructions(task.user_scenario)
+    t = rehearsal_rollouts(engine, task_context(task, 300), 2, p, seed=0, user=instr)[0]
+    assert [g.role for g in t.generations] == [Role.ACT, Role.USER, Role.ACT, Role.REHEARSE, Role.ACT, Role.USER]
+    assert t.termination == "user_stop"
+    assert [s.message for s in t.steps if s.action is None] == [ASK, "All done."]
+    # the user's reply is ACT's next context; the user sees no tool I/O; the scenario reaches only USER
+    act2 = tok.decode(t.generations[2].prompt_ids)
+    assert "My user id is in my first message." in act2 and "<scenario>" not in act2
+    assert '{"status": "ok"}' not in engine.user_prompts[-1] and ASK in engine.user_prompts[-1]
+    assert "Task instructions:" in engine.user_prompts[0]
+    assert score(task, t).reward == score(task, t.model_copy(update={"termination": "agent_message"})).reward
+    assert t.reward_info["reward_fn"] == "replay" and t.sub_rewards.get("DB") == 1.0  # user stop is clean
+
+
+def test_user_rehearse_turn_budget_and_parse_error(tiny_model_dir, one_call_task):
+    from envace_core import roles
+
+    task, tok = one_call_task, load_tokenizer(tiny_model_dir)
+    instr = roles.user_instructions(task.user_scenario)
+    p1 = RolloutParams(max_turns=1, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
+    eng = UserScriptedEngine(tok, [ASK], ["never asked"])
+    t = rehearsal_rollouts(eng, task_context(task, 300), 1, p1, user=instr)[0]
+    assert t.termination == "agent_message" and "user" not in eng.calls  # budget spent: no user turn
+    p3 = RolloutParams(max_turns=3, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
+    bad = rehearsal_rollouts(UserScriptedEngine(tok, [ASK], ["###STOP### p.s."]), task_context(task, 300), 1, p3,
+                             user=instr)[0]
+    assert bad.termination == "parse_error" and bad.generations[-1].role == Role.USER
+    assert bad.generations[-1].parse_error.startswith("InvalidUserTurn")
+    assert score(task, bad, format_penalty=-1.0).reward == -1.0
+    chatty = rehearsal_rollouts(UserScriptedEngine(tok, [ASK], ["Why?"]), task_context(task, 300), 1, p3,
+                                user=instr)[0]
+    assert [g.role for g in chatty.generations] == [Role.ACT, Role.USER] * 2 + [Role.ACT]
+    assert chatty.termination == "agent_message"  # the last allowed ACT turn spoke: budget, not a stop
+
+
+def test_user_rows_get_the_trajectory_reward_and_their_own_baseline():
+    from envace_core.grpo import role_advantages
+    from envace_core.rewards import generation_rewards
+    from envace_core.types import Generation, Trajectory
+
+    def traj(r, roles_):
+        return Trajectory(task_id="t", reward=r, generations=[
+            Generation(role=x, prompt_ids=[1], completion_ids=[2], logprobs=[0.0]) for x in roles_])
+
+    trajs = [traj(1.0, [Role.ACT, Role.USER, Role.ACT]), traj(0.0, [Role.ACT, Role.USER, Role.ACT, Role.USER])]
+    rows = generation_rewards(trajs)
+    adv, _valid, stats = role_advantages([r for *_, r in rows], [g.role.value for _, g, _ in rows],
+                                        [t.task_id for t, _, _ in rows])
+    user = [a for (_, g, _), a in zip(rows, adv.tolist()) if g.role == Role.USER]
+    assert user == pytest.approx([1 - 1 / 3, -1 / 3, -1 / 3])  # baseline = mean over the 3 USER rows
+    assert stats["reward_mean/user"] == pytest.approx(1 / 3) and stats["reward_mean/act"] == pytest.approx(0.5)
+
+
+# ------------------------------------------------------------------------------ training groups
+def test_training_group_default_is_rehearsal_rollouts_plus_replay_score(tiny_model_dir, one_call_task):
+    task, tok = one_call_task, load_tokenizer(tiny_model_dir)
+    cfg = load_config("test", {"rollout": {"group_size": 2, "max_turns": 3}})
+    p = RolloutParams(max_turns=3, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
+    texts = [_gold_text(task.gold_actions[0]), "All done."]
+    from envace_core.rollout import training_group
+
+    got = training_group(ScriptedEngine(tok, texts), task, cfg, p, seed=5)
+    ref = [score(task, t) for t in rehearsal_rollouts(ScriptedEngine(tok, texts), task_context(task, 300), 2, p, seed=5)]
+    assert [t.model_dump() for t in got] == [t.model_dump() for t in ref]
+
+
+def test_real_source_is_act_only_against_private_environments(tiny_model_dir, one_call_task):
+    from envace_core.envs.tau2 import Tau2Environment
+    from envace_core.rollout import training_group
+
+    task, tok = one_call_task, load_tokenizer(tiny_model_dir)
+    made = []
+
+    def factory(domain):
+        made.append(Tau2Environment(domain))
+        return made[-1]
+
+    cfg = load_config("test", {"rollout": {"source": "real", "group_size": 3, "max_turns": 3}})
+    p = RolloutParams(max_turns=3, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
+    engine = ScriptedEngine(tok, [_gold_text(task.gold_actions[0]), "All done."])
+    trajs = training_group(engine, task, cfg, p, seed=0, env_factory=factory)
+    assert "rehearse" not in engine.calls and len(made) == 3  # one fresh private copy per trajectory
+    assert all(env.calls_made == 1 for env in made)
+    for t in trajs:
+        assert not t.imagined and [g.role for g in t.generations] == [Role.ACT, Role.ACT]
+        s = t.steps[0]
+        assert s.observation is not None and s.observation == s.real_observation and s.fidelity is None
+        assert tok.decode(t.generations[1].prompt_ids).count(s.observation.content[:40]) == 1  # real obs as context
+        assert t.reward is not None and t.reward_info["reward_fn"] == "replay"
+    imagined = training_group(ScriptedEngine(tok, [_gold_text(task.gold_actions[0]), "All done."]), task,
+                              load_config("test", {"rollout": {"group_size": 3, "max_turns": 3}}), p, seed=0)
+    assert [t.sub_rewards.get("DB") for t in trajs] == [t.sub_rewards.get("DB") for t in imagined]  # same reward
+
+
+# ----------------------------------------------------------------------------------- role freezing
+def test_frozen_roles_get_no_rows_and_no_gradient(tiny_model_dir, one_call_task):
+    """With train.trained_roles=[act], REHEARSE and USER rows are skipped: the step equals an ACT-only step."""
+    import torch
+
+    from envace_core import roles
+
+    task, tok = one_call_task, load_tokenizer(tiny_model_dir)
+    engine = UserScriptedEngine(tok, [ASK, _gold_text(task.gold_actions[0]), "All done."], ["u1", "###STOP###"])
+    p = RolloutParams(max_turns=4, max_new_tokens_act=16, max_new_tokens_rehearse=16, temperature=1.0)
+    t = rehearsal_rollouts(engine, task_context(task, 300), 1, p, user=roles.user_instructions(task.user_scenario))[0]
+    rows = [TrainingRow.from_generation(g, 1.0 if i % 2 else -1.0) for i, g in enumerate(t.generations)]
+    scorer = PolicyTrainer(load_model(tiny_model_dir), tok, load_config("test").train, compute_dtype="float32")
+    for r, lp in zip(rows, scorer.completion_logprobs(rows)):
+        r.old_logprobs = lp  # on-policy behaviour log-probs (the scripted engine's are placeholders)
+    assert {r.role for r in rows} == {"act", "rehearse", "user"}
+    cfg = load_config("test", {"train": {"trained_roles": ["act"], "learning_rate": 1e-2}})
+    assert set(load_config("test", {"train": {"trained_roles": ["act", "rehearse", "user"]}}).train.trained_roles) \
+        == {"act", "rehearse", "user"}
+
+    def after_step(batch):
+        tr = PolicyTrainer(load_model(tiny_model_dir), tok, cfg.train, compute_dtype="float32")
+        m = tr.step(batch)
+        return m, {n: q.detach().clone() for n, q in tr.model.named_parameters() if q.requires_grad}
+
+    m_all, w_all = after_step(rows)
+    m_act, w_act = after_step([r for r in rows if r.role == "act"])
+    assert m_all["rows"] == m_act["rows"] == 3 and m_all["rows_skipped"] == 3
+    assert all(torch.equal(w_all[n], w_act[n]) for n in w_act)
+    assert any(not torch.equal(w_act[n], torch.zeros_like(w_act[n])) for n in w_act if "lora_B" in n)  # it moved
+    frozen = [r for r in rows if r.role != "act"]
+    with pytest.raises(ValueError, match="no trainable row"):
+        PolicyTrainer(load_model(tiny_model_dir), tok, cfg.train, compute_dtype="float32").step(frozen)
