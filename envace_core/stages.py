@@ -8,6 +8,7 @@ directly. Large artifacts (datasets, adapters) live in the artifact store; stage
 from __future__ import annotations
 
 import json
+import os
 import random
 import statistics
 import tempfile
@@ -75,7 +76,9 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
     calls, no test-split task in training, `data.min_dataset_rows`..`max_dataset_rows` tasks); a
     failing gate writes nothing and raises `gates.GateFailed` (a GateError; a DataLeakError too when
     test tasks leaked into training). The passing gate's results are saved to
-    `validation/dataset/<version>/gate.json`.
+    `validation/dataset/<version>/gate.json`. Then `datavc.track_dataset` DVC-tracks the dataset
+    as `data/` (`data.dvc`) and pushes it to the DVC remote (`data.dvc*` settings); its result,
+    with the DVC md5, is returned as "dvc".
     """
     from envace_core.envs.tau2 import load_tasks
     from envace_core.gates import dataset_gate
@@ -84,6 +87,10 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
     train = [t for dom in d.domains for t in load_tasks(dom, d.train_split, d.max_train_tasks_per_domain)]
     full_test = {dom: load_tasks(dom, d.test_split) for dom in d.domains}
     test = [t for dom in d.domains for t in full_test[dom][:d.max_test_tasks_per_domain]]
+    if d.synthetic_tasks_per_domain:  # + verified train tasks synthesized from the DBs, no test users
+        from envace_core.synth import synthesize_for_curate
+
+        train += synthesize_for_curate(d, full_test)
     all_test_ids = {t.id for tasks in full_test.values() for t in tasks}
     records = [_task_record(t) for t in train + test]
     frame = pd.DataFrame(records)
@@ -107,8 +114,12 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
     store.write_json(gate_key, gate.to_dict())
     print(f"[curate] dataset {version}: {len(train)} train / {len(test)} test tasks "
           f"({', '.join(d.domains)}) -> {store.uri(key)}")
+    from envace_core.datavc import track_dataset
+
+    dvc = track_dataset(store, key, d)  # data.dvc + push; {"tracked": False, "reason"} outside a DVC repo
     return {"store": cfg.store.root, "key": key, "dir": store.uri(key), "version": version,
-            "n_train": len(train), "n_test": len(test), "gate": gate.checks, "gate_key": gate_key}
+            "n_train": len(train), "n_test": len(test), "gate": gate.checks, "gate_key": gate_key,
+            "dvc": dvc}
 
 
 def _pkg_version(name: str) -> str:
@@ -130,18 +141,45 @@ def load_dataset(dataset: dict[str, Any], split: str) -> list[Task]:
 
 
 # ---------------------------------------------------------------------------------------- policy
+def policy_device(device: str = "auto") -> "torch.device":
+    """cuda:$LOCAL_RANK (the launcher's local rank, 0 without one) or cpu, per `model.device`.
+
+    Raises:
+        EnvaceError: model.device=cuda on a machine without CUDA.
+    """
+    import torch
+
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise EnvaceError("model.device=cuda but torch sees no CUDA device (CPU wheel or no GPU); "
+                          "use model.device=auto or cpu")
+    return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0") or 0))
+
+
 def load_policy(cfg: RunConfig, adapter_dir: Optional[str] = None):
-    """(model, tokenizer, base model dir) for the configured base, with a LoRA adapter if given."""
+    """(model, tokenizer, base model dir) for the configured base, with a LoRA adapter if given.
+
+    A per-role policy's adapter directory (act/ and rehearse/, `train.policy_per_role`) loads both
+    as named adapters; engines over it then generate each role with its own (`ROLE_ADAPTERS`).
+    """
     from envace_core.models import load_model, load_tokenizer, resolve_model
 
     base = resolve_model(cfg.model.ref)
     model, tok = load_model(base), load_tokenizer(base)
+    model.to(policy_device(cfg.model.device))
     if adapter_dir:
         from peft import PeftModel
 
-        if not (Path(adapter_dir) / "adapter_config.json").is_file():
+        d = Path(adapter_dir)
+        if (d / "act" / "adapter_config.json").is_file() and (d / "rehearse" / "adapter_config.json").is_file():
+            model = PeftModel.from_pretrained(model, str(d / "act"), adapter_name="act")
+            model.load_adapter(str(d / "rehearse"), adapter_name="rehearse")
+            model.set_adapter("act")
+        elif (d / "adapter_config.json").is_file():
+            model = PeftModel.from_pretrained(model, adapter_dir)
+        else:
             raise EnvaceError(f"no LoRA adapter in {adapter_dir}: re-run the train stage")
-        model = PeftModel.from_pretrained(model, adapter_dir)
     model.eval()
     return model, tok, base
 
@@ -155,21 +193,19 @@ def rollout_params(cfg: RunConfig, temperature: Optional[float] = None, max_turn
                          temperature=r.temperature if temperature is None else temperature, top_p=r.top_p)
 
 
-def score(task: Task, traj: Trajectory, format_penalty: float = 0.0) -> Trajectory:
-    """Replay-score a trajectory (METHOD.md §2) and apply tau2's termination rule.
+def score(task: Task, traj: Trajectory, format_penalty: float = 0.0, reward_fn=None) -> Trajectory:
+    """Score a trajectory (METHOD.md §2; default: the `replay` reward) and apply tau2's termination rule.
 
-    The replay evaluator runs for every trajectory (it also fills the real observations and the
-    rehearsal fidelity), but, as in tau2's `evaluate_simulation`, only a trajectory that ended with
-    the agent's message keeps its score: one stopped by the turn limit gets 0, one stopped by an
-    unparseable output gets `format_penalty`. A scoring failure leaves `reward=None` (masked).
+    `rewards.score_trajectory`: the reward function (`reward_fn`, default `rewards.replay_reward`;
+    evaluation always uses replay) runs for every trajectory, and the real observations and the
+    rehearsal fidelity are filled too, but, as in tau2's `evaluate_simulation`, only a trajectory
+    that ended cleanly (the agent's message, or the rehearsed user's stop token) keeps its score:
+    one stopped by the turn limit gets 0, one stopped by an unparseable output gets
+    `format_penalty`. A scoring failure leaves `reward=None` (masked).
     """
-    from envace_core.rewards import replay_reward
+    from envace_core.rewards import score_trajectory
 
-    replay_reward(task, traj)
-    if traj.reward is not None and traj.termination != "agent_message":
-        traj.reward_info["replay_reward"] = traj.reward
-        traj.reward = format_penalty if traj.termination == "parse_error" else 0.0
-    return traj
+    return score_trajectory(task, traj, reward_fn, format_penalty)
 
 
 def _mean(xs: list[float]) -> Optional[float]:
@@ -182,8 +218,10 @@ def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
     out: dict[str, Any] = {"trajectories": len(trajs), "fidelity": _mean(fid),
                            "fidelity_n": len(fid),
                            "success_rate": _mean([float((t.reward or 0) >= 1.0) for t in trajs])}
-    for role in (Role.ACT, Role.REHEARSE):
+    for role in (Role.ACT, Role.REHEARSE, Role.USER):
         rg = [g for g in gens if g.role == role]
+        if role == Role.USER and not rg:
+            continue  # USER-REHEARSE off: keep the training table as it was
         out[f"parse_error_rate/{role.value}"] = _mean([float(g.parse_error is not None) for g in rg])
         out[f"rows/{role.value}"] = len(rg)
     out["parse_error_rate"] = _mean([float(g.parse_error is not None) for g in gens])
@@ -197,78 +235,136 @@ def _run_id(cfg: RunConfig, dataset: dict[str, Any]) -> str:
     return sha256_bytes(json.dumps([d, dataset["version"]], sort_keys=True).encode())[:12]
 
 
-def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]:
-    """K iterations of: G self-unfolded rollouts per task → replay rewards → one role-wise GRPO step.
+def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    """The order in which epoch `epoch` visits the n train tasks: a seeded shuffle per epoch."""
+    order = list(range(n))
+    random.Random(seed + 1_000_003 * epoch).shuffle(order)
+    return order
 
-    Checkpoints (adapter + loop state) go to the artifact store after every iteration; re-running
-    the same config on the same dataset resumes after the last finished iteration.
+
+def _next_tasks(n: int, seed: int, cursor: dict[str, int], k: int) -> tuple[list[int], dict[str, int]]:
+    """Indices of the next k of n train tasks from the data cursor {"epoch", "position"} and the
+    cursor after them; a batch that reaches the end of an epoch continues in the next one's order,
+    and a cursor at the end of an epoch is moved to the start of the next (epoch + 1, 0)."""
+    epoch, pos, out = cursor["epoch"], cursor["position"], []
+    while len(out) < k:
+        take = _epoch_order(n, seed, epoch)[pos:pos + k - len(out)]
+        out, pos = out + take, pos + len(take)
+        if pos >= n:
+            epoch, pos = epoch + 1, 0
+    return out, {"epoch": epoch, "position": pos}
+
+
+def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]:
+    """K iterations of: G self-unfolded rollouts per task → replay rewards → a role-wise GRPO update
+    (`PolicyTrainer.update`: `ppo_epochs` × mini-batches, then one LR-schedule step).
+
+    Tasks come from the data cursor: epoch e visits the train tasks in a permutation seeded by
+    (train.seed, e). Every `train.checkpoint_every` iterations and after the last one, a checkpoint
+    (adapter, optimizer, scheduler, RNG states, data cursor, step counts, history;
+    `PolicyTrainer.save_checkpoint`) is written atomically to the artifact store. Re-running the same
+    config on the same dataset resumes from it and reproduces the uninterrupted run's metrics (wall
+    times aside); a corrupt checkpoint raises `trainer.CheckpointError` and is left as it is.
+
+    Under torch elastic / kfpytorch `Elastic` (WORLD_SIZE > 1; `distributed.init_from_env`), rank r
+    rolls out the contiguous share `shard_range` of each iteration's tasks, with the same per-task
+    seeds a single process would use, and the trajectories are gathered in task order on every rank:
+    rewards, advantages, metrics and training rows are then exactly the single process's, and every
+    optimizer step applies the gradient over all rows (`PolicyTrainer.step`). Only rank 0 writes
+    rollouts and checkpoints (the others wait at a barrier); every rank resumes from the same one.
     """
     import torch
 
+    from envace_core import distributed
     from envace_core.engines.hf import HFEngine
-    from envace_core.envs.tau2 import task_context
     from envace_core.grpo import role_advantages
-    from envace_core.rollout import rehearsal_rollouts
+    from envace_core.rewards import generation_rewards
+    from envace_core.rollout import training_group
     from envace_core.trainer import PolicyTrainer, TrainingRow
 
     store = open_store(cfg.store.root)
     run_id = _run_id(cfg, dataset)
     ckpt_key = f"runs/{run_id}/checkpoint"
     tasks = load_dataset(dataset, "train")
-    random.Random(cfg.train.seed).shuffle(tasks)
+    if not tasks:
+        raise EnvaceError(f"dataset {dataset['version']} has no train tasks: re-run curate")
+    world = distributed.init_from_env()
+    say = print if world.is_main else (lambda *a, **k: None)
     model, tok, base = load_policy(cfg)
+    if world.enabled:
+        model.to(world.device)  # cuda:LOCAL_RANK under NCCL; the trainer broadcasts rank 0's LoRA
     trainer = PolicyTrainer(model, tok, cfg.train, compute_dtype=cfg.model.compute_dtype)
-    engine = HFEngine(trainer.model, tok, compute_dtype=cfg.model.compute_dtype)
+    engine = HFEngine(trainer.model, tok, compute_dtype=cfg.model.compute_dtype,
+                      prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
     history: list[dict[str, Any]] = []
+    start, cursor = 0, {"epoch": 0, "position": 0}
     if store.exists(f"{ckpt_key}/state.json"):
-        state = store.read_json(f"{ckpt_key}/state.json")
-        trainer.load_adapter(str(store.get_dir(ckpt_key) / "adapter"))
-        history = state["history"]
-        print(f"[train] resuming run {run_id} after iteration {len(history)} "
-              f"(checkpoint {store.uri(ckpt_key)})")
+        state = trainer.load_checkpoint(str(store.get_dir(ckpt_key)))
+        start, cursor, history = state["iteration"], state["cursor"], state["history"][:state["iteration"]]
+        say(f"[train] resuming run {run_id} at iteration {start + 1} (epoch {cursor['epoch']}, "
+            f"task {cursor['position']}, {state['optimizer_steps']} optimizer steps done; "
+            f"checkpoint {store.uri(ckpt_key)})")
     else:
-        print(f"[train] run {run_id}: checkpoints -> {store.uri(ckpt_key)} (re-run the same command to resume)")
+        say(f"[train] run {run_id}: checkpoints -> {store.uri(ckpt_key)} (re-run the same command to resume)")
     params = rollout_params(cfg)
     per_it = cfg.rollout.tasks_per_iteration
-    bar = tqdm(range(len(history), cfg.train.iterations), desc="rollout+train", unit="it",
-               initial=len(history), total=cfg.train.iterations)
+    if world.enabled:
+        say(f"[train] data parallel over {world.size} workers ({world.backend}): rollouts of "
+            f"{per_it} tasks/iteration split by task, every optimizer step all-reduced"
+            + (f"; WARNING: {world.size - per_it} workers get no task to roll out "
+               f"(rollout.tasks_per_iteration < {world.size})" if per_it < world.size else ""))
+    bar = tqdm(range(start, cfg.train.iterations), desc="rollout+train", unit="it",
+               initial=start, total=cfg.train.iterations, disable=not world.is_main)
     for it in bar:
         t0 = time.perf_counter()
         torch.manual_seed(cfg.train.seed + it)
-        batch = [tasks[(it * per_it + j) % len(tasks)] for j in range(per_it)]
+        data_at = dict(cursor)
+        picked, cursor = _next_tasks(len(tasks), cfg.train.seed, cursor, per_it)
+        batch = [tasks[i] for i in picked]
         trajs: list[Trajectory] = []
         gen_before = dict(engine.stats)
-        for k, task in enumerate(tqdm(batch, desc=f"rollouts iteration {it + 1}", leave=False, unit="task")):
-            ctx = task_context(task, cfg.data.policy_max_chars)
-            group = rehearsal_rollouts(engine, ctx, cfg.rollout.group_size, params,
-                                       seed=cfg.train.seed * 100003 + it * 1009 + k)
-            trajs += [score(task, t, cfg.train.format_penalty) for t in group]
-        t_roll = time.perf_counter() - t0
+        mine = distributed.shard_range(len(batch), world.rank, world.size)  # whole GRPO groups
+        for k in tqdm(mine, desc=f"rollouts iteration {it + 1}", leave=False, unit="task",
+                      disable=not world.is_main):
+            # rollout.source (imagined | real), rollout.user_rehearse and reward.* select the branch;
+            # the seed follows the task's place k in the batch, so it does not depend on the rank
+            trajs += training_group(engine, batch[k], cfg, params, seed=cfg.train.seed * 100003 + it * 1009 + k)
         gen_tokens = engine.stats.get("generated_tokens", 0) - gen_before.get("generated_tokens", 0)
-        gens = [(t, g) for t in trajs for g in t.generations]
+        if world.enabled:  # every rank gets all groups, in task order (rank order = task order)
+            parts = world.all_gather_objects((trajs, gen_tokens))
+            trajs, gen_tokens = [t for ts, _ in parts for t in ts], sum(n for _, n in parts)
+        t_roll = time.perf_counter() - t0
+        # Row rewards: the trajectory's R, plus lambda * fidelity on REHEARSE rows (METHOD.md §2).
+        gens = generation_rewards(trajs, cfg.reward.fidelity_lambda)
         adv, valid, adv_stats = role_advantages(
-            [t.reward for t, _ in gens], [g.role.value for _, g in gens], [t.task_id for t, _ in gens],
+            [r for *_, r in gens], [g.role.value for _, g, _ in gens], [t.task_id for t, _, _ in gens],
             scale=cfg.train.advantage_scale, shared_baseline=cfg.train.shared_baseline)
         rows = [TrainingRow.from_generation(g, float(a))
-                for (t, g), a, v in zip(gens, adv.tolist(), valid.tolist())
+                for (t, g, _), a, v in zip(gens, adv.tolist(), valid.tolist())
                 if v and g.role.value in cfg.train.trained_roles and g.completion_ids]
-        train_metrics = trainer.step(rows) if rows else {"note": "no trainable rows"}
-        rec = {"iteration": it + 1, **_rollout_metrics(trajs), **adv_stats,
+        train_metrics = trainer.update(rows)
+        rec = {"iteration": it + 1, "data/epoch": data_at["epoch"], "data/position": data_at["position"],
+               **_rollout_metrics(trajs), **adv_stats,
                **{f"train/{k}": v for k, v in train_metrics.items()},
                "rollout_seconds": t_roll, "rollout_tokens_per_s": gen_tokens / max(t_roll, 1e-9),
                "seconds": time.perf_counter() - t0}
         history.append(rec)
-        store.write_bytes(f"runs/{run_id}/rollouts/iteration-{it + 1:04d}.jsonl",
-                          "".join(t.model_dump_json() + "\n" for t in trajs).encode())
-        with tempfile.TemporaryDirectory() as tmp:
-            trainer.save_adapter(str(Path(tmp) / "adapter"))
-            (Path(tmp) / "state.json").write_text(json.dumps({"history": history}, default=str))
-            store.put_dir(tmp, ckpt_key)
+        if world.is_main:  # one writer; the ranks hold the same trajectories and weights
+            store.write_bytes(f"runs/{run_id}/rollouts/iteration-{it + 1:04d}.jsonl",
+                              "".join(t.model_dump_json() + "\n" for t in trajs).encode())
+        if (it + 1) % cfg.train.checkpoint_every == 0 or it + 1 == cfg.train.iterations:
+            if world.is_main:
+                with tempfile.TemporaryDirectory() as tmp:
+                    trainer.save_checkpoint(str(Path(tmp) / "ckpt"), {
+                        "run_id": run_id, "iteration": it + 1, "cursor": cursor, "history": history})
+                    store.put_dir(Path(tmp) / "ckpt", ckpt_key)
+            world.barrier()  # nobody runs ahead (or returns the adapter path) before it is written
         bar.set_postfix(reward=f"{rec['reward_mean/act'] if 'reward_mean/act' in rec else 0:.2f}",
                         secs=f"{rec['seconds']:.0f}")
-    print_training_table(history)
+    if world.is_main:
+        print_training_table(history)
     if history and all(r.get("frac_zero_std") == 1.0 or "train/loss" not in r for r in history):
-        print("[train] WARNING: no learning signal in any iteration: every group's trajectories got "
+        say("[train] WARNING: no learning signal in any iteration: every group's trajectories got "
               "equal rewards (frac_zero_std = 1), so every advantage was 0 and the adapter did not "
               "move. Use more tasks/iterations, a larger group, or a model that follows the "
               "<tool_call> format.")
@@ -341,7 +437,8 @@ def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     from envace_core.rewards import fidelity
 
     model, tok, _ = load_policy(cfg, trained["adapter_dir"])
-    engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype)
+    engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype,
+                      prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
     from envace_core.envs.tau2 import load_tasks
 
     # The evaluation subset first, then the rest of the held-out split: some tasks (e.g. telecom's)
@@ -355,7 +452,7 @@ def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
                           f"{cfg.data.domains} has no agent-side gold tool call to validate REHEARSE on")
     prompts = [roles.rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c)
                for t, h, c, _ in trans]
-    sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0)
+    sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0, role="rehearse")
     rows = []
     for (task, _, call, real), outs in zip(trans, engine.generate(prompts, sp)):
         row = {"id": f"{task.id}#{call.id}", "json_valid": 0.0, "parse_error": 1.0, "fidelity": 0.0,
@@ -398,7 +495,8 @@ def evaluate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     from envace_core.verifier import default_checks
 
     model, tok, _ = load_policy(cfg, trained["adapter_dir"])
-    engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype)
+    engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype,
+                      prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
     act = rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=cfg.eval.max_turns)
     reh = rollout_params(cfg, temperature=cfg.rehearsal.temperature, max_turns=cfg.eval.max_turns)
     conditions = {"no_rehearsal": ("none", 0)}
@@ -473,7 +571,16 @@ def print_eval_table(summary: dict[str, dict[str, Any]]) -> None:
 def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
              validation: dict[str, Any], evaluation: dict[str, Any],
              execution_id: str = "local") -> dict[str, Any]:
-    """Write the adapter, config and reports with a lineage manifest to the model registry."""
+    """Write the adapter, config and reports with a lineage manifest to the model registry.
+
+    Artifacts: adapter/, config.json, training_history.json, evaluation.json and gates/ (the saved
+    dataset and rehearsal gate reports). The manifest (lineage.Registry adds name, version and the
+    sha256 of every artifact, and an HMAC when a key is set) records the base model and its hash,
+    the dataset version, counts and DVC md5 (`dataset.dvc`, {"tracked": False, "reason"} if curate
+    ran outside a DVC repo), git commit and dirty flag, the full resolved config, the Flyte
+    execution id, metrics and both gates' per-expectation results. Works with a local or an
+    s3:// registry (`store.registry`); returns {"name", "version", "path", "manifest"}.
+    """
     from envace_core.lineage import Registry, git_state
     from envace_core.models import model_fingerprint
 
@@ -487,19 +594,29 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
         (Path(tmp) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         (Path(tmp) / "training_history.json").write_text(json.dumps(trained["history"], indent=2, default=str))
         (Path(tmp) / "evaluation.json").write_text(json.dumps(evaluation, indent=2, default=str))
+        store = open_store(cfg.store.root)
+        for name, result in (("dataset", dataset), ("rehearsal", validation)):  # full gate reports, hashed
+            if result.get("gate_key"):
+                (Path(tmp) / "gates").mkdir(exist_ok=True)
+                (Path(tmp) / "gates" / f"{name}.json").write_bytes(store.read_bytes(result["gate_key"]))
         manifest = {
             "base_model": {"ref": cfg.model.ref, "sha256": model_fingerprint(trained["base_model_dir"])},
             "dataset": {"version": dataset["version"], "dir": dataset["dir"],
-                        "n_train": dataset["n_train"], "n_test": dataset["n_test"]},
+                        "n_train": dataset["n_train"], "n_test": dataset["n_test"],
+                        "dvc": dataset.get("dvc") or {"tracked": False, "reason": "curated without DVC"}},
             "code": git_state(), "config": cfg.to_dict(), "execution_id": execution_id,
             "metrics": {"training": trained["history"][-1] if trained["history"] else {},
                         "learning_signal": trained.get("learning_signal"),
                         "validation": validation["metrics"],
                         "evaluation": {k: v["pass^1"] for k, v in evaluation["summary"].items()}},
-            "gates": validation["gate"], "run_id": trained["run_id"],
+            "gates": {"dataset": dataset.get("gate"), "rehearsal": validation["gate"]},
+            "run_id": trained["run_id"],
         }
-        path = Registry(cfg.store.registry).register(cfg.store.model_name, version, tmp, manifest)
+        reg = Registry(cfg.store.registry)
+        reg.register(cfg.store.model_name, version, tmp, manifest)
+    where, dvc = reg.uri(cfg.store.model_name, version), manifest["dataset"]["dvc"]
     print(f"[register] model {cfg.store.model_name}@{version}\n"
-          f"  artifacts: {path / 'artifacts'}\n  lineage manifest: {path / 'manifest.json'}")
-    return {"name": cfg.store.model_name, "version": version, "path": str(path),
-            "manifest": str(path / "manifest.json")}
+          f"  artifacts: {where}/artifacts\n  lineage manifest: {where}/manifest.json\n"
+          f"  dataset DVC md5: {dvc.get('md5') or 'untracked (' + str(dvc.get('reason')) + ')'}")
+    return {"name": cfg.store.model_name, "version": version, "path": where,
+            "manifest": f"{where}/manifest.json"}

@@ -1,9 +1,42 @@
-"""The LoRA policy trainer: one role-wise GRPO optimizer step over generation rows (METHOD.md §3).
+"""The LoRA policy trainer: role-wise GRPO updates over generation rows (METHOD.md §3).
 
-`PolicyTrainer.step` reads top to bottom: cut rows into micro-batches, forward (autocast bf16 when
-asked; LoRA master weights stay float32), per-token log-probs of exactly the generated ids, PPO-clip
-loss from `envace_core.grpo`, backward scaled so that the accumulated gradient equals that of one
-big batch, clip, AdamW step.
+`PolicyTrainer.update(rows)` is one training iteration on one rollout batch (the PPO inner loop):
+
+    for epoch in 1..ppo_epochs:                         (PPO inner epochs, Schulman et al. 2017 Alg. 1)
+        for mini-batch M of mini_batch_rows rows       (a fresh seeded shuffle per epoch)
+            step(M): one AdamW step on L(M), gradients accumulated over micro-batches
+    lr <- schedule(iteration + 1)                     (once per rollout batch, as verl's actor does)
+
+`PolicyTrainer.step` reads top to bottom: cut rows into micro-batches of `micro_batch_rows` (the
+memory bound only: the accumulated gradient equals that of one big batch, so the optimization does
+not depend on it), forward (autocast bf16 when asked; LoRA master weights stay float32), per-token
+log-probs of exactly the generated ids, PPO-clip loss from `envace_core.grpo`, backward, clip the
+global gradient norm to `max_grad_norm`, AdamW step.
+
+The options (`TrainConfig`) and their math, per generated token t of row i with advantage A_i:
+  - importance ratio r_t = pi_theta(y_t | ...) / pi_old(y_t | ...), where pi_old is the *behaviour*
+    policy: the log-probs the engine recorded at rollout (`TrainingRow.old_logprobs`), fixed for all
+    epochs of the update. In epoch 1 before any step r_t = 1 up to engine/trainer numerics.
+  - `clip_eps` ε: l_t = -min(r_t A_i, clip(r_t, 1-ε, 1+ε) A_i).
+  - `kl_beta` β: l_t += β (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) (k3), ref = the base model,
+    i.e. the same weights with the LoRA adapters disabled (peft `disable_adapter()`), no second copy.
+  - `loss_agg`: "token-mean" L = Σ_t l_t / #tokens of the step; "seq-mean-token-mean" L = mean over
+    rows of (mean over the row's tokens).
+  - `max_grad_norm`: g <- g · min(1, c / ||g||_2) before each AdamW step (per adapter when
+    `policy_per_role`: two policies, two norms).
+  - `lr_scheduler` + `warmup_iterations` W over K = `iterations` (transformers.get_scheduler with
+    num_warmup_steps=W, num_training_steps=K, stepped once per iteration k = 0..K-1):
+    factor(k) = k/W for k < W (so the first warmup iteration has LR 0, as in transformers/TRL), then
+    constant: 1; linear: (K-k)/(K-W); cosine: 0.5 (1 + cos(π (k-W)/(K-W))).
+  - `policy_per_role`: two LoRA adapters "act" and "rehearse" (peft named adapters) on one base
+    model; a row trains the adapter of its role (`engines.base.ROLE_ADAPTERS`: USER rows train
+    "rehearse") and the loss is normalised per adapter, so each adapter's update is exactly that of a
+    separate policy trained on its own rows. An `HFEngine` over this model generates each role with
+    its adapter (`SamplingParams.role`).
+  - data parallel (`envace_core.distributed`, WORLD_SIZE > 1): `update`/`step` take the same global
+    rows on every rank; each rank computes a cost-balanced share of every step with the global
+    normaliser and the LoRA gradients are summed over ranks before clipping, so each optimizer step
+    equals the one-process step over all rows; `mini_batch_rows` counts global rows.
 
 Speed (PERF_NOTES.md; 16 rows of ~300 prompt + 64 completion tokens, SmolLM2-135M, LoRA r=16 q/v,
 2 cores): ~5.6 s/step in bf16, ~9 s in float32, against ~40 s for TRL's loss forward+backward.
@@ -16,28 +49,42 @@ Speed (PERF_NOTES.md; 16 rows of ~300 prompt + 64 completion tokens, SmolLM2-135
 
 from __future__ import annotations
 
+import base64
 import inspect
 import json
+import random
 import time
+import warnings
 from collections.abc import Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import DynamicCache
 
 from envace_core import EnvaceError
 from envace_core.config import TrainConfig
+from envace_core.distributed import World, balanced_slices
+from envace_core.engines.base import ROLE_ADAPTERS
 from envace_core.grpo import policy_loss, token_logprobs
-from envace_core.storage import atomic_dir
+from envace_core.storage import CHECKSUMS, atomic_dir, dir_checksums
 from envace_core.types import Generation
 
-__all__ = ["AdapterLoadError", "PolicyTrainer", "TrainingRow"]
+__all__ = ["AdapterLoadError", "CheckpointError", "PolicyTrainer", "TrainingRow", "capture_rng_state",
+           "restore_rng_state"]
+
+CHECKPOINT_FORMAT = 2  # 1 (adapter + history only) cannot resume exactly
 
 
 class AdapterLoadError(EnvaceError):
     """A saved LoRA adapter directory is missing, corrupt, or does not match this trainer's LoRA config."""
+
+
+class CheckpointError(EnvaceError):
+    """A training checkpoint is missing, corrupt or incompatible; nothing in it was changed."""
 
 
 def _role_name(role) -> str:
@@ -87,14 +134,22 @@ class PolicyTrainer:
 
     Args:
         model: a float32 HF causal LM (`envace_core.models.load_model`), or a PeftModel already
-            holding the adapter. It is wrapped in place with LoRA (r, alpha, target modules from
-            `cfg`, dropout 0); `self.model` is the PeftModel, the object a generation engine shares.
+            holding the adapter(s). It is wrapped in place with LoRA (r, alpha, target modules from
+            `cfg`, dropout 0): one adapter "default", or "act" and "rehearse" when
+            `cfg.policy_per_role`; `self.model` is the PeftModel, the object a generation engine shares.
         tokenizer: its tokenizer (padding id).
         cfg: `TrainConfig`.
         compute_dtype: "bfloat16" (autocast on forward passes) or "float32".
 
+    Attributes:
+        optimizer, scheduler: AdamW and its LR schedule (stepped once per `update`).
+        updates: `update` calls so far (= finished training iterations); optimizer_steps: AdamW steps.
+        world: `distributed.World` of the process group initialised when the trainer was built (one
+            process when none): its ranks split every step's rows and sum the LoRA gradients (`step`);
+            the LoRA weights are broadcast from rank 0 here. The caller lets only rank 0 save.
+
     Raises:
-        ValueError: unknown compute_dtype.
+        ValueError: unknown compute_dtype, or a PeftModel without the adapters `cfg` asks for.
     """
 
     min_shared_prefix: int = 16  # tokens; a shorter common prefix is not worth a separate call
@@ -106,26 +161,84 @@ class PolicyTrainer:
             raise ValueError(f"compute_dtype must be 'bfloat16' or 'float32', got {compute_dtype!r}")
         self.cfg, self.tokenizer, self.compute_dtype = cfg, tokenizer, compute_dtype
         torch.manual_seed(cfg.seed)
+        names = sorted(set(ROLE_ADAPTERS.values())) if cfg.policy_per_role else ["default"]
         if not isinstance(model, PeftModel):
             lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
                               target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
-            model = get_peft_model(model, lora)
+            model = get_peft_model(model, lora, adapter_name=names[0])
+            for name in names[1:]:
+                model.add_adapter(name, lora)
+        if sorted(model.peft_config) != names:
+            raise ValueError(f"the PeftModel holds adapters {sorted(model.peft_config)}, but "
+                             f"train.policy_per_role={cfg.policy_per_role} needs {names}")
+        # peft's set_adapter makes the active adapter trainable (also one loaded for inference) and
+        # freezes the others; `_using` switches per role, so parameters are found by name below.
+        model.set_adapter("act" if cfg.policy_per_role else "default")
         # Dropout off: the ratio at the start of a step must be exp(0) = 1 against a behaviour
         # policy that sampled without dropout.
         self.model = model.eval()
         self.device = next(self.model.parameters()).device
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         self.pad_id = int(pad if pad is not None else 0)
-        self._params = [p for p in self.model.parameters() if p.requires_grad]
-        self.optimizer = self._new_optimizer()
+        self._adapter_params = {n: [p for k, p in self.model.named_parameters()
+                                    if "lora_" in k and f".{n}." in k] for n in names}
+        self._params = [p for n in names for p in self._adapter_params[n]]
+        # Data parallel (WORLD_SIZE > 1, process group initialised by the caller): every rank must
+        # start from rank 0's LoRA weights; `step` keeps them equal (same summed gradient everywhere).
+        self.world = World.current()
+        self.world.broadcast_(self._params)
+        self.updates = self.optimizer_steps = 0
+        self._reset_optimizer()
         causal = self.model.get_base_model()
         self._backbone, self._head = causal.base_model, causal.get_output_embeddings()
         self._split_head = self._head_is_plain_linear()
         params = inspect.signature(self._backbone.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
 
-    def _new_optimizer(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self._params, lr=self.cfg.learning_rate, weight_decay=0.0)
+    def _reset_optimizer(self) -> None:
+        """A fresh AdamW and LR schedule (positioned at iteration `self.updates`)."""
+        from transformers import get_scheduler
+
+        c = self.cfg
+        self.optimizer = torch.optim.AdamW(self._params, lr=c.learning_rate, weight_decay=0.0)
+        name = "constant_with_warmup" if c.lr_scheduler == "constant" and c.warmup_iterations else c.lr_scheduler
+        self.scheduler = get_scheduler(name, self.optimizer, num_warmup_steps=c.warmup_iterations,
+                                       num_training_steps=c.iterations)
+        for _ in range(self.updates):
+            self._advance_schedule()
+
+    def _advance_schedule(self) -> None:
+        """One LR-schedule step (per iteration), also where no optimizer step preceded it (an
+        iteration without trainable rows, a replay after a reset): torch warns then, needlessly."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            self.scheduler.step()
+
+    def adapter_for(self, role) -> str | None:
+        """The adapter a row of `role` trains (per-role policy), or None (one shared adapter)."""
+        return ROLE_ADAPTERS[_role_name(role)] if self.cfg.policy_per_role else None
+
+    @contextmanager
+    def _using(self, adapter: str | None):
+        """Run the block with `adapter` active (peft `set_adapter`), then restore the previous one."""
+        if adapter is None or adapter == self.model.active_adapter:
+            yield
+            return
+        prev = self.model.active_adapter
+        self.model.set_adapter(adapter)
+        try:
+            yield
+        finally:
+            self.model.set_adapter(prev)
+
+    def _units(self, rows: Sequence[TrainingRow]) -> list[tuple[str | None, list[TrainingRow]]]:
+        """(adapter, its rows): one unit of all rows for a shared policy, one per adapter otherwise."""
+        if not self.cfg.policy_per_role:
+            return [(None, list(rows))]
+        by: dict[str, list[TrainingRow]] = {}
+        for r in rows:
+            by.setdefault(self.adapter_for(r.role), []).append(r)
+        return sorted(by.items())
 
     def _head_is_plain_linear(self) -> bool:
         """True when logits == lm_head(backbone(x)) (no soft-capping/scaling), checked once on 4 ids."""
@@ -137,20 +250,82 @@ class PolicyTrainer:
             split = self._head(self._backbone(input_ids=ids, use_cache=False).last_hidden_state).float()
         return full.shape == split.shape and torch.allclose(full, split, rtol=1e-4, atol=1e-4)
 
-    # --- the step -------------------------------------------------------------------------------
+    # --- the update and the step ----------------------------------------------------------------
+
+    def update(self, rows: Sequence[TrainingRow]) -> dict:
+        """One training iteration on one rollout batch: `ppo_epochs` passes over the trainable rows in
+        mini-batches of `mini_batch_rows` (all rows when None), one `step` each, then one LR-schedule
+        step. Mini-batches come from a shuffle seeded by (cfg.seed, self.updates, epoch), so a resumed
+        run draws the same ones. The behaviour log-probs stay the rollout's in every epoch.
+        Data parallel: every rank passes the same global `rows` and draws the same mini-batches
+        (`mini_batch_rows` counts global rows); `step` splits each one across the ranks.
+
+        Returns:
+            the `step` metrics averaged over the update's optimizer steps, weighted by their completion
+            tokens (loss, clip_frac, approx_kl, ratio_mean, kl_ref, entropy, grad_norm, and
+            grad_norm/<adapter> for a per-role policy), plus grad_norm_max, lr (the LR these steps
+            used), optimizer_steps, epochs, rows and tokens (of the batch, once), rows_skipped,
+            forward_tokens (all epochs), seconds and tokens_per_s (completion tokens trained, all
+            epochs, per second).
+
+        An iteration without a trainable row (every reward failed, a frozen role only) makes no
+        optimizer step but still advances the schedule; it returns {"note", "lr", "optimizer_steps": 0}.
+
+        Raises:
+            ValueError: a malformed row (as `step`).
+        """
+        cfg, t0 = self.cfg, time.perf_counter()
+        lr = float(self.scheduler.get_last_lr()[0])
+        trained = {_role_name(r) for r in cfg.trained_roles}
+        if not any(r.completion_ids and _role_name(r.role) in trained for r in rows):
+            self._advance_schedule()
+            self.updates += 1
+            return {"note": "no trainable rows", "lr": lr, "optimizer_steps": 0}
+        keep = self._trainable(rows)
+        size = min(cfg.mini_batch_rows or len(keep), len(keep))
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.updates)
+        steps = []
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(len(keep), generator=gen).tolist() if size < len(keep) else range(len(keep))
+            for k in range(0, len(keep), size):
+                steps.append(self.step([keep[i] for i in order[k:k + size]]))
+        self._advance_schedule()
+        self.updates += 1
+        seconds = time.perf_counter() - t0
+        counts = {"tokens", "forward_tokens", "rows", "rows_skipped", "seconds", "tokens_per_s"}
+        out = {}
+        for k in sorted({k for m in steps for k in m} - counts):  # grad_norm/<adapter> may be absent
+            have = [m for m in steps if k in m]
+            out[k] = sum(m["tokens"] * m[k] for m in have) / sum(m["tokens"] for m in have)
+        out.update(grad_norm_max=max(m["grad_norm"] for m in steps), lr=lr, optimizer_steps=len(steps),
+                   epochs=cfg.ppo_epochs, rows=len(keep), rows_skipped=len(rows) - len(keep),
+                   tokens=sum(len(r.completion_ids) for r in keep),
+                   forward_tokens=sum(m["forward_tokens"] for m in steps), seconds=seconds,
+                   tokens_per_s=sum(m["tokens"] for m in steps) / seconds)
+        return out
 
     def step(self, rows: Sequence[TrainingRow]) -> dict:
         """One optimizer step over all trainable rows (gradient accumulation over micro-batches).
 
         Rows with an empty completion or a role outside `cfg.trained_roles` are skipped. The loss
         equals `policy_loss` over all rows as one batch: "token-mean" divides by the completion
-        tokens of the whole step, "seq-mean-token-mean" by its row count.
+        tokens of the whole step, "seq-mean-token-mean" by its row count. With `policy_per_role`
+        each adapter's rows form their own batch (own normalisation, own gradient clipping).
+        Does not step the LR schedule (`update` does).
+
+        Data parallel (`self.world.size` W > 1): every rank passes the same `rows` (the step's global
+        mini-batch) and runs forward/backward on its contiguous, cost-balanced share only
+        (`_shard`); the loss keeps the global normaliser, so summing the ranks' gradients (one
+        all-reduce over the LoRA gradients, one over the metric sums) gives every rank the gradient
+        and metrics of one process over all rows, up to float summation order. Clipping and AdamW
+        then run identically on every rank, so the weights stay equal.
 
         Returns:
             loss, clip_frac, approx_kl, ratio_mean, kl_ref (0.0 when cfg.kl_beta == 0: not
-            computed), grad_norm (before clipping), entropy (mean token entropy, nats), tokens
-            (completion tokens trained), forward_tokens (prompt + completion), seconds,
-            tokens_per_s (completion tokens / s), rows, rows_skipped.
+            computed), grad_norm (before clipping; for a per-role policy the norm over both adapters,
+            plus grad_norm/<adapter>), entropy (mean token entropy, nats), tokens (completion tokens
+            trained), forward_tokens (prompt + completion), seconds, tokens_per_s (completion
+            tokens / s), rows, rows_skipped.
 
         Raises:
             ValueError: no row remains after skipping, or a row is malformed.
@@ -160,34 +335,87 @@ class PolicyTrainer:
         n_tok = sum(len(r.completion_ids) for r in keep)
         out = {k: 0.0 for k in ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy")}
         self.optimizer.zero_grad(set_to_none=True)
-        for idx in self._micro_batches(keep):
-            mb = [keep[i] for i in idx]
-            b = self._collate(mb)
-            ref = None
-            if cfg.kl_beta > 0:  # reference = same weights, adapters off; no second model copy
-                with torch.no_grad(), self.model.disable_adapter():
-                    ref = token_logprobs(self._logits(b), b.targets, b.temperature)
-            logits = self._logits(b)
-            lp = token_logprobs(logits, b.targets, b.temperature)
-            loss, m = policy_loss(lp, b.old, b.adv, b.mask, cfg.clip_eps, cfg.loss_agg, ref, cfg.kl_beta)
-            mb_tok = int(b.mask.sum())
-            weight = mb_tok / n_tok if cfg.loss_agg == "token-mean" else len(mb) / len(keep)
-            (loss * weight).backward()
-            out["loss"] += loss.item() * weight
-            for k, v in m.items():
-                out[k] += v * mb_tok / n_tok
-            out["entropy"] += self._entropy_sum(logits, b) / n_tok
-            del logits, lp, loss
-        grad_norm = torch.nn.utils.clip_grad_norm_(self._params, cfg.max_grad_norm)
+        units = self._units(keep)
+        for adapter, unit in units:
+            unit_tok = sum(len(r.completion_ids) for r in unit)
+            share = unit_tok / n_tok if cfg.loss_agg == "token-mean" else len(unit) / len(keep)
+            mine = self._shard(unit)
+            with self._using(adapter):
+                for idx in self._micro_batches(mine):
+                    self._accumulate([mine[i] for i in idx], unit, unit_tok, n_tok, share, out)
+        if self.world.enabled:
+            self._sum_over_ranks(units, out)
+        norms = {}
+        for adapter, _ in units:  # each adapter's grads are final once all units ran (frozen otherwise)
+            params = self._adapter_params[adapter] if adapter else self._params
+            norms[adapter] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
         seconds = time.perf_counter() - t0
-        out.update(grad_norm=float(grad_norm), tokens=n_tok, seconds=seconds,
+        out["grad_norm"] = sum(v * v for v in norms.values()) ** 0.5
+        out.update({f"grad_norm/{a}": v for a, v in norms.items() if a})
+        out.update(tokens=n_tok, seconds=seconds,
                    forward_tokens=sum(len(r.prompt_ids) + len(r.completion_ids) for r in keep),
                    tokens_per_s=n_tok / seconds, rows=len(keep), rows_skipped=len(rows) - len(keep))
         return out
 
+    def _accumulate(self, mb: list[TrainingRow], unit: list[TrainingRow], unit_tok: int, n_tok: int,
+                    share: float, out: dict) -> None:
+        """Forward + backward of one micro-batch, its loss scaled so that the unit's accumulated
+        gradient equals that of the unit as one batch; adds its share of the metrics to `out`."""
+        cfg = self.cfg
+        b = self._collate(mb)
+        ref = None
+        if cfg.kl_beta > 0:  # reference = same weights, adapters off; no second model copy
+            with torch.no_grad(), self.model.disable_adapter():
+                ref = token_logprobs(self._logits(b), b.targets, b.temperature)
+        logits = self._logits(b)
+        lp = token_logprobs(logits, b.targets, b.temperature)
+        loss, m = policy_loss(lp, b.old, b.adv, b.mask, cfg.clip_eps, cfg.loss_agg, ref, cfg.kl_beta)
+        mb_tok = int(b.mask.sum())
+        weight = mb_tok / unit_tok if cfg.loss_agg == "token-mean" else len(mb) / len(unit)
+        (loss * weight).backward()
+        out["loss"] += loss.item() * weight * share
+        for k, v in m.items():
+            out[k] += v * mb_tok / n_tok
+        out["entropy"] += self._entropy_sum(logits, b) / n_tok
+
     # --- pieces of the step ----------------------------------------------------------------------
+
+    def _shard(self, unit: list[TrainingRow]) -> list[TrainingRow]:
+        """This rank's rows of `unit`: all of them for one process; otherwise a contiguous slice of
+        the rows in micro-batch order (prompt-sorted, so GRPO groups stay together) whose cost
+        (completion tokens + prompt tokens not shared with the previous row, i.e. what
+        `_logits` computes) is about 1/W of the unit's. Same cut on every rank."""
+        if not self.world.enabled:
+            return list(unit)
+        order = sorted(range(len(unit)), key=lambda i: (unit[i].prompt_ids, len(unit[i].completion_ids)))
+        costs, prev = [], []
+        for i in order:
+            p = unit[i].prompt_ids
+            lcp = next((k for k in range(min(len(p), len(prev))) if p[k] != prev[k]), min(len(p), len(prev)))
+            costs.append(len(p) - lcp + len(unit[i].completion_ids))
+            prev = p
+        mine = balanced_slices(costs, self.world.size)[self.world.rank]
+        return [unit[order[i]] for i in mine]
+
+    def _sum_over_ranks(self, units: list[tuple[str | None, list[TrainingRow]]], out: dict) -> None:
+        """Sum the LoRA gradients of the step's adapters and the metric sums in `out` over ranks.
+
+        A rank whose share of an adapter was empty contributes zeros; the summed gradient is then set
+        on every rank, also where this rank had none. Adapters without rows in the step keep
+        grad None, as in one process, so AdamW leaves them (and their moments) alone.
+        """
+        params = [p for adapter, _ in units for p in (self._adapter_params[adapter] if adapter else self._params)]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        self.world.all_reduce_sum_(flat)
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad = g.view_as(p).clone()
+        keys = sorted(out)
+        sums = self.world.all_reduce_sum_(torch.tensor([out[k] for k in keys], dtype=torch.float64,
+                                                       device=flat.device))
+        out.update(zip(keys, sums.tolist()))
 
     def _trainable(self, rows: Sequence[TrainingRow]) -> list[TrainingRow]:
         trained = {_role_name(r) for r in self.cfg.trained_roles}
@@ -307,55 +535,177 @@ class PolicyTrainer:
             if r.completion_ids and not r.prompt_ids:
                 raise ValueError(f"row {i} has an empty prompt")
         todo = [i for i, r in enumerate(rows) if r.completion_ids]
+        units: dict[str | None, list[int]] = {}
+        for i in todo:  # a per-role policy scores each row with its role's adapter
+            units.setdefault(self.adapter_for(rows[i].role), []).append(i)
         with torch.no_grad():
-            for idx in self._micro_batches([rows[i] for i in todo]):
-                chunk = [todo[i] for i in idx]
-                b = self._collate([rows[i] for i in chunk])
-                lp = token_logprobs(self._logits(b), b.targets, b.temperature)
-                for j, i in enumerate(chunk):
-                    out[i] = lp[j][b.mask[j]].tolist()
+            for adapter, unit in units.items():
+                with self._using(adapter):
+                    for idx in self._micro_batches([rows[i] for i in unit]):
+                        chunk = [unit[i] for i in idx]
+                        b = self._collate([rows[i] for i in chunk])
+                        lp = token_logprobs(self._logits(b), b.targets, b.temperature)
+                        for j, i in enumerate(chunk):
+                            out[i] = lp[j][b.mask[j]].tolist()
         return out
 
     def save_adapter(self, directory: str) -> None:
-        """Write the LoRA adapter (peft `save_pretrained`: adapter_config.json +
-        adapter_model.safetensors) to `directory`, atomically: built in a temp sibling, then renamed
-        into place (an existing directory is swapped out and removed), so a reader never sees half."""
+        """Write the LoRA adapter(s) (peft `save_pretrained`: adapter_config.json +
+        adapter_model.safetensors; a per-role policy writes act/ and rehearse/ subdirectories) to
+        `directory`, atomically: built in a temp sibling, then renamed into place (an existing
+        directory is swapped out and removed), so a reader never sees half."""
         atomic_dir(directory, lambda tmp: self.model.save_pretrained(str(tmp)))
 
     def load_adapter(self, directory: str) -> None:
         """Load LoRA weights saved by `save_adapter` into `self.model` in place (an engine sharing the
-        model sees them at once) and reset the optimizer state (its moments belonged to other weights).
+        model sees them at once) and reset the optimizer state (its moments belonged to other
+        weights); the LR schedule keeps its position (`self.updates`).
 
         Raises:
             AdapterLoadError: the directory or its files are missing or unreadable, its LoRA config
                 (r, alpha, target modules) differs from this trainer's, or its tensors do not match
-                this model's adapter (names or shapes).
+                this model's adapter (names or shapes). Nothing is loaded then.
         """
-        from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+        states = {name: self._read_adapter(Path(directory), name) for name in self.model.peft_config}
+        from peft.utils import set_peft_model_state_dict
+
+        for name, state in states.items():
+            set_peft_model_state_dict(self.model, state, adapter_name=name)
+        self._reset_optimizer()
+
+    def _read_adapter(self, root: Path, name: str) -> dict:
+        """The checked tensors of adapter `name` saved under `root` (peft's layout)."""
+        from peft.utils import get_peft_model_state_dict
         from safetensors.torch import load_file
 
-        d = Path(directory)
+        d = root if name == "default" else root / name
         cfg_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
         for f in (cfg_file, weights):
             if not f.is_file():
-                raise AdapterLoadError(f"cannot load adapter from {d}: {f.name} is missing "
-                                       "(expected a directory written by PolicyTrainer.save_adapter)")
+                raise AdapterLoadError(f"cannot load adapter {name!r} from {d}: {f.name} is missing "
+                                       "(expected a directory written by PolicyTrainer.save_adapter "
+                                       "with the same train.policy_per_role)")
         try:
             saved = json.loads(cfg_file.read_text())
             state = load_file(str(weights))
         except Exception as e:  # json / safetensors raise assorted types on corrupt files
             raise AdapterLoadError(f"adapter in {d} is corrupt: {type(e).__name__}: {e}") from e
-        ours = self.model.peft_config["default"]
+        ours = self.model.peft_config[name]
         theirs = (saved.get("r"), saved.get("lora_alpha"), sorted(saved.get("target_modules") or []))
         if theirs != (ours.r, ours.lora_alpha, sorted(ours.target_modules)):
             raise AdapterLoadError(f"adapter in {d} has (r, alpha, target_modules) = {theirs}; this "
                                    f"trainer uses {(ours.r, ours.lora_alpha, sorted(ours.target_modules))}")
-        expected = {k: v.shape for k, v in get_peft_model_state_dict(self.model).items()}
+        expected = {k: v.shape for k, v in get_peft_model_state_dict(self.model, adapter_name=name).items()}
         got = {k: v.shape for k, v in state.items()}
         if expected != got:
             missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
             bad = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
             raise AdapterLoadError(f"adapter in {d} does not fit this model: missing {missing[:3]}, "
                                    f"unexpected {extra[:3]}, shape mismatch {bad[:3]}")
-        set_peft_model_state_dict(self.model, state)
-        self.optimizer = self._new_optimizer()
+        return state
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str, state: dict[str, Any]) -> None:
+        """Write everything needed to resume exactly, atomically (`atomic_dir`) into `directory`:
+        adapter/ (`save_adapter`), trainer_state.pt (AdamW and LR-scheduler state dicts, updates,
+        optimizer_steps) and state.json = the caller's JSON-able `state` (e.g. data cursor, history)
+        + format + updates + optimizer_steps + rng (`capture_rng_state`, taken now)."""
+        def build(tmp: Path) -> None:
+            self.model.save_pretrained(str(tmp / "adapter"))
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                        "updates": self.updates, "optimizer_steps": self.optimizer_steps},
+                       tmp / "trainer_state.pt")
+            meta = {"format": CHECKPOINT_FORMAT, "updates": self.updates,
+                    "optimizer_steps": self.optimizer_steps, "rng": capture_rng_state()}
+            (tmp / "state.json").write_text(json.dumps({**state, **meta}, default=str))
+
+        atomic_dir(directory, build)
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Restore a `save_checkpoint` directory: adapter weights, optimizer and scheduler state,
+        counters and the RNG states (python, numpy, torch). Every file is read and checked (against
+        CHECKSUMS.json when the directory came from the artifact store) before anything changes.
+
+        Returns:
+            the saved state.json (the caller's state plus format, updates, optimizer_steps, rng).
+
+        Raises:
+            CheckpointError: the directory is missing, a file is corrupt, missing or from an
+                incompatible run (LoRA config, per-role setting, format); the message names the file.
+                The checkpoint itself is never modified.
+        """
+        d = Path(directory)
+        fix = (f"Nothing was changed. Restore the checkpoint, or move {d} away to restart the run "
+               "from the beginning.")
+        if not d.is_dir():
+            raise CheckpointError(f"no checkpoint directory at {d}")
+        if (d / CHECKSUMS).is_file():
+            try:
+                expected = json.loads((d / CHECKSUMS).read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"checkpoint {d}: {CHECKSUMS} is corrupt ({e}). {fix}") from e
+            actual = {k: v for k, v in dir_checksums(d).items() if k != CHECKSUMS}
+            bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
+            if bad:
+                raise CheckpointError(f"checkpoint {d} is corrupt: {bad[:5]} differ from {CHECKSUMS}. {fix}")
+        try:
+            state = json.loads((d / "state.json").read_text())
+            if state.get("format") != CHECKPOINT_FORMAT:
+                raise CheckpointError(f"checkpoint {d} has format {state.get('format')!r}, this version "
+                                      f"resumes format {CHECKPOINT_FORMAT} only (optimizer, RNG and data "
+                                      f"cursor are needed to resume exactly). {fix}")
+            saved = torch.load(d / "trainer_state.pt", map_location="cpu", weights_only=True)
+            states = {name: self._read_adapter(d / "adapter", name) for name in self.model.peft_config}
+        except CheckpointError:
+            raise
+        except (OSError, ValueError, RuntimeError, EnvaceError) as e:  # missing/corrupt file, bad config
+            raise CheckpointError(f"cannot resume from checkpoint {d}: {type(e).__name__}: {e}. {fix}") from e
+        from peft.utils import set_peft_model_state_dict
+
+        for name, adapter_state in states.items():
+            set_peft_model_state_dict(self.model, adapter_state, adapter_name=name)
+        self.updates, self.optimizer_steps = int(saved["updates"]), int(saved["optimizer_steps"])
+        self._reset_optimizer()
+        try:
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.scheduler.load_state_dict(saved["scheduler"])
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f"optimizer state in {d} does not fit this trainer: {e}. {fix}") from e
+        restore_rng_state(state["rng"])
+        return state
+
+
+def _b64(t: torch.Tensor) -> str:
+    return base64.b64encode(t.numpy().tobytes()).decode()
+
+
+def _unb64(s: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(base64.b64decode(s)), dtype=torch.uint8).clone()
+
+
+def capture_rng_state() -> dict[str, Any]:
+    """The python `random`, numpy and torch (CPU and every CUDA device) RNG states, JSON-able."""
+    import numpy as np
+
+    version, internal, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    out = {"python": [version, list(internal), gauss],
+           "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+           "torch": _b64(torch.get_rng_state())}
+    if torch.cuda.is_available():
+        out["cuda"] = [_b64(s) for s in torch.cuda.get_rng_state_all()]
+    return out
+
+
+def restore_rng_state(state: dict[str, Any]) -> None:
+    """Set the RNGs to a `capture_rng_state` result (CUDA states only where saved and available)."""
+    import numpy as np
+
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    kind, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch.set_rng_state(_unb64(state["torch"]))
+    if state.get("cuda") and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all([_unb64(s) for s in state["cuda"]])

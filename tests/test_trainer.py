@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 
@@ -217,3 +220,233 @@ def test_micro_batches_keep_groups_together(tiny_model_dir):
     unrelated = [TrainingRow("act", [i] * 5, [1], [0.0], 0.0) for i in range(1, 7)]
     trainer.cfg.micro_batch_rows = 4
     assert [len(c) for c in trainer._micro_batches(unrelated)] == [4, 2]
+
+
+# --- the update: PPO epochs, mini-batches, LR schedule, clipping -------------------------------
+
+def test_update_runs_ppo_epochs_over_shuffled_mini_batches(tiny_model_dir):
+    trainer = make_trainer(tiny_model_dir, ppo_epochs=2, mini_batch_rows=2, learning_rate=1e-2)
+    rows = on_policy(trainer, make_rows(5))
+    seen, real_step = [], trainer.step
+    trainer.step = lambda batch: seen.append([rows.index(r) for r in batch]) or real_step(batch)
+    m = trainer.update(rows + [TrainingRow("user", [1, 2], [3], [0.0], 1.0)])  # a frozen role
+    assert [len(b) for b in seen] == [2, 2, 1, 2, 2, 1] and m["optimizer_steps"] == 6
+    for epoch in (seen[:3], seen[3:]):  # every row once per epoch
+        assert sorted(i for b in epoch for i in b) == [0, 1, 2, 3, 4]
+    assert seen[:3] != seen[3:]  # reshuffled for the second epoch
+    assert (m["rows"], m["rows_skipped"], m["epochs"], m["lr"]) == (5, 1, 2, 1e-2)
+    assert m["tokens"] == sum(len(r.completion_ids) for r in rows)
+    # later steps are off-policy w.r.t. the fixed rollout log-probs: the ratio moves, PPO clips
+    assert m["approx_kl"] > 0 and m["grad_norm_max"] >= m["grad_norm"] > 0
+    assert trainer.updates == 1 and trainer.optimizer_steps == 6
+
+
+def test_one_epoch_one_mini_batch_update_is_exactly_one_step(tiny_model_dir):
+    a, b = make_trainer(tiny_model_dir, learning_rate=1e-2), make_trainer(tiny_model_dir, learning_rate=1e-2)
+    rows = on_policy(a, make_rows(4))
+    ma, mb = a.update(rows), b.step(rows)
+    assert ma["loss"] == mb["loss"] and ma["optimizer_steps"] == 1
+    assert all(torch.equal(p, q) for p, q in zip(a._params, b._params))
+
+
+@pytest.mark.parametrize("schedule, warmup, want", [
+    ("constant", 0, [1, 1, 1, 1]),
+    ("constant", 2, [0, 0.5, 1, 1]),
+    ("linear", 1, [0, 1, 2 / 3, 1 / 3]),
+    ("cosine", 0, [1, 0.5 * (1 + math.cos(math.pi / 4)), 0.5, 0.5 * (1 + math.cos(3 * math.pi / 4))]),
+])
+def test_lr_schedule_steps_once_per_iteration(tiny_model_dir, schedule, warmup, want):
+    trainer = make_trainer(tiny_model_dir, lr_scheduler=schedule, warmup_iterations=warmup, iterations=4,
+                           learning_rate=0.1, trained_roles=["act"])
+    frozen = [TrainingRow("rehearse", [1, 2], [3], [0.0], 1.0)]  # no step: only the schedule moves
+    got = []
+    for _ in want:
+        got.append(trainer.optimizer.param_groups[0]["lr"])
+        m = trainer.update(frozen)
+        assert m["lr"] == got[-1] and m["optimizer_steps"] == 0
+    assert got == pytest.approx([0.1 * w for w in want])
+
+
+def test_config_rejects_warmup_as_long_as_training():
+    from envace_core.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="warmup_iterations"):
+        load_config("test", {"train": {"iterations": 2, "warmup_iterations": 2}})
+
+
+def test_gradients_are_clipped_to_max_grad_norm(tiny_model_dir):
+    trainer = make_trainer(tiny_model_dir, max_grad_norm=1e-3)
+    grads = capture_grads(trainer)
+    m = trainer.step(on_policy(trainer, make_rows(4)))
+    clipped = torch.sqrt(sum((g.float() ** 2).sum() for g in grads[0]))
+    assert m["grad_norm"] > 1e-2 and clipped == pytest.approx(1e-3, rel=1e-4)
+
+
+# --- token-in/token-out: chat-template ids and the behaviour policy ------------------------------
+
+def _im(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def test_multi_turn_ids_equal_the_chat_template_up_to_the_newline_after_end_of_turn(tiny_model_dir):
+    """For a canonical tool call, each ACT row's prompt + completion is a prefix of the next ACT
+    prompt, and the last row's ids equal the template's ids for the whole conversation. The one
+    controlled difference: the engine stops on <|im_end|> (eos) while the template writes
+    "<|im_end|>\\n"; that "\\n" is context (no loss), present in the next prompt and absent from the
+    completion."""
+    from envace_core import roles
+    from envace_core.envs.tau2 import load_tasks, task_context
+    from envace_core.rollout import RolloutParams, rehearsal_rollouts
+    from tests.scripted import ScriptedEngine
+
+    tok = load_tokenizer(tiny_model_dir)
+    task = next(t for t in load_tasks("airline", "test") if t.gold_actions)
+    call = roles.format_tool_call(task.gold_actions[0])
+    engine = ScriptedEngine(tok, [call, "Done, anything else?"], rehearse_text='{"status": "ok"}')
+    p = RolloutParams(max_turns=3, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
+    ctx = task_context(task, 300)
+    traj = rehearsal_rollouts(engine, ctx, 1, p, seed=0)[0]
+    act1, reh, act2 = traj.generations
+    assert (act1.role, reh.role, act2.role) == (Role.ACT, Role.REHEARSE, Role.ACT)
+    first = act1.prompt_ids + act1.completion_ids
+    assert act1.completion_ids[-1] == tok.eos_token_id == tok.convert_tokens_to_ids("<|im_end|>")
+    assert act2.prompt_ids[:len(first)] == first
+    assert act2.prompt_ids[len(first):len(first) + 1] == _im(tok, "\n")  # the controlled difference
+    # the inserted context is the template's rendering of the (rehearsed) tool message
+    history = [{"role": "user", "content": ctx.first_user_message},
+               {"role": "assistant", "content": call},
+               {"role": "tool", "content": '{"status": "ok"}'},
+               {"role": "assistant", "content": "Done, anything else?"}]
+    system = roles.act_messages(ctx, [])[0]
+    whole = tok.apply_chat_template([system, *history], tokenize=True, return_dict=False)
+    assert act2.prompt_ids + act2.completion_ids + _im(tok, "\n") == list(whole)
+    # training rows carry exactly these ids; each row's old log-probs are its rollout log-probs
+    for g in traj.generations:
+        r = TrainingRow.from_generation(g, 1.0)
+        assert (r.prompt_ids, r.completion_ids, r.old_logprobs) == (g.prompt_ids, g.completion_ids, g.logprobs)
+
+
+def test_a_non_canonical_call_is_re_rendered_in_the_next_prompt_only(tiny_model_dir):
+    """Controlled difference 2: the history shows the parsed call in canonical form, not the raw
+    sampled text. Rows are not affected: row t trains on exactly the ids sampled at turn t given
+    exactly the prompt ids it was sampled from."""
+    from envace_core import roles
+    from envace_core.envs.tau2 import load_tasks, task_context
+    from envace_core.rollout import RolloutParams, rehearsal_rollouts
+    from tests.scripted import ScriptedEngine
+
+    tok = load_tokenizer(tiny_model_dir)
+    task = next(t for t in load_tasks("airline", "test") if t.gold_actions)
+    gold = task.gold_actions[0]
+    args = json.dumps(gold.arguments, separators=(",", ":"))
+    raw = f'<tool_call>{{"name":"{gold.name}","arguments":{args}}}</tool_call>'
+    assert raw != roles.format_tool_call(gold)
+    engine = ScriptedEngine(tok, [raw, "Done."])
+    p = RolloutParams(max_turns=3, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
+    act1, _, act2 = rehearsal_rollouts(engine, task_context(task, 300), 1, p, seed=0)[0].generations
+    assert act1.completion_ids == _im(tok, raw) + [tok.eos_token_id]
+    text2 = tok.decode(act2.prompt_ids)
+    assert roles.format_tool_call(gold) in text2 and raw not in text2
+
+
+def test_rollout_logprobs_are_the_behaviour_policy_of_the_loss(tiny_model_dir):
+    """Rows built from HFEngine generations: at the first step the ratio is exp(logp - rollout logp)
+    = 1 (engine and trainer agree); shifting the recorded log-probs by d moves it to exp(-d), so the
+    loss's old log-probs are the rollout's, not recomputed."""
+    from envace_core.engines.hf import HFEngine
+    from envace_core.envs.tau2 import load_tasks, task_context
+    from envace_core.rollout import RolloutParams, rehearsal_rollouts
+
+    trainer = make_trainer(tiny_model_dir)
+    engine = HFEngine(trainer.model, trainer.tokenizer, compute_dtype="float32")
+    task = load_tasks("airline", "train", limit=1)[0]
+    p = RolloutParams(max_turns=1, max_new_tokens_act=6, max_new_tokens_rehearse=6, temperature=0.9)
+    gens = [g for t in rehearsal_rollouts(engine, task_context(task, 300), 2, p, seed=3) for g in t.generations]
+    rows = [TrainingRow.from_generation(g, 1.0) for g in gens]
+    m = trainer.step(rows)
+    assert m["ratio_mean"] == pytest.approx(1.0, abs=1e-4) and m["approx_kl"] == pytest.approx(0.0, abs=1e-6)
+    shifted = [TrainingRow(r.role, r.prompt_ids, r.completion_ids, [x + 0.5 for x in r.old_logprobs],
+                           r.advantage, r.temperature) for r in rows]
+    m = make_trainer(tiny_model_dir).step(shifted)
+    assert m["ratio_mean"] == pytest.approx(math.exp(-0.5), rel=1e-3)
+
+
+# --- per-role policy (two LoRA adapters) --------------------------------------------------------
+
+def _adapter_state(trainer):
+    return {n: [p.detach().clone() for p in ps] for n, ps in trainer._adapter_params.items()}
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_per_role_adapters_each_learn_only_from_their_own_rows(tiny_model_dir):
+    kw = {"policy_per_role": True, "learning_rate": 1e-2, "max_grad_norm": 0.05}
+    act, reh = make_rows(4, seed=1), make_rows(4, seed=2, role="rehearse")
+    user = make_rows(2, seed=3, role="user")
+    results = {}
+    for name, rows in (("act", act), ("rehearse", reh), ("both", act + reh), ("user", user)):
+        trainer = make_trainer(tiny_model_dir, trained_roles=["act", "rehearse", "user"], **kw)
+        assert sorted(trainer.model.peft_config) == ["act", "rehearse"]
+        before = _adapter_state(trainer)
+        trainer.step(on_policy(trainer, rows))
+        results[name] = (before, _adapter_state(trainer))
+    for name, other in (("act", "rehearse"), ("rehearse", "act"), ("user", "act")):
+        before, after = results[name]
+        assert _same(before[other], after[other])  # untouched by the other role's rows
+        assert not _same(before[ADAPTER[name]], after[ADAPTER[name]])
+    # a mixed step = two separate policies' steps (own loss normalisation, own gradient clipping)
+    for name in ("act", "rehearse"):
+        for x, y in zip(results["both"][1][name], results[name][1][name]):
+            assert torch.allclose(x, y, atol=1e-7)
+    # trained_roles freezes a role: its rows do not move its adapter
+    trainer = make_trainer(tiny_model_dir, trained_roles=["act"], **kw)
+    before = _adapter_state(trainer)
+    m = trainer.step(on_policy(trainer, act + reh))
+    assert m["rows_skipped"] == 4 and _same(before["rehearse"], _adapter_state(trainer)["rehearse"])
+
+
+ADAPTER = {"act": "act", "rehearse": "rehearse", "user": "rehearse"}
+
+
+def test_engine_generates_each_role_with_its_adapter_and_reloads(tiny_model_dir, tmp_path):
+    from envace_core.config import load_config
+    from envace_core.engines.base import SamplingParams
+    from envace_core.engines.hf import HFEngine
+    from envace_core.stages import load_policy
+
+    trainer = make_trainer(tiny_model_dir, policy_per_role=True)
+    with torch.no_grad():  # make the two adapters differ (make_trainer used one stream for both)
+        for p in trainer._adapter_params["rehearse"]:
+            p.mul_(-1.5)
+    engine = HFEngine(trainer.model, trainer.tokenizer, compute_dtype="float32")
+    prompt = make_rows(1)[0].prompt_ids
+
+    def sample(eng, role):
+        c = eng.generate([prompt], SamplingParams(max_new_tokens=5, temperature=0.0, role=role))[0][0]
+        return c.token_ids, c.logprobs
+
+    out = {role: sample(engine, role) for role in ("act", "rehearse", "user", None)}
+    assert trainer.model.active_adapter == "act"  # restored after each call
+    for role in ("act", "rehearse"):
+        ids, lps = out[role]
+        lp = trainer.completion_logprobs([TrainingRow(role, prompt, ids, lps, 0.0)])[0]
+        assert lp == pytest.approx(lps, abs=1e-4)  # trainer scores a row with its role's adapter
+    assert out["act"][1] != pytest.approx(out["rehearse"][1], abs=1e-3)
+    assert out["user"] == out["rehearse"] and out[None] == out["act"]
+    # saved as act/ + rehearse/; stages.load_policy restores the per-role policy
+    trainer.save_adapter(str(tmp_path / "adapter"))
+    assert {p.name for p in (tmp_path / "adapter").iterdir() if p.is_dir()} == {"act", "rehearse"}
+    cfg = load_config("test", {"model": {"ref": str(tiny_model_dir), "compute_dtype": "float32"}})
+    model, tok, _ = load_policy(cfg, str(tmp_path / "adapter"))
+    again = HFEngine(model, tok, compute_dtype="float32")
+    for role in ("act", "rehearse"):
+        assert sample(again, role)[0] == out[role][0]
+        assert sample(again, role)[1] == pytest.approx(out[role][1], abs=1e-5)
+    fresh = make_trainer(tiny_model_dir, policy_per_role=True, lora_b_seed=None)
+    fresh.load_adapter(str(tmp_path / "adapter"))
+    for a, b in zip(fresh._params, trainer._params):
+        assert torch.equal(a, b)
+    with pytest.raises(AdapterLoadError, match="missing"):
+        make_trainer(tiny_model_dir).load_adapter(str(tmp_path / "adapter"))  # shared vs per-role
