@@ -7,7 +7,7 @@ Token ids in, token ids plus behaviour log-probs out, so that training uses exac
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 
 @dataclass(frozen=True)
@@ -17,14 +17,33 @@ class SamplingParams:
     temperature: 0 means greedy; log-probs are then those of logits at temperature 1.
     n: samples per prompt (a GRPO group shares one prompt).
     stop_token_ids: generation of a sample ends after emitting any of these (it is kept in the ids).
+    role: the policy role generating ("act", "rehearse", "user", "self_eval") or None. An engine
+        over a per-role policy (two LoRA adapters, `ROLE_ADAPTERS`) generates with that role's adapter.
     """
 
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
     n: int = 1
-    seed: Optional[int] = None
+    seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    role: str | None = None
+
+
+# Per-role policy ablation (METHOD.md §1, "noshare"): which named LoRA adapter plays each role. The
+# agent side (ACT, its self-evaluation, untagged calls) uses "act"; the simulators of the world
+# (REHEARSE, USER-REHEARSE) use "rehearse".
+ROLE_ADAPTERS: dict[str | None, str] = {
+    None: "act", "act": "act", "self_eval": "act", "rehearse": "rehearse", "user": "rehearse"}
+
+
+def role_adapter(model, role: str | None) -> str | None:
+    """The adapter name `role` generates with on `model`, or None when `model` is not a per-role
+    policy (a peft model holding both adapters named in `ROLE_ADAPTERS`)."""
+    names = set(getattr(model, "peft_config", None) or ())
+    if not set(ROLE_ADAPTERS.values()) <= names:
+        return None
+    return ROLE_ADAPTERS.get(getattr(role, "value", role), "act")  # a Role member or its value
 
 
 @dataclass

@@ -18,11 +18,15 @@ import hashlib
 import inspect
 import time
 from contextlib import nullcontext
-from typing import Optional
 
 import torch
 
-from envace_core.engines.base import Completion, SamplingParams
+from envace_core.engines.base import Completion, SamplingParams, role_adapter
+from envace_core.engines.prefix_cache import (
+    PrefixPool,
+    padded_past,
+    weights_fingerprint,
+)
 
 _DTYPES = {
     "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -98,17 +102,26 @@ class HFEngine:
             "float32" runs without autocast ("float16" is accepted for CUDA).
         max_batch_size: the most sequences held by one decode forward (prefill holds at most
             ``max(1, max_batch_size // n)`` distinct prompts).
+        prefix_cache_tokens: 0 (default) re-encodes every prompt. > 0 keeps the KV caches of finished samples
+            (up to this many tokens in all, LRU; see `engines.prefix_cache`), and a prompt sharing a token
+            prefix with one of them prefills only the tokens after that prefix: a multi-turn trajectory's
+            next turn extends its cache instead of re-encoding the history. Same tokens and log-probs as
+            re-encoding up to floating-point rounding (the prefix's KV is computed in a different batch
+            shape). Emptied automatically when the weights change in place; only for models whose cache
+            layers are all full-attention (`DynamicLayer`), otherwise ignored.
 
     Attributes:
         stats: cumulative counters over all calls: ``prompt_tokens`` (tokens prefilled, each distinct prompt
-            counted once per call), ``generated_tokens`` (tokens in returned completions), ``seconds`` (wall
+            counted once per call), ``cached_tokens`` (prompt tokens taken from the prefix cache instead),
+            ``generated_tokens`` (tokens in returned completions), ``seconds`` (wall
             time inside ``generate``), ``calls``.
 
     Raises:
-        ValueError: unknown ``compute_dtype`` or ``max_batch_size`` < 1.
+        ValueError: unknown ``compute_dtype``, ``max_batch_size`` < 1 or ``prefix_cache_tokens`` < 0.
     """
 
-    def __init__(self, model, tokenizer, compute_dtype: str = "bfloat16", max_batch_size: int = 8):
+    def __init__(self, model, tokenizer, compute_dtype: str = "bfloat16", max_batch_size: int = 8,
+                 prefix_cache_tokens: int = 0):
         if isinstance(compute_dtype, torch.dtype):
             dtype = compute_dtype
         elif compute_dtype in _DTYPES:
@@ -121,12 +134,21 @@ class HFEngine:
         self.tokenizer = tokenizer
         self.compute_dtype = dtype
         self.max_batch_size = int(max_batch_size)
-        self.stats: dict = {"prompt_tokens": 0, "generated_tokens": 0, "seconds": 0.0, "calls": 0}
+        if int(prefix_cache_tokens) < 0:
+            raise ValueError(f"prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
+        self.prefix_pool: PrefixPool | None = PrefixPool(prefix_cache_tokens) if prefix_cache_tokens else None
+        self.stats: dict = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "seconds": 0.0,
+                            "calls": 0}
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
         fwd_params = inspect.signature(hf.forward).parameters
         # transformers 5.x renames `past_key_values` to `cache` (the old name is deprecated).
         self._cache_kw = "cache" if "cache" in fwd_params else "past_key_values"
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in fwd_params), None)
+
+    def reset_prefix_cache(self) -> None:
+        """Drop every cached prefix (needed only after weight changes that bypass in-place ops)."""
+        if self.prefix_pool is not None:
+            self.prefix_pool.clear()
 
     # ------------------------------------------------------------------ helpers
     def _device(self) -> torch.device:
@@ -137,7 +159,7 @@ class HFEngine:
             return nullcontext()
         return torch.autocast(device_type=device.type, dtype=self.compute_dtype)
 
-    def _swap_attention(self, device: torch.device) -> Optional[str]:
+    def _swap_attention(self, device: torch.device) -> str | None:
         """Switch an SDPA model to `_f32_decode_sdpa` for a bf16 CPU call; returns the name to restore."""
         cfg = getattr(self.model, "config", None)
         if (self.compute_dtype == torch.float32 or device.type != "cpu" or cfg is None
@@ -147,7 +169,7 @@ class HFEngine:
         cfg._attn_implementation = _F32_DECODE_ATTN
         return "sdpa"
 
-    def _lowp_weights(self) -> Optional[dict]:
+    def _lowp_weights(self) -> dict | None:
         """Low-precision copies of every float32 ``nn.Linear`` weight/bias, keyed by parameter name.
 
         autocast would cast these on every forward: its weight cache is off under ``inference_mode`` (and
@@ -249,13 +271,13 @@ class HFEngine:
         self._validate(prompts, params)
         t0 = time.perf_counter()
         n = params.n
-        results: list[list[Optional[Completion]]] = [[None] * n for _ in prompts]
+        results: list[list[Completion | None]] = [[None] * n for _ in prompts]
         if params.max_new_tokens == 0:
             for i in range(len(prompts)):
                 results[i] = [Completion([], [], "length") for _ in range(n)]
             return results  # type: ignore[return-value]
 
-        stop = set(int(t) for t in params.stop_token_ids)
+        stop = {int(t) for t in params.stop_token_ids}
         eos = getattr(self.tokenizer, "eos_token_id", None)
         if isinstance(eos, int):
             stop.add(eos)
@@ -268,8 +290,15 @@ class HFEngine:
         device = self._device()
         model.eval()
         restore_attn = self._swap_attention(device)
+        # Per-role policy: this call generates with its role's LoRA adapter (weights are cast below,
+        # after the switch, so the low-precision copies include it); the previous one comes back after.
+        adapter, prev_adapter = role_adapter(model, params.role), getattr(model, "active_adapter", None)
         try:
+            if adapter is not None and adapter != prev_adapter:
+                model.set_adapter(adapter)
             torch.clear_autocast_cache()  # never reuse bf16 casts of weights updated since an earlier call
+            if self.prefix_pool is not None:
+                self.prefix_pool.validate(weights_fingerprint(model, self.compute_dtype))
             with torch.inference_mode(), self._autocast(device):
                 weights = self._lowp_weights()
                 for group, chunks in self._plan(prompts, n):
@@ -279,6 +308,8 @@ class HFEngine:
             torch.clear_autocast_cache()
             if restore_attn is not None:
                 model.config._attn_implementation = restore_attn
+            if adapter is not None and adapter != prev_adapter:
+                model.set_adapter(prev_adapter)
             model.train(was_training)
             self.stats["seconds"] += time.perf_counter() - t0
             self.stats["calls"] += 1
@@ -290,20 +321,32 @@ class HFEngine:
         from transformers import DynamicCache
 
         lens = torch.tensor([len(prompts[i]) for i in group])
-        width = int(lens.max())
+        pool = self.prefix_pool
+        hits = [pool.lookup(prompts[i]) for i in group] if pool is not None else [(0, None)] * len(group)
+        reused = torch.tensor([m for m, _ in hits])
+        # New tokens only (the whole prompt on a miss), left-padded; position ids continue the reused prefix.
+        new = [prompts[i][m:] for i, (m, _) in zip(group, hits)]
+        width = max(len(x) for x in new)
         pad = getattr(self.tokenizer, "pad_token_id", None)
         pad = 0 if pad is None else pad
         ids = torch.full((len(group), width), pad, dtype=torch.long)
         mask = torch.zeros((len(group), width), dtype=torch.long)
-        for r, i in enumerate(group):
-            ids[r, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long)
-            mask[r, width - len(prompts[i]):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp_(min=0)
+        for r, x in enumerate(new):
+            ids[r, width - len(x):] = torch.tensor(x, dtype=torch.long)
+            mask[r, width - len(x):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp_(min=0) + reused[:, None]
+        if int(reused.max()) > 0:
+            past, past_mask = padded_past(hits)
+            cache = DynamicCache([(k.to(device), v.to(device)) for k, v in past], config=self.model.config)
+            mask = torch.cat([past_mask, mask], dim=-1)
+        else:
+            cache = DynamicCache(config=self.model.config)
         ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
-
-        cache = DynamicCache(config=self.model.config)
         logits = self._forward(ids, mask, pos, cache, weights)  # (G, V)
-        self.stats["prompt_tokens"] += int(lens.sum())
+        self.stats["prompt_tokens"] += int(lens.sum() - reused.sum())
+        self.stats["cached_tokens"] += int(reused.sum())
+        if pool is not None and not all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
+            self.prefix_pool = pool = None  # sliding-window / hybrid caches: no safe reuse, so none
 
         for c, rows in enumerate(chunks):
             sel = torch.tensor([r // n for r in rows], device=device)  # prefill row of each decode row
@@ -311,10 +354,12 @@ class HFEngine:
             chunk_cache.batch_select_indices(sel)
             owners = [(group[r // n], r % n) for r in rows]
             self._decode(chunk_cache, logits.index_select(0, sel), mask.index_select(0, sel),
-                         lens.to(device).index_select(0, sel), owners, params, stop, base_seed, weights, results)
+                         lens.to(device).index_select(0, sel), owners, params, stop, base_seed, weights, results,
+                         prompts)
         del cache
 
-    def _decode(self, cache, logits, mask, next_pos, owners, params, stop, base_seed, weights, results) -> None:
+    def _decode(self, cache, logits, mask, next_pos, owners, params, stop, base_seed, weights, results,
+                prompts) -> None:
         """Decode rows until each emits a stop token or reaches max_new_tokens.
 
         cache: KV cache with S rows; logits: (S, V) float32 for the next token; mask: (S, L) attention mask;
@@ -358,10 +403,9 @@ class HFEngine:
             for b, a in enumerate(active):
                 toks[a].append(chosen_l[b])
                 lps[a].append(float(chosen_lp_l[b]))
-                if chosen_l[b] in stop:
-                    self._finish(results, owners[a], toks[a], lps[a], "stop")
-                elif last:
-                    self._finish(results, owners[a], toks[a], lps[a], "length")
+                if chosen_l[b] in stop or last:
+                    self._finish(results, owners[a], toks[a], lps[a], "stop" if chosen_l[b] in stop else "length")
+                    self._keep_prefix(cache, b, mask[b], prompts[owners[a][0]] + toks[a][:-1])
                 else:
                     keep.append(b)
             if not keep:
@@ -374,6 +418,16 @@ class HFEngine:
             mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
             logits = self._forward(chosen[:, None], mask, next_pos[:, None], cache, weights)
             next_pos = next_pos + 1
+
+    def _keep_prefix(self, cache, row: int, row_mask: torch.Tensor, tokens: list[int]) -> None:
+        """Store batch row `row`'s cache (padding dropped) as the KV of `tokens` in the prefix pool."""
+        if self.prefix_pool is None:
+            return
+        keep = row_mask.bool()
+        if int(keep.sum()) != len(tokens):  # defensive: never store a cache that does not match its tokens
+            return
+        kv = [(layer.keys[row][:, keep], layer.values[row][:, keep]) for layer in cache.layers]
+        self.prefix_pool.add(tokens, kv)
 
     def _finish(self, results, owner, toks, lps, reason) -> None:
         i, j = owner
