@@ -1,0 +1,446 @@
+"""Does training learn? World Rehearsal GRPO vs standard GRPO vs per-role policy vs the base model.
+
+    .venv/bin/python benchmarks/learning.py [--preset full|quick] [--seeds 0,1] [--out DIR] [--no-append]
+    .venv/bin/python benchmarks/learning.py --probe      # base model's tool-call / success rates only
+
+Curriculum: synthesized airline + retail tasks (`synth.synthesize`, levels `--levels`, one selection
+seed) split deterministically by the sha256 of the task id into train and held-out (disjoint ids,
+asserted; synthesis already keeps every task off the tau2 test split's users). The split is written
+as a dataset (train / "test" = held-out rows) through the same dataset gate `stages.curate` uses.
+
+Conditions (issue 3 item 7), each trained with `stages.rollout_and_train` for every seed until the
+cumulative generated tokens (HFEngine ``generated_tokens``, i.e. every ACT/REHEARSE completion token)
+first reach `--token-budget`; the data cursor, RNG and optimizer carry over between chunks through
+the stage's own checkpoint (copied to the next chunk's run id; LR schedule forced constant):
+
+* ``base``            no training (the adapter-free base model; greedy, so seed-independent)
+* ``world_rehearsal`` rollout.source=imagined (ACT + REHEARSE rows, role-wise GRPO)
+* ``standard_grpo``   rollout.source=real (ACT only, against private copies of the real env)
+* ``per_role``        rollout.source=imagined, train.policy_per_role=true (two LoRA adapters)
+
+Metrics per condition and seed: held-out ACT success in the real environment (`stages.evaluate`,
+rehearsal.mode=none, greedy, success = tau2 reward 1) and REHEARSE fidelity on held-out real
+transitions (the gold calls of held-out tasks replayed in tau2: `stages.held_out_transitions`, scored
+as in `stages.validate`; an unparseable prediction counts 0). 95% CIs: Student-t over seed means when
+a condition has >= 2 seeds, else a percentile bootstrap (2000 resamples) over held-out tasks /
+transitions; the method and n are reported. Learning curve: train success rate and mean ACT reward
+per iteration against cumulative generated tokens, plus held-out success every `--eval-every`
+iterations (PNG). Writes learning.json + learning_curve.png under --out and appends a markdown
+section to benchmarks/RESULTS.md (unless --no-append).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import envace_core  # noqa: F401  (offline environment first)
+from envace_core import EnvaceError
+
+CONDITIONS: dict[str, dict[str, Any] | None] = {
+    "base": None,
+    "world_rehearsal": {"rollout": {"source": "imagined"}},
+    "standard_grpo": {"rollout": {"source": "real"}},
+    "per_role": {"rollout": {"source": "imagined"}, "train": {"policy_per_role": True}},
+}
+
+# Sized from measured seconds (RESULTS.md, "Learning benchmark"): full <= 3 h on an idle 2-core box.
+PRESETS: dict[str, dict[str, Any]] = {
+    "full": {"seeds": [0, 1], "levels": [1, 2], "tasks_per_level": 12, "heldout_mod": 3,
+             "token_budget": 12000, "max_iterations": 40, "eval_every": 0, "max_transitions": 16,
+             "overrides": {"data": {"policy_max_chars": 200},
+                           "rollout": {"group_size": 8, "tasks_per_iteration": 2, "max_turns": 2,
+                                       "max_new_tokens_act": 48, "max_new_tokens_rehearse": 48},
+                           "train": {"learning_rate": 1e-4, "lr_scheduler": "constant"},
+                           "eval": {"max_turns": 2}, "rehearsal": {"mode": "none"}}},
+    "quick": {"seeds": [0], "levels": [1], "tasks_per_level": 4, "heldout_mod": 2,
+              "token_budget": 200, "max_iterations": 2, "eval_every": 0, "max_transitions": 4,
+              "overrides": {"data": {"policy_max_chars": 200},
+                            "rollout": {"group_size": 4, "tasks_per_iteration": 1, "max_turns": 1,
+                                        "max_new_tokens_act": 32, "max_new_tokens_rehearse": 32},
+                            "train": {"learning_rate": 1e-4, "lr_scheduler": "constant"},
+                            "eval": {"max_turns": 1}, "rehearsal": {"mode": "none"}}},
+}
+
+
+class BenchmarkError(EnvaceError):
+    """The benchmark's inputs cannot give a valid measurement (e.g. an empty held-out split)."""
+
+
+# ------------------------------------------------------------------------------------ curriculum
+def is_held_out(task_id: str, mod: int) -> bool:
+    """Deterministic split: held out iff sha256(id) % mod == 0 (process-independent)."""
+    return int(hashlib.sha256(task_id.encode()).hexdigest()[:12], 16) % mod == 0
+
+
+def split_tasks(tasks: list, mod: int) -> tuple[list, list]:
+    """(train, held_out) by `is_held_out`; raises BenchmarkError if either side is empty or they
+    share an id."""
+    train = [t for t in tasks if not is_held_out(t.id, mod)]
+    held = [t for t in tasks if is_held_out(t.id, mod)]
+    if not train or not held:
+        raise BenchmarkError(f"split of {len(tasks)} tasks with heldout_mod={mod} left "
+                             f"{len(train)} train / {len(held)} held-out: synthesize more tasks")
+    if {t.id for t in train} & {t.id for t in held}:
+        raise BenchmarkError("train and held-out tasks share an id")
+    return train, held
+
+
+def curriculum(domains: list[str], levels: list[int], per_level: int, seed: int, mod: int,
+               synthesize: Callable | None = None) -> tuple[list, list]:
+    """Synthesized tasks (`per_level` per level and domain) split into (train, held_out)."""
+    from envace_core.synth import synthesize as synth
+
+    synthesize = synthesize or synth
+    tasks = [t for d in domains for t in synthesize(d, per_level * len(levels), levels, seed)]
+    return split_tasks(tasks, mod)
+
+
+def write_dataset(store_root: str, train: list, held: list, domains: list[str]) -> dict[str, Any]:
+    """Write train + held-out (split "test") as a dataset in the artifact store, gated like curate.
+
+    Returns the dict `stages.load_dataset` / `rollout_and_train` / `evaluate` take."""
+    import pandas as pd
+
+    from envace_core import stages
+    from envace_core.envs.tau2 import load_tasks
+    from envace_core.gates import dataset_gate
+    from envace_core.storage import open_store, sha256_bytes
+
+    held = [t.model_copy(update={"split": "test"}) for t in held]
+    records = [stages._task_record(t) for t in train + held]
+    real_test = {t.id for d in domains for t in load_tasks(d, "test")}
+    gate = dataset_gate(pd.DataFrame(records), real_test | {t.id for t in held}, 2,
+                        domains=domains)
+    gate.raise_if_failed()
+    version = sha256_bytes(json.dumps(records, sort_keys=True).encode())[:16]
+    store, key = open_store(store_root), f"datasets/{version}"
+    if not store.exists(f"{key}/manifest.json"):
+        with tempfile.TemporaryDirectory() as tmp:
+            pd.DataFrame(records).to_parquet(Path(tmp) / "tasks.parquet", index=False)
+            (Path(tmp) / "manifest.json").write_text(json.dumps(
+                {"version": version, "n_train": len(train), "n_test": len(held),
+                 "source": "envace synth (benchmarks/learning.py)"}))
+            store.put_dir(tmp, key)
+    return {"store": store_root, "key": key, "dir": store.uri(key), "version": version,
+            "n_train": len(train), "n_test": len(held)}
+
+
+# ---------------------------------------------------------------------------------- statistics
+def t_interval(xs: list[float]) -> tuple[float, float]:
+    """95% Student-t interval of the mean of xs (n >= 2)."""
+    from scipy import stats
+
+    m, n = statistics.fmean(xs), len(xs)
+    h = stats.t.ppf(0.975, n - 1) * statistics.stdev(xs) / n ** 0.5
+    return m - h, m + h
+
+
+def bootstrap_ci(xs: list[float], n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile bootstrap interval of the mean of xs (resampling items with replacement)."""
+    rng = random.Random(seed)
+    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(n_boot))
+    return means[int(0.025 * n_boot)], means[int(0.975 * n_boot) - 1]
+
+
+def summarise(per_seed: dict[int, dict[str, list[float]]], metric: str) -> dict[str, Any]:
+    """Mean and 95% CI of `metric` over seeds (t, >= 2 seeds) or items (bootstrap, one seed).
+
+    `per_seed`: {seed: {metric: per-item values}}. Items of several seeds are pooled only for the
+    bootstrap's per-item mean (item i averaged over seeds)."""
+    seed_means = [statistics.fmean(v[metric]) for v in per_seed.values() if v[metric]]
+    if not seed_means:
+        return {"mean": None, "ci": None, "n": 0, "method": "no data"}
+    if len(seed_means) >= 2:
+        return {"mean": statistics.fmean(seed_means), "ci": t_interval(seed_means),
+                "n": len(seed_means), "method": "t over seeds"}
+    items = next(v[metric] for v in per_seed.values() if v[metric])
+    return {"mean": statistics.fmean(items), "ci": bootstrap_ci(items), "n": len(items),
+            "method": "bootstrap over items"}
+
+
+# -------------------------------------------------------------------------------- measurements
+def iteration_tokens(rec: dict[str, Any]) -> int:
+    """Generated tokens of one training iteration (its rollout tokens/s x rollout seconds)."""
+    return round(rec.get("rollout_tokens_per_s", 0.0) * rec.get("rollout_seconds", 0.0))
+
+
+def rehearse_fidelity(cfg, adapter_dir: str | None, held: list, limit: int) -> list[dict[str, Any]]:
+    """Per-transition REHEARSE rows on held-out real transitions, scored as `stages.validate` does."""
+    from envace_core import roles, stages
+    from envace_core.engines.base import SamplingParams
+    from envace_core.engines.hf import HFEngine
+    from envace_core.envs.tau2 import task_context
+    from envace_core.rewards import fidelity
+
+    trans = stages.held_out_transitions(held, limit)
+    model, tok, _ = stages.load_policy(cfg, adapter_dir)
+    engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype)
+    prompts = [roles.rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c)
+               for t, h, c, _ in trans]
+    sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0, role="rehearse")
+    rows = []
+    for (task, _, call, real), outs in zip(trans, engine.generate(prompts, sp)):
+        try:
+            pred = roles.parse_rehearse(tok.decode(outs[0].token_ids, skip_special_tokens=True))
+            rows.append({"id": f"{task.id}#{call.id}", "json_valid": 1.0, "fidelity": fidelity(pred, real)})
+        except roles.ParseError:
+            rows.append({"id": f"{task.id}#{call.id}", "json_valid": 0.0, "fidelity": 0.0})
+    return rows
+
+
+def measure(cfg, dataset: dict[str, Any], adapter_dir: str | None, held: list,
+            max_transitions: int) -> dict[str, Any]:
+    """Held-out ACT success per task (`stages.evaluate`, no rehearsal) and fidelity per transition."""
+    from envace_core import stages
+
+    ev = stages.evaluate(cfg, dataset, {"adapter_dir": adapter_dir})
+    res = [r for r in ev["results"] if r["condition"] == "no_rehearsal"]
+    fid = rehearse_fidelity(cfg, adapter_dir, held, max_transitions)
+    return {"success": [r["success"] for r in res], "task_ids": [r["task_id"] for r in res],
+            "terminations": [r["termination"] for r in res],
+            "fidelity": [r["fidelity"] for r in fid], "json_validity": [r["json_valid"] for r in fid]}
+
+
+def train_to_budget(cfg, dataset: dict[str, Any], budget: int, max_iterations: int, eval_every: int,
+                    on_eval: Callable[[str, int], dict] | None = None) -> dict[str, Any]:
+    """`stages.rollout_and_train` in chunks until the cumulative generated tokens first reach `budget`.
+
+    A chunk never runs past the point where the budget could be reached (sized from 1.5x the most
+    tokens any iteration so far generated; 1 iteration when unknown) nor past `eval_every`; the
+    previous chunk's checkpoint is copied to the next chunk's run id so the stage resumes it exactly.
+    Returns {"history", "adapter_dir", "tokens", "iterations", "overshoot_iterations", "curve_heldout"}.
+    """
+    from envace_core import stages
+    from envace_core.storage import open_store
+
+    if cfg.train.lr_scheduler != "constant" or cfg.train.warmup_iterations:
+        raise BenchmarkError("train_to_budget resumes across chunks with a constant LR only: set "
+                             "train.lr_scheduler=constant, train.warmup_iterations=0")
+    store, history, prev, curve, trained = open_store(cfg.store.root), [], None, [], None
+    while True:
+        toks = [iteration_tokens(h) for h in history]
+        if (toks and sum(toks) >= budget) or len(history) >= max_iterations:
+            break
+        room = int((budget - sum(toks)) // (1.5 * max(toks))) if toks and max(toks) else 1
+        k = max(1, min(room, eval_every or room, max_iterations - len(history)))
+        c = cfg.model_copy(deep=True)
+        c.train.iterations = len(history) + k
+        key = f"runs/{stages._run_id(c, dataset)}/checkpoint"
+        if prev and not store.exists(f"{key}/state.json"):
+            _copy_checkpoint(store, prev, key)
+        trained = stages.rollout_and_train(c, dataset)
+        history, prev = trained["history"], key
+        if on_eval and eval_every and len(history) % eval_every == 0:
+            curve.append({"iteration": len(history), "tokens": sum(iteration_tokens(h) for h in history),
+                          **on_eval(trained["adapter_dir"], len(history))})
+    cum, first = 0, len(history)
+    for i, h in enumerate(history):
+        cum += iteration_tokens(h)
+        if cum >= budget:
+            first = i + 1
+            break
+    return {"history": history, "adapter_dir": trained["adapter_dir"] if trained else None,
+            "tokens": sum(iteration_tokens(h) for h in history), "iterations": len(history),
+            "overshoot_iterations": len(history) - first, "curve_heldout": curve}
+
+
+def _copy_checkpoint(store, src: str, dst: str) -> None:
+    """Copy a checkpoint to another key; put_dir writes a fresh CHECKSUMS.json for the copy."""
+    import shutil
+
+    from envace_core.storage import CHECKSUMS
+
+    with tempfile.TemporaryDirectory() as tmp:
+        shutil.copytree(store.get_dir(src), Path(tmp) / "ckpt", ignore=shutil.ignore_patterns(CHECKSUMS))
+        store.put_dir(Path(tmp) / "ckpt", dst)
+
+
+# ------------------------------------------------------------------------------------- reporting
+def plot_curve(runs: dict[str, dict[int, dict]], path: Path) -> None:
+    """Train success rate (lines) and held-out success (markers) against generated tokens."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    for ci, (cond, seeds) in enumerate(runs.items()):
+        color = f"C{ci}"
+        for s, run in seeds.items():
+            hist = run.get("history") or []
+            xs = [sum(iteration_tokens(h) for h in hist[:i + 1]) for i in range(len(hist))]
+            lab = cond if s == min(seeds) else None
+            if hist:
+                a1.plot(xs, [h.get("success_rate") or 0.0 for h in hist], "-o", color=color, alpha=.7, label=lab)
+                a2.plot(xs, [h.get("reward_mean/act") or 0.0 for h in hist], "-o", color=color, alpha=.7, label=lab)
+            pts = run.get("curve_heldout") or []
+            a1.plot([p["tokens"] for p in pts], [statistics.fmean(p["success"]) for p in pts], "s",
+                    color=color, ms=8, mfc="none")
+            if run.get("final"):
+                a1.axhline(statistics.fmean(run["final"]["success"] or [0]), color=color, ls=":", lw=1)
+    a1.set(xlabel="generated tokens", ylabel="success rate", title="train (lines) / held-out final (dotted)")
+    a2.set(xlabel="generated tokens", ylabel="mean ACT reward", title="train reward per iteration")
+    for a in (a1, a2):
+        a.set_ylim(-0.05, 1.05)
+        a.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def _fmt(s: dict[str, Any]) -> str:
+    if s["mean"] is None:
+        return "—"
+    lo, hi = s["ci"]
+    return f"{s['mean']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    rows = [("| condition | held-out ACT success (95% CI) | CI method, n | REHEARSE fidelity (95% CI) | "
+            "CI method, n | JSON validity | iterations (per seed) | generated tokens (per seed) | "
+            "train frac_zero_std (mean) |"), "|---|---|---|---|---|---|---|---|---|"]
+    for cond, s in report["summary"].items():
+        rows.append(f"| {cond} | {_fmt(s['success'])} | {s['success']['method']}, {s['success']['n']} | "
+                    f"{_fmt(s['fidelity'])} | {s['fidelity']['method']}, {s['fidelity']['n']} | "
+                    f"{_fmt(s['json_validity'])} | {s['iterations']} | {s['tokens']} | {s['frac_zero_std']} |")
+    return "\n".join(rows)
+
+
+# -------------------------------------------------------------------------------------------- run
+def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[[str], None] = print,
+        model_ref: str | None = None) -> dict[str, Any]:
+    """The whole benchmark for one preset; returns the JSON-able report (also written to out/)."""
+    from envace_core.config import load_config
+
+    t0 = time.perf_counter()
+    domains = preset.get("domains", ["airline", "retail"])
+    over = json.loads(json.dumps(preset["overrides"]))
+    over.setdefault("data", {})["domains"] = domains
+    over["store"] = {"root": str(out / "store"), "registry": str(out / "registry")}
+    if model_ref:
+        over["model"] = {"ref": model_ref}
+    train, held = curriculum(domains, preset["levels"], preset["tasks_per_level"],
+                             preset.get("synthetic_seed", 0), preset["heldout_mod"],
+                             preset.get("synthesize"))
+    dataset = write_dataset(str(out / "store"), train, held, domains)
+    log(f"[learning] curriculum: {len(train)} train / {len(held)} held-out synthesized tasks "
+        f"(levels {preset['levels']}), dataset {dataset['version']}")
+    runs: dict[str, dict[int, dict]] = {}
+    for cond in conditions:
+        for seed in ([preset["seeds"][0]] if CONDITIONS[cond] is None else preset["seeds"]):
+            cfg = load_config("cpu-smoke", _merge(over, {**(CONDITIONS[cond] or {}), "train": {
+                **(CONDITIONS[cond] or {}).get("train", {}), "seed": seed}}))
+            t1 = time.perf_counter()
+            if CONDITIONS[cond] is None:
+                r: dict[str, Any] = {"history": [], "tokens": 0, "iterations": 0, "adapter_dir": None}
+            else:
+                r = train_to_budget(cfg, dataset, preset["token_budget"], preset["max_iterations"],
+                                    preset["eval_every"],
+                                    lambda a, _, c=cfg: measure(c, dataset, a, held, preset["max_transitions"]))
+            r["final"] = measure(cfg, dataset, r["adapter_dir"], held, preset["max_transitions"])
+            r["seconds"] = time.perf_counter() - t1
+            runs.setdefault(cond, {})[seed] = r
+            log(f"[learning] {cond} seed {seed}: {r['iterations']} iterations, {r['tokens']} tokens, "
+                f"held-out success {statistics.fmean(r['final']['success']):.3f}, fidelity "
+                f"{statistics.fmean(r['final']['fidelity'] or [0]):.3f}, {r['seconds']:.0f}s")
+    report = {"preset": {k: v for k, v in preset.items() if k != "synthesize"}, "dataset": dataset,
+              "held_out_ids": [t.id for t in held], "train_ids": [t.id for t in train],
+              "summary": {}, "runs": runs, "wall_seconds": None}
+    for cond, seeds in runs.items():
+        finals = {s: r["final"] for s, r in seeds.items()}
+        hist = [h for r in seeds.values() for h in r["history"]]
+        zs = [h["frac_zero_std"] for h in hist if h.get("frac_zero_std") is not None]
+        report["summary"][cond] = {
+            **{m: summarise(finals, m) for m in ("success", "fidelity", "json_validity")},
+            "iterations": [r["iterations"] for r in seeds.values()],
+            "tokens": [r["tokens"] for r in seeds.values()],
+            "frac_zero_std": round(statistics.fmean(zs), 3) if zs else "—",
+            "seconds_per_iteration": (statistics.fmean(h["seconds"] for h in hist) if hist else None)}
+    report["wall_seconds"] = time.perf_counter() - t0
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "learning.json").write_text(json.dumps(report, indent=1, default=str))
+    plot_curve(runs, out / "learning_curve.png")
+    return report
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for k, v in extra.items():
+        out[k] = {**out.get(k, {}), **v} if isinstance(v, dict) else v
+    return out
+
+
+def probe(n_tasks: int, group: int, overrides: dict[str, Any]) -> dict[str, Any]:
+    """Base model on level-1 synthesized tasks, real env, T=1: share of ACT outputs that parse as a
+    tool call and trajectory success rate (the learning signal GRPO can get at all)."""
+    from envace_core import stages
+    from envace_core.config import load_config
+    from envace_core.engines.hf import HFEngine
+    from envace_core.rollout import training_group
+    from envace_core.synth import synthesize
+    from envace_core.types import Role
+
+    tasks = synthesize("airline", n_tasks, [1], 0) + synthesize("retail", n_tasks, [1], 0)
+    cfg = load_config("cpu-smoke", _merge(overrides, {"rollout": {"source": "real", "group_size": group}}))
+    model, tok, _ = stages.load_policy(cfg)
+    engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype)
+    acts, calls, wins = 0, 0, []
+    for i, t in enumerate(tasks):
+        for tr in training_group(engine, t, cfg, stages.rollout_params(cfg), seed=i):
+            wins.append(float((tr.reward or 0) >= 1.0))
+            for g in tr.generations:
+                if g.role == Role.ACT:
+                    acts, calls = acts + 1, calls + int("<tool_call>" in g.text and g.parse_error is None)
+    return {"tasks": len(tasks), "group_size": group, "act_outputs": acts, "tool_call_rate": calls / max(acts, 1),
+            "success_rate": statistics.fmean(wins), "generated_tokens": engine.stats["generated_tokens"]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", choices=sorted(PRESETS), default="full")
+    ap.add_argument("--seeds", default="", help="comma-separated; default: the preset's")
+    ap.add_argument("--conditions", default=",".join(CONDITIONS))
+    ap.add_argument("--out", default=".envace/bench/learning")
+    ap.add_argument("--results-md", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
+    ap.add_argument("--no-append", action="store_true")
+    ap.add_argument("--probe", action="store_true", help="only measure the base model's tool-call rate")
+    args = ap.parse_args()
+    if args.probe:
+        print(json.dumps(probe(3, 8, PRESETS["full"]["overrides"]), indent=1))
+        return 0
+    preset = dict(PRESETS[args.preset])
+    if args.seeds:
+        preset["seeds"] = [int(s) for s in args.seeds.split(",")]
+    conds = [c.strip() for c in args.conditions.split(",") if c.strip()]
+    bad = [c for c in conds if c not in CONDITIONS]
+    if bad:
+        raise BenchmarkError(f"unknown condition(s) {bad}; choose from {list(CONDITIONS)}")
+    report = run(preset, Path(args.out), conds)
+    table = markdown(report)
+    cmd = " ".join([".venv/bin/python"] + sys.argv)
+    print(table)
+    print(f"wall {report['wall_seconds']:.0f}s; report {args.out}/learning.json, plot {args.out}/learning_curve.png")
+    if not args.no_append:
+        with open(args.results_md, "a") as f:
+            f.write(f"\n### learning.py run, preset {args.preset} ({time.strftime('%Y-%m-%d')})\n\n"
+                    f"Command: `{cmd}`; wall {report['wall_seconds']:.0f} s; "
+                    f"{report['dataset']['n_train']} train / {report['dataset']['n_test']} held-out "
+                    f"synthesized tasks; token budget {preset['token_budget']} per run.\n\n{table}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,72 @@
+"""benchmarks/learning.py: curriculum split, CIs, token-budget chunking and the whole run, with the
+tiny random model (the numbers mean nothing; the plumbing, budget and report shape are checked)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+import envace_core  # noqa: F401  (offline environment before tau2)
+
+_SPEC = importlib.util.spec_from_file_location(
+    "learning_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "learning.py")
+lb = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(lb)
+
+
+class _T:
+    def __init__(self, i):
+        self.id = f"airline/synth-L1-{i:04d}"
+
+
+def test_split_is_deterministic_disjoint_and_rejects_empty_sides():
+    tasks = [_T(i) for i in range(40)]
+    train, held = lb.split_tasks(tasks, 3)
+    assert train and held and not {t.id for t in train} & {t.id for t in held}
+    assert len(train) + len(held) == 40
+    assert [t.id for t in lb.split_tasks(tasks, 3)[1]] == [t.id for t in held]
+    with pytest.raises(lb.BenchmarkError, match="held-out"):
+        lb.split_tasks(tasks[:1], 10 ** 9 + 7)  # one task cannot fill both sides
+
+
+def test_confidence_intervals():
+    lo, hi = lb.t_interval([0.2, 0.4, 0.6])
+    assert lo < 0.4 < hi and hi - lo == pytest.approx(2 * 4.302653 * 0.2 / 3 ** 0.5, rel=1e-4)
+    blo, bhi = lb.bootstrap_ci([0.0] * 5 + [1.0] * 5)
+    assert 0.0 < blo < 0.5 < bhi < 1.0
+    assert lb.bootstrap_ci([1.0, 1.0]) == (1.0, 1.0)
+    seeds = lb.summarise({0: {"m": [1.0, 0.0]}, 1: {"m": [1.0, 1.0]}}, "m")
+    assert seeds["method"] == "t over seeds" and seeds["n"] == 2 and seeds["mean"] == 0.75
+    one = lb.summarise({0: {"m": [1.0, 0.0, 0.0, 1.0]}}, "m")
+    assert one["method"] == "bootstrap over items" and one["n"] == 4
+
+
+def test_whole_run_with_tiny_model(tmp_path, tiny_model_dir):
+    preset = {"seeds": [0], "levels": [1], "tasks_per_level": 3, "heldout_mod": 2, "domains": ["airline"],
+              "token_budget": 20, "max_iterations": 3, "eval_every": 0, "max_transitions": 2,
+              "overrides": {"data": {"policy_max_chars": 200},
+                            "rollout": {"group_size": 2, "tasks_per_iteration": 1, "max_turns": 1,
+                                        "max_new_tokens_act": 8, "max_new_tokens_rehearse": 8},
+                            "train": {"lr_scheduler": "constant", "micro_batch_rows": 8},
+                            "eval": {"max_turns": 1}, "rehearsal": {"mode": "none"}}}
+    # one trained condition keeps this under a minute; the others differ only in config overrides
+    report = lb.run(preset, tmp_path, ["world_rehearsal"], model_ref=str(tiny_model_dir))
+    assert not set(report["held_out_ids"]) & set(report["train_ids"])
+    for cond in ("world_rehearsal",):
+        r = report["runs"][cond][0]
+        toks = [lb.iteration_tokens(h) for h in r["history"]]
+        # stops at the first iteration that reaches the budget (or the iteration cap)
+        assert r["iterations"] == len(toks) <= 3 and r["overshoot_iterations"] == 0
+        assert sum(toks) >= 20 or r["iterations"] == 3
+        assert sum(toks[:-1]) < 20
+    final = report["runs"]["world_rehearsal"][0]["final"]
+    assert len(final["success"]) == report["dataset"]["n_test"] and len(final["fidelity"]) >= 1
+    s = report["summary"]["world_rehearsal"]["success"]
+    assert s["method"] == "bootstrap over items" and s["mean"] == statistics.fmean(final["success"])
+    assert json.loads((tmp_path / "learning.json").read_text())["summary"].keys() == report["summary"].keys()
+    assert (tmp_path / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| world_rehearsal |" in lb.markdown(report)
