@@ -50,7 +50,10 @@ def _registry(args) -> int:
 
     reg = Registry(load_config(args.profile, args.overrides).store.registry)
     if args.action == "list":
-        for name, version in reg.list():
+        models = reg.list()
+        if not models:
+            print(f"no models registered in {reg.root}", file=sys.stderr)
+        for name, version in models:
             print(f"{name}@{version}")
         return 0
     if not args.ref or "@" not in args.ref:
@@ -166,6 +169,9 @@ def main(argv: list[str] | None = None) -> int:
     except EnvaceError as e:
         print(f"envace: error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `envace registry show … | head`: the reader left; not an error
+        sys.stdout = None  # nothing more to flush to the closed pipe
+        return 0
 
 
 if __name__ == "__main__":

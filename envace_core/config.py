@@ -315,6 +315,8 @@ def _parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
     text = overrides.strip()
     if not text.startswith("{") and Path(text).is_file():
         text = Path(text).read_text()
+    elif "=" not in text and "\n" not in text and text.endswith((".yaml", ".yml", ".json")):
+        raise ConfigError(f"config overrides file {text!r} does not exist")
     if "=" in text and not text.lstrip().startswith("{") and "\n" not in text:
         out: dict[str, Any] = {}
         for pair in _split_top_level(text):

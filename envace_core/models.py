@@ -97,6 +97,11 @@ def resolve_model(ref: str) -> Path:
                            lambda tmp: _dequantise_gguf(gguf, tmp), exists="keep")
     if ref.startswith("s3://"):
         return _download_s3(ref)
+    if ref.startswith("registry:"):
+        raise ModelNotFoundError(
+            f"model.ref {ref!r}: registry:NAME@VERSION refs name a trained adapter and are read by "
+            f"`envace eval --model`; model.ref is the base model: {BUNDLED!r}, a local HF model "
+            "folder, or an s3:// URI (the manifest's base_model names it)")
     path = Path(ref).expanduser()
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ModelNotFoundError(

@@ -342,6 +342,8 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
         rows = [TrainingRow.from_generation(g, float(a))
                 for (t, g, _), a, v in zip(gens, adv.tolist(), valid.tolist())
                 if v and g.role.value in cfg.train.trained_roles and g.completion_ids]
+        say(f"[train] iteration {it + 1}: updating the policy on {len(rows)} rows "
+            f"({cfg.train.ppo_epochs} epoch(s)) after {t_roll:.0f}s of rollouts", flush=True)
         train_metrics = trainer.update(rows)
         rec = {"iteration": it + 1, "data/epoch": data_at["epoch"], "data/position": data_at["position"],
                **_rollout_metrics(trajs), **adv_stats,

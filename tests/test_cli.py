@@ -43,3 +43,17 @@ def test_registry_show_unknown_and_bad_ref(tmp_path, capsys):
     assert "not registered" in capsys.readouterr().err
     assert main(["--overrides", over, "registry", "verify", "nope"]) == 2
     assert "NAME@VERSION" in capsys.readouterr().err
+
+
+def test_empty_registry_list_says_so_and_train_refuses_a_registry_model_ref(tmp_path, capsys):
+    over = f"store.registry={tmp_path / 'r'}"
+    assert main(["--overrides", over, "registry", "list"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "" and "no models registered" in out.err
+    assert main(["--overrides", "model.ref=registry:envace-policy@1", "config", "--check"]) == 2
+    assert "envace eval --model" in capsys.readouterr().err
+
+
+def test_a_missing_overrides_file_is_named(capsys):
+    assert main(["--overrides", str("/nonexistent/run.yaml"), "config", "--check"]) == 2
+    assert "does not exist" in capsys.readouterr().err
