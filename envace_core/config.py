@@ -180,6 +180,11 @@ class TrainConfig(_Strict):
         False, description="ablation: separate LoRA adapters 'act' and 'rehearse' on one base model")
     checkpoint_every: int = Field(1, ge=1, description="checkpoint every k iterations (and at the end)")
     format_penalty: float = Field(0.0, le=0, description="reward for an unparseable trajectory")
+    sft_warmup_steps: int = Field(
+        0, ge=0, description="supervised ACT warm-up steps on the gold calls of train tasks before "
+        "iteration 1 of a fresh run (envace_core/sft.py); 0 = none")
+    sft_learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the SFT warm-up")
+    sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
     seed: int = 0
 
     @model_validator(mode="after")

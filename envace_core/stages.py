@@ -306,6 +306,14 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
             f"checkpoint {store.uri(ckpt_key)})")
     else:
         say(f"[train] run {run_id}: checkpoints -> {store.uri(ckpt_key)} (re-run the same command to resume)")
+        if cfg.train.sft_warmup_steps > 0:  # fresh run only: a checkpoint already holds the warmed-up adapter
+            from envace_core import sft
+
+            examples = sft.act_examples(tasks, tok, cfg.data.policy_max_chars)
+            losses = sft.sft_warmup(trainer, examples, cfg.train.sft_warmup_steps, cfg.train.sft_learning_rate,
+                                    cfg.train.sft_batch_rows, seed=cfg.train.seed)
+            say(f"[train] SFT warm-up: {len(losses)} steps on {len(examples)} gold ACT turns, "
+                f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     params = rollout_params(cfg)
     per_it = cfg.rollout.tasks_per_iteration
     if world.enabled:
