@@ -176,7 +176,6 @@ def load_engine(cfg: RunConfig, model: ResolvedModel):
     """(HFEngine, parameter count) for `model`; a registry model's base weights must match the manifest's
     ``base_model.sha256`` (`models.model_fingerprint`), else `ModelRefError`."""
     from envace_core import stages
-    from envace_core.engines.hf import HFEngine
     from envace_core.models import model_fingerprint
 
     cfg = cfg.model_copy(deep=True)
@@ -187,8 +186,7 @@ def load_engine(cfg: RunConfig, model: ResolvedModel):
         raise ModelRefError(f"--model {model.ref!r}: the base model {model.base_ref} at {base_dir} is not the one "
                             "it was trained on (weights sha256 differs from the manifest's base_model.sha256)")
     n_params = sum(p.numel() for p in policy.parameters())
-    return HFEngine(policy, tok, compute_dtype=cfg.model.compute_dtype,
-                    prefix_cache_tokens=cfg.rollout.prefix_cache_tokens), n_params
+    return stages.policy_engine(cfg, policy, tok), n_params
 
 
 # ----------------------------------------------------------------------------------------- options

@@ -102,11 +102,8 @@ def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int 
     task = find_task(task_id)
     t_load = time.perf_counter()
     if engine is None:
-        from envace_core.engines.hf import HFEngine
-
         model, tok, _ = stages.load_policy(cfg, adapter_dir)
-        engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype,
-                      prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
+        engine = stages.policy_engine(cfg, model, tok)
     load_s = time.perf_counter() - t_load
     act = stages.rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=turns)
     reh = stages.rollout_params(cfg, temperature=cfg.rehearsal.temperature, max_turns=turns)

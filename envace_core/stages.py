@@ -14,10 +14,13 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import pandas as pd
 from tqdm.auto import tqdm
+
+if TYPE_CHECKING:
+    import torch
 
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
@@ -141,7 +144,7 @@ def load_dataset(dataset: dict[str, Any], split: str) -> list[Task]:
 
 
 # ---------------------------------------------------------------------------------------- policy
-def policy_device(device: str = "auto") -> "torch.device":
+def policy_device(device: str = "auto") -> torch.device:
     """cuda:$LOCAL_RANK (the launcher's local rank, 0 without one) or cpu, per `model.device`.
 
     Raises:
@@ -182,6 +185,14 @@ def load_policy(cfg: RunConfig, adapter_dir: Optional[str] = None):
             raise EnvaceError(f"no LoRA adapter in {adapter_dir}: re-run the train stage")
     model.eval()
     return model, tok, base
+
+
+def policy_engine(cfg: RunConfig, model, tok):
+    """The transformers engine over the policy, with the configured dtype and prefix KV cache."""
+    from envace_core.engines.hf import HFEngine
+
+    return HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype,
+                    prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
 
 
 def rollout_params(cfg: RunConfig, temperature: Optional[float] = None, max_turns: Optional[int] = None):
@@ -276,7 +287,6 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
     import torch
 
     from envace_core import distributed
-    from envace_core.engines.hf import HFEngine
     from envace_core.grpo import role_advantages
     from envace_core.rewards import generation_rewards
     from envace_core.rollout import training_group
@@ -294,8 +304,7 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
     if world.enabled:
         model.to(world.device)  # cuda:LOCAL_RANK under NCCL; the trainer broadcasts rank 0's LoRA
     trainer = PolicyTrainer(model, tok, cfg.train, compute_dtype=cfg.model.compute_dtype)
-    engine = HFEngine(trainer.model, tok, compute_dtype=cfg.model.compute_dtype,
-                      prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
+    engine = policy_engine(cfg, trainer.model, tok)
     history: list[dict[str, Any]] = []
     start, cursor = 0, {"epoch": 0, "position": 0}
     if store.exists(f"{ckpt_key}/state.json"):
@@ -441,14 +450,12 @@ def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     """
     from envace_core import roles
     from envace_core.engines.base import SamplingParams
-    from envace_core.engines.hf import HFEngine
     from envace_core.envs.tau2 import task_context
     from envace_core.gates import rehearsal_gate
     from envace_core.rewards import fidelity
 
     model, tok, _ = load_policy(cfg, trained["adapter_dir"])
-    engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype,
-                      prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
+    engine = policy_engine(cfg, model, tok)
     from envace_core.envs.tau2 import load_tasks
 
     # The evaluation subset first, then the rest of the held-out split: some tasks (e.g. telecom's)
@@ -499,14 +506,12 @@ def evaluate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     counts it). The user is the task's opening request only (no simulated follow-up turns), and
     NL assertions are skipped (no judge offline); both are stated in the report.
     """
-    from envace_core.engines.hf import HFEngine
     from envace_core.envs.tau2 import Tau2Environment, task_context
     from envace_core.rehearsal import RehearsalAgent
     from envace_core.verifier import default_checks
 
     model, tok, _ = load_policy(cfg, trained["adapter_dir"])
-    engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype,
-                      prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
+    engine = policy_engine(cfg, model, tok)
     act = rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=cfg.eval.max_turns)
     reh = rollout_params(cfg, temperature=cfg.rehearsal.temperature, max_turns=cfg.eval.max_turns)
     conditions = {"no_rehearsal": ("none", 0)}
