@@ -6,11 +6,13 @@
 
 Sections (comma-separated, or "all"):
   group      (a) one ~--prompt-tokens prompt sampled G ways (HFEngine, bf16), G in --groups: seconds and
-             ratio to G=1 (issue goal <= 2x at G=8 on CPU).
+             ratio to G=1 (issue goal <= 2x at G=8 on CPU), once with natural stops and once at fixed length
+             (ignore_eos: every sample decodes --max-new tokens, so the ratio is the cost of G samples alone).
   multiturn  (b) --trajectories greedy trajectories, --turns turns; each turn appends the completion and an
-             inserted tool response of ~--insert-tokens tokens. HFEngine re-encoding every turn vs the same
-             engine with the prefix cache (`prefix_cache_tokens`): ratio, and whether every token id matched
-             (goal >= 2x at 4 turns).
+             inserted tool response of ~--insert-tokens tokens; every turn decodes exactly --max-new tokens.
+             HFEngine re-encoding every turn vs the same engine with the prefix cache (`prefix_cache_tokens`),
+             in --multiturn-dtype: ratio, and the fraction of generated token ids that are equal (1.0 in
+             float32; bf16 rounding can flip a greedy pick) (goal >= 2x at 4 turns).
   trl        (c) one GRPO step (rollouts + one optimizer step on all P*G completions, LoRA r=16 q/v,
              T=1, beta=0) of ours (HFEngine + PolicyTrainer.update, float32 and bf16 compute) vs TRL's
              GRPOTrainer (float32, use_vllm=False, no gradient checkpointing, 4 completions per micro-batch)
@@ -84,17 +86,26 @@ def bench_group(model, tok, args) -> dict:
     eng = HFEngine(model, tok, compute_dtype="bfloat16", max_batch_size=max(args.groups))
     prompt = make_prompt(tok, args.prompt_tokens)
     eng.generate([prompt[:64]], SamplingParams(max_new_tokens=2, n=1, seed=0))  # warm-up
-    rows = {}
-    for g in args.groups:
-        t0 = time.perf_counter()
-        out = eng.generate([prompt], SamplingParams(max_new_tokens=args.max_new, n=g, temperature=1.0, seed=1))
-        rows[g] = (time.perf_counter() - t0, sum(len(c.token_ids) for c in out[0]))
-    base = rows[args.groups[0]][0]
-    print(f"\n(a) group rollout, prompt {len(prompt)} tokens, {args.max_new} new tokens max, bf16")
-    print(f"{'G':>3} {'seconds':>8} {'tokens':>7} {'x G=' + str(args.groups[0]):>8}")
-    for g, (s, n) in rows.items():
-        print(f"{g:>3} {s:8.2f} {n:7d} {s / base:8.2f}")
-    return {f"G{g}": {"seconds": s, "tokens": n, "ratio": s / base} for g, (s, n) in rows.items()}
+    res = {}
+    # Natural stops make G=1 decode as many steps as its one sample needs and G=8 as many as its
+    # longest sample: the ratio then mixes batching cost with decode length. The fixed-length rows
+    # (ignore_eos: every sample decodes exactly --max-new tokens) isolate the cost of sampling G ways.
+    for label, fixed in (("natural stops", False), ("fixed length", True)):
+        rows = {}
+        for g in args.groups:
+            t0 = time.perf_counter()
+            out = eng.generate([prompt], SamplingParams(max_new_tokens=args.max_new, n=g, temperature=1.0,
+                                                        seed=1, ignore_eos=fixed))
+            rows[g] = (time.perf_counter() - t0, sum(len(c.token_ids) for c in out[0]),
+                       max(len(c.token_ids) for c in out[0]))
+        base = rows[args.groups[0]][0]
+        print(f"\n(a) group rollout, {label}, prompt {len(prompt)} tokens, {args.max_new} new tokens max, bf16")
+        print(f"{'G':>3} {'seconds':>8} {'tokens':>7} {'steps':>6} {'x G=' + str(args.groups[0]):>8}")
+        for g, (sec, n, steps) in rows.items():
+            print(f"{g:>3} {sec:8.2f} {n:7d} {steps:6d} {sec / base:8.2f}")
+        res["fixed" if fixed else "natural"] = {f"G{g}": {"seconds": sec, "tokens": n, "decode_steps": st,
+                                                          "ratio": sec / base} for g, (sec, n, st) in rows.items()}
+    return res
 
 
 # ------------------------------------------------------------------------------------------- (b) multi-turn
@@ -109,7 +120,8 @@ def _run_turns(eng, tok, prompts, args):
     from envace_core.engines.base import SamplingParams
 
     seqs, outs = list(prompts), []
-    sp = SamplingParams(max_new_tokens=args.max_new, temperature=0.0)
+    # fixed decode length: both engines do the same work even where low-precision greedy picks diverge
+    sp = SamplingParams(max_new_tokens=args.max_new, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     for t in range(args.turns):
         comps = [c[0] for c in eng.generate(seqs, sp)]
@@ -122,17 +134,21 @@ def bench_multiturn(model, tok, args) -> dict:
     from envace_core.engines.hf import HFEngine
 
     prompts = [make_prompt(tok, args.prompt_tokens, v) for v in range(args.trajectories)]
-    plain = HFEngine(model, tok, compute_dtype="bfloat16", max_batch_size=8)
-    cached = HFEngine(model, tok, compute_dtype="bfloat16", max_batch_size=8, prefix_cache_tokens=1 << 17)
+    dt = args.multiturn_dtype
+    plain = HFEngine(model, tok, compute_dtype=dt, max_batch_size=8)
+    cached = HFEngine(model, tok, compute_dtype=dt, max_batch_size=8, prefix_cache_tokens=1 << 17)
     t_plain, out_plain, final_len = _run_turns(plain, tok, prompts, args)
     t_cached, out_cached, _ = _run_turns(cached, tok, prompts, args)
-    same = out_plain == out_cached
-    print(f"\n(b) multi-turn: {args.trajectories} trajectories x {args.turns} turns, greedy, bf16, prompt "
-          f"{len(prompts[0])} tokens, +{args.insert_tokens} inserted per turn, final length {final_len}")
+    pairs = [(a, b) for ta, tb in zip(out_plain, out_cached) for sa, sb in zip(ta, tb) for a, b in zip(sa, sb)]
+    same = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+    print(f"\n(b) multi-turn: {args.trajectories} trajectories x {args.turns} turns, greedy, {dt}, fixed "
+          f"{args.max_new} new tokens per turn, prompt {len(prompts[0])} tokens, +{args.insert_tokens} inserted "
+          f"per turn, final length {final_len}")
     print(f"re-encode {t_plain:.2f} s (prefilled {plain.stats['prompt_tokens']} tokens); incremental "
           f"{t_cached:.2f} s (prefilled {cached.stats['prompt_tokens']}, reused {cached.stats['cached_tokens']}); "
-          f"speed-up {t_plain / t_cached:.2f}x; same token ids: {same}")
-    return {"reencode_s": t_plain, "incremental_s": t_cached, "speedup": t_plain / t_cached, "same_tokens": same}
+          f"speed-up {t_plain / t_cached:.2f}x; generated token ids equal: {same:.1%}")
+    return {"dtype": dt, "reencode_s": t_plain, "incremental_s": t_cached, "speedup": t_plain / t_cached,
+            "same_token_fraction": same}
 
 
 # ------------------------------------------------------------------------------------------- (c) ours vs TRL
@@ -316,6 +332,7 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--trajectories", type=int, default=4)
     ap.add_argument("--insert-tokens", type=int, default=60)
+    ap.add_argument("--multiturn-dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--step-prompts", type=int, default=4)
     ap.add_argument("--step-prompt-tokens", type=int, default=300)
     ap.add_argument("--G", type=int, default=4)

@@ -58,8 +58,10 @@ def test_completions_from_output():
 def test_sampling_kwargs():
     kw = sampling_kwargs(SamplingParams(max_new_tokens=12, temperature=0.7, top_p=0.9, n=4, seed=3,
                                         stop_token_ids=(11, 2)), eos_token_id=2)
-    assert kw == {"n": 4, "temperature": 0.7, "top_p": 0.9, "max_tokens": 12, "seed": 3,
+    assert kw == {"ignore_eos": False, "n": 4, "temperature": 0.7, "top_p": 0.9, "max_tokens": 12, "seed": 3,
                   "stop_token_ids": [2, 11], "logprobs": 0, "skip_special_tokens": False, "detokenize": False}
+    fixed = sampling_kwargs(SamplingParams(stop_token_ids=(11,), ignore_eos=True), eos_token_id=2)
+    assert fixed["ignore_eos"] is True and fixed["stop_token_ids"] == []
     with pytest.raises(ValueError):
         sampling_kwargs(SamplingParams(n=0), None)
 

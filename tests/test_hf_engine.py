@@ -84,16 +84,19 @@ def test_batching_does_not_change_greedy_completions(model, tok, prompts):
     assert [b[0].token_ids for b in engine(model, tok, max_batch_size=1).generate(prompts, sp)] == alone
 
 
-def test_left_padding_masks_and_position_ids(model, tok, prompts):
+@pytest.mark.parametrize("shared", [False, True])
+def test_left_padding_masks_and_position_ids(model, tok, prompts, shared):
     """Rotary models are blind to a common position offset, so check what the model is fed directly."""
     calls = []
 
     def spy(_module, args, kwargs):
-        calls.append((kwargs["input_ids"].clone(), kwargs["attention_mask"].clone(), kwargs["position_ids"].clone()))
+        m = kwargs["attention_mask"]
+        calls.append((kwargs["input_ids"].clone(), None if m is None else m.clone(), kwargs["position_ids"].clone()))
 
     handle = model.register_forward_pre_hook(spy, with_kwargs=True)
     try:
-        engine(model, tok).generate(prompts, SamplingParams(max_new_tokens=3, temperature=0))
+        engine(model, tok, shared_prefix_decode=shared).generate(prompts, SamplingParams(max_new_tokens=3,
+                                                                                         temperature=0))
     finally:
         handle.remove()
     ids, mask, pos = calls[0]  # prefill, rows sorted by length
@@ -104,9 +107,55 @@ def test_left_padding_masks_and_position_ids(model, tok, prompts):
         assert pos[r, -n:].tolist() == list(range(n))
         assert ids[r, -n:].tolist() == sorted(prompts, key=len)[r]
     for step, (ids, mask, pos) in enumerate(calls[1:]):  # decode: one token, positions continue per row
-        assert ids.shape == (3, 1) and mask.shape == (3, lens[-1] + step + 1)
+        assert ids.shape == (3, 1)
         assert pos[:, 0].tolist() == [n + step for n in lens]
-        assert mask[:, -(step + 1):].eq(1).all()
+        if shared:  # the shared-prefix cache holds the prefill's padding mask; no mask is passed
+            assert mask is None
+        else:
+            assert mask.shape == (3, lens[-1] + step + 1) and mask[:, -(step + 1):].eq(1).all()
+
+
+@pytest.mark.parametrize("n,max_batch", [(4, 8), (2, 8), (1, 8), (3, 2)])
+def test_shared_prefix_decode_matches_the_plain_cache(model, tok, prompts, n, max_batch):
+    """Cascade decode (each prompt's KV once, rows own only their tokens) = fanning the cache out n ways:
+    same sampled ids and log-probs for one prompt x n, several prompts x n (rows of different prompts
+    in one batch), n = 1 (every row its own prompt), chunks smaller than a group, and early stops."""
+    sp = SamplingParams(max_new_tokens=10, temperature=1.0, n=n, seed=7)
+    stop = engine(model, tok).generate([prompts[1]], SamplingParams(max_new_tokens=6, temperature=0))[0][0].token_ids[3]
+    for params in (sp, SamplingParams(max_new_tokens=10, temperature=0.8, n=n, seed=3, stop_token_ids=(stop,))):
+        plain = engine(model, tok, shared_prefix_decode=False, max_batch_size=max_batch).generate(prompts, params)
+        shared = engine(model, tok, shared_prefix_decode=True, max_batch_size=max_batch).generate(prompts, params)
+        for a_list, b_list in zip(plain, shared):
+            for a, b in zip(a_list, b_list):
+                assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+                assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
+
+
+def test_shared_prefix_decode_is_used_and_feeds_the_prefix_pool(model, tok, prompts):
+    from envace_core.engines import shared_prefix
+
+    seen = []
+    orig = shared_prefix.shared_prefix_attention
+    assert shared_prefix.supports(model)
+    eng = engine(model, tok, prefix_cache_tokens=4096)
+    shared_prefix.register()
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(shared_prefix.NAME, lambda *a, **k: (seen.append(1), orig(*a, **k))[1])
+    try:
+        [[c]] = eng.generate([prompts[2]], SamplingParams(max_new_tokens=5, temperature=0))
+    finally:
+        AttentionInterface.register(shared_prefix.NAME, orig)
+    assert seen  # decode went through the cascade attention
+    # the pooled entry (built from prefix + own tokens) lets the next turn prefill only its new tokens,
+    # and gives what re-encoding gives
+    nxt = prompts[2] + c.token_ids + tok.encode(" ok", add_special_tokens=False)
+    before = eng.stats["cached_tokens"]
+    [[d]] = eng.generate([nxt], SamplingParams(max_new_tokens=5, temperature=0))
+    assert eng.stats["cached_tokens"] - before == len(prompts[2]) + len(c.token_ids) - 1
+    [[ref]] = engine(model, tok, shared_prefix_decode=False).generate([nxt], SamplingParams(max_new_tokens=5,
+                                                                                           temperature=0))
+    assert d.token_ids == ref.token_ids
 
 
 def test_recorded_logprobs_match_teacher_forcing(model, tok, prompts):
@@ -172,6 +221,10 @@ def test_stop_tokens_and_length(model, tok, prompts):
     [[e]] = HFEngine(model, fake_tok, compute_dtype="float32").generate(
         [prompts[1]], SamplingParams(max_new_tokens=8, temperature=0))
     assert e.finish_reason == "stop" and e.token_ids == c.token_ids
+    # ignore_eos decodes to max_new_tokens through the eos and the listed stop tokens alike
+    [[g]] = HFEngine(model, fake_tok, compute_dtype="float32").generate(
+        [prompts[1]], SamplingParams(max_new_tokens=8, temperature=0, stop_token_ids=(stop_tok,), ignore_eos=True))
+    assert g.finish_reason == "length" and g.token_ids == free.token_ids
     # a finished sample stops while the others of its batch go on
     out = eng.generate([prompts[0], prompts[1]], SamplingParams(max_new_tokens=8, temperature=0,
                                                                 stop_token_ids=(stop_tok,)))

@@ -19,6 +19,8 @@ class SamplingParams:
     stop_token_ids: generation of a sample ends after emitting any of these (it is kept in the ids).
     role: the policy role generating ("act", "rehearse", "user", "self_eval") or None. An engine
         over a per-role policy (two LoRA adapters, `ROLE_ADAPTERS`) generates with that role's adapter.
+    ignore_eos: True ends samples only at max_new_tokens (no eos, no stop tokens), as vLLM's option of
+        the same name; throughput benchmarks use it so every sample decodes the same number of tokens.
     """
 
     max_new_tokens: int = 64
@@ -28,6 +30,7 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     role: str | None = None
+    ignore_eos: bool = False
 
 
 # Per-role policy ablation (METHOD.md §1, "noshare"): which named LoRA adapter plays each role. The

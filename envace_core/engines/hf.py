@@ -21,6 +21,7 @@ from contextlib import nullcontext
 
 import torch
 
+from envace_core.engines import shared_prefix
 from envace_core.engines.base import Completion, SamplingParams, role_adapter
 from envace_core.engines.prefix_cache import (
     PrefixPool,
@@ -109,6 +110,10 @@ class HFEngine:
             re-encoding up to floating-point rounding (the prefix's KV is computed in a different batch
             shape). Emptied automatically when the weights change in place; only for models whose cache
             layers are all full-attention (`DynamicLayer`), otherwise ignored.
+        shared_prefix_decode: True (default) decodes through `engines.shared_prefix`: each prompt's KV is
+            kept once and attended once by all of its samples, and each sample appends only its own tokens
+            (no per-step copy of the cache), in float32 on CPU. Same tokens and log-probs as the plain
+            path up to summation order; used only for the model families `shared_prefix.supports` lists.
 
     Attributes:
         stats: cumulative counters over all calls: ``prompt_tokens`` (tokens prefilled, each distinct prompt
@@ -121,7 +126,7 @@ class HFEngine:
     """
 
     def __init__(self, model, tokenizer, compute_dtype: str = "bfloat16", max_batch_size: int = 8,
-                 prefix_cache_tokens: int = 0):
+                 prefix_cache_tokens: int = 0, shared_prefix_decode: bool = True):
         if isinstance(compute_dtype, torch.dtype):
             dtype = compute_dtype
         elif compute_dtype in _DTYPES:
@@ -137,6 +142,7 @@ class HFEngine:
         if int(prefix_cache_tokens) < 0:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
         self.prefix_pool: PrefixPool | None = PrefixPool(prefix_cache_tokens) if prefix_cache_tokens else None
+        self._shared_prefix = bool(shared_prefix_decode)
         self.stats: dict = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "seconds": 0.0,
                             "calls": 0}
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -283,6 +289,8 @@ class HFEngine:
             stop.add(eos)
         elif eos is not None:
             stop.update(int(t) for t in eos)
+        if params.ignore_eos:
+            stop = set()
         base_seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
 
         model = self.model
@@ -348,10 +356,16 @@ class HFEngine:
         if pool is not None and not all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
             self.prefix_pool = pool = None  # sliding-window / hybrid caches: no safe reuse, so none
 
+        shared = self._shared_prefix and shared_prefix.supports(self.model) and shared_prefix.register() \
+            and all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
         for c, rows in enumerate(chunks):
             sel = torch.tensor([r // n for r in rows], device=device)  # prefill row of each decode row
-            chunk_cache = cache if c == len(chunks) - 1 else copy.deepcopy(cache)
-            chunk_cache.batch_select_indices(sel)
+            if shared:  # the prompts' KV once, read by every chunk; rows hold only their own tokens
+                attn_dt = torch.float32 if device.type == "cpu" else self.compute_dtype
+                chunk_cache = shared_prefix.SharedPrefixCache(cache, mask, sel, params.max_new_tokens, attn_dt)
+            else:
+                chunk_cache = cache if c == len(chunks) - 1 else copy.deepcopy(cache)
+                chunk_cache.batch_select_indices(sel)
             owners = [(group[r // n], r % n) for r in rows]
             self._decode(chunk_cache, logits.index_select(0, sel), mask.index_select(0, sel),
                          lens.to(device).index_select(0, sel), owners, params, stop, base_seed, weights, results,
@@ -415,13 +429,23 @@ class HFEngine:
                 cache.batch_select_indices(idx)
                 mask, next_pos, chosen = mask[idx], next_pos[idx], chosen[idx]
                 active = [active[b] for b in keep]
-            mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
-            logits = self._forward(chosen[:, None], mask, next_pos[:, None], cache, weights)
+            if isinstance(cache, shared_prefix.SharedPrefixCache):  # its attention masks the prompt padding
+                with shared_prefix.active(self.model, cache):
+                    logits = self._forward(chosen[:, None], None, next_pos[:, None], cache, weights)
+            else:
+                mask = torch.cat([mask, mask.new_ones((mask.shape[0], 1))], dim=-1)
+                logits = self._forward(chosen[:, None], mask, next_pos[:, None], cache, weights)
             next_pos = next_pos + 1
 
     def _keep_prefix(self, cache, row: int, row_mask: torch.Tensor, tokens: list[int]) -> None:
         """Store batch row `row`'s cache (padding dropped) as the KV of `tokens` in the prefix pool."""
         if self.prefix_pool is None:
+            return
+        if isinstance(cache, shared_prefix.SharedPrefixCache):
+            kv = [layer.row_kv(row) for layer in cache.layers]
+            if kv[0][0].shape[1] != len(tokens):  # defensive, as below
+                return
+            self.prefix_pool.add(tokens, kv)
             return
         keep = row_mask.bool()
         if int(keep.sum()) != len(tokens):  # defensive: never store a cache that does not match its tokens

@@ -62,7 +62,9 @@ def sampling_kwargs(params: SamplingParams, eos_token_id: int | None) -> dict:
         raise ValueError(f"invalid SamplingParams for vLLM: {params}")
     stop = sorted({int(t) for t in params.stop_token_ids} | ({int(eos_token_id)} if eos_token_id is not None
                                                               else set()))
-    return {"n": params.n, "temperature": float(params.temperature), "top_p": float(params.top_p),
+    if params.ignore_eos:
+        stop = []
+    return {"ignore_eos": bool(params.ignore_eos), "n": params.n, "temperature": float(params.temperature), "top_p": float(params.top_p),
             "max_tokens": int(params.max_new_tokens), "seed": params.seed, "stop_token_ids": stop,
             "logprobs": 0, "skip_special_tokens": False, "detokenize": False}
 

@@ -1,0 +1,222 @@
+"""Shared-prefix ("cascade") decode attention for `HFEngine` (issue 7 item 2).
+
+A GRPO group samples G completions of one prompt. The plain way (transformers' `DynamicCache` fanned out
+G ways) holds G copies of the prompt's keys and values, re-concatenates all of them at every decode step
+and attends over each copy: with a 1.5k-token prompt that copy traffic and attention cost G times the
+prompt, and decoding G = 8 costs more than twice decoding G = 1.
+
+Here the prompts' KV is kept once per prompt (``P`` rows) and each decode row ``s`` owns only the tokens
+it generated (a buffer grown in place, no concatenation). One decode step of one layer computes, per row,
+
+    softmax([q K_prefix[owner(s)]^T, q K_own(s)^T] * scale) [V_prefix[owner(s)]; V_own(s)]
+
+with the padding of the prompt masked out: exactly the attention over the row's full sequence, in float32,
+only the order of the sums differs. The G rows of one prompt attend to its prefix in one matmul that reads
+the prefix once (cascade attention, as in FlashInfer / vLLM's cascade kernels; here in plain torch).
+
+Only models whose attention is plain scaled-dot-product softmax attention over every layer
+(`supports` lists the model types) use it; others keep transformers' own path.
+"""
+
+from __future__ import annotations
+
+import contextvars
+
+import torch
+from transformers.cache_utils import DynamicCache, DynamicLayer
+
+NAME = "envace_shared_prefix_decode"
+# Decoder-only families whose every layer is full softmax attention with scale 1/sqrt(d) (optionally with
+# q/k norms applied before the cache): no sliding window, softcapping, sinks or ALiBi.
+SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
+
+_ACTIVE: contextvars.ContextVar["SharedPrefixCache | None"] = contextvars.ContextVar("envace_shared_prefix",
+                                                                                       default=None)
+_registered = False
+
+
+def supports(model) -> bool:
+    """True when `model` (a transformers causal LM, possibly peft-wrapped) can decode with this cache."""
+    cfg = getattr(model, "config", None)
+    if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        return False
+    # (HFEngine's bf16-on-CPU variant of SDPA counts as SDPA)
+    if getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager", "envace_sdpa_f32_decode"):
+        return False
+    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+        return False
+    types = getattr(cfg, "layer_types", None)
+    return types is None or all(t == "full_attention" for t in types)
+
+
+class SharedPrefixLayer(DynamicLayer):
+    """One layer's decode KV: the prompts' keys/values once, each row's generated ones in its own buffer.
+
+    Args:
+        prefix_keys, prefix_values: (P, H_kv, L_p, D) of the P prompts (left-padded), as prefilled.
+        prefix_mask: (P, L_p) bool, False on padding.
+        owner: (S,) long, the prompt row of each decode row.
+        capacity: initial room for generated tokens per row (grows by doubling).
+        dtype: storage/compute dtype of the attention (float32 on CPU).
+    """
+
+    def __init__(self, prefix_keys, prefix_values, prefix_mask, owner, capacity: int, dtype: torch.dtype):
+        super().__init__()
+        self.prefix_keys = prefix_keys.to(dtype)
+        self.prefix_values = prefix_values.to(dtype)
+        self.prefix_mask = prefix_mask
+        self.source_dtype = prefix_keys.dtype
+        self.owner = owner
+        s, (_, h, _, d) = owner.numel(), prefix_keys.shape
+        self._k = prefix_keys.new_empty((s, h, max(capacity, 1), d), dtype=dtype)
+        self._v = torch.empty_like(self._k)
+        self.length = 0
+        self.is_initialized, self.device = True, prefix_keys.device
+        self.keys = self.values = None  # not a concatenated tensor: see own_keys / prefix_keys
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        t = key_states.shape[-2]
+        if self.length + t > self._k.shape[2]:
+            grow = max(self._k.shape[2], t)
+            self._k = torch.cat([self._k, self._k.new_empty(self._k.shape[:2] + (grow,) + self._k.shape[3:])], 2)
+            self._v = torch.cat([self._v, self._v.new_empty(self._v.shape[:2] + (grow,) + self._v.shape[3:])], 2)
+        self._k[:, :, self.length:self.length + t] = key_states
+        self._v[:, :, self.length:self.length + t] = value_states
+        self.length += t
+        return self.own_keys, self.own_values
+
+    @property
+    def own_keys(self) -> torch.Tensor:
+        """(S, H_kv, T, D): the keys of the tokens each row generated so far."""
+        return self._k[:, :, :self.length]
+
+    @property
+    def own_values(self) -> torch.Tensor:
+        return self._v[:, :, :self.length]
+
+    def get_seq_length(self) -> int:
+        return self.prefix_keys.shape[2] + self.length
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._k, self._v, self.owner = self._k[indices], self._v[indices], self.owner[indices]
+
+    def row_kv(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row `row`'s full (keys, values), padding dropped, each (H_kv, L, D) in the prefill's dtype."""
+        p = int(self.owner[row])
+        keep = self.prefix_mask[p]
+        k = torch.cat([self.prefix_keys[p][:, keep], self.own_keys[row]], 1).to(self.source_dtype)
+        v = torch.cat([self.prefix_values[p][:, keep], self.own_values[row]], 1).to(self.source_dtype)
+        return k, v
+
+
+class SharedPrefixCache(DynamicCache):
+    """A transformers cache whose layers are `SharedPrefixLayer` (decode only; see the module docstring).
+
+    Built from a prefilled `DynamicCache` of P prompt rows and its (P, L_p) attention mask; `owner` (S,)
+    gives each decode row's prompt row. The prefill cache is only read, so one prefill serves any number
+    of decode chunks.
+    """
+
+    def __init__(self, prefill: DynamicCache, prefix_mask: torch.Tensor, owner: torch.Tensor, capacity: int,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        keep = prefix_mask.bool()
+        self.layers = [SharedPrefixLayer(layer.keys, layer.values, keep, owner, capacity, dtype)
+                       for layer in prefill.layers]
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for layer in self.layers:
+            layer.batch_select_indices(indices)
+
+
+def _grouped(q: torch.Tensor, keys: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """Scores of queries against their own prompt's prefix. q: (S, H_kv, g, D); keys: (P, H_kv, L, D);
+    returns (S, H_kv, g, L). Rows sharing a prompt use one matmul that reads its keys once."""
+    s, h, g, d = q.shape
+    if keys.shape[0] == s and bool((owner == torch.arange(s, device=owner.device)).all()):
+        return q @ keys.transpose(-1, -2)
+    out = q.new_empty((s, h, g, keys.shape[2]))
+    for p in owner.unique().tolist():
+        rows = (owner == p).nonzero()[:, 0]
+        qp = q.index_select(0, rows).transpose(0, 1).reshape(h, rows.numel() * g, d)
+        out[rows] = (qp @ keys[p].transpose(-1, -2)).view(h, rows.numel(), g, -1).transpose(0, 1)
+    return out
+
+
+def _grouped_out(probs: torch.Tensor, values: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+    """probs (S, H_kv, g, L) @ each row's prompt values (P, H_kv, L, D) -> (S, H_kv, g, D)."""
+    s, h, g, _ = probs.shape
+    if values.shape[0] == s and bool((owner == torch.arange(s, device=owner.device)).all()):
+        return probs @ values
+    out = probs.new_empty((s, h, g, values.shape[-1]))
+    for p in owner.unique().tolist():
+        rows = (owner == p).nonzero()[:, 0]
+        pp = probs.index_select(0, rows).transpose(0, 1).reshape(h, rows.numel() * g, -1)
+        out[rows] = (pp @ values[p]).view(h, rows.numel(), g, -1).transpose(0, 1)
+    return out
+
+
+def shared_prefix_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention-interface function for one decode step over a `SharedPrefixCache`.
+
+    query: (S, H, 1, D); key/value: (S, H_kv, T, D), the rows' own generated tokens (returned by
+    `SharedPrefixLayer.update`); the prompts' KV comes from the active cache. Returns (output (S, 1, H, D)
+    in query's dtype, None). `attention_mask` is ignored: the prompt padding mask is the cache's and
+    generated tokens are never padded (rows decode in lockstep).
+    """
+    layer = _ACTIVE.get().layers[module.layer_idx]
+    s, heads, _, d = query.shape
+    h_kv = key.shape[1]
+    g = heads // h_kv
+    dt = layer.prefix_keys.dtype
+    with torch.autocast(query.device.type, enabled=False):
+        q = query.to(dt).view(s, h_kv, g, d)
+        scale = module.scaling if scaling is None else scaling
+        sp = _grouped(q, layer.prefix_keys, layer.owner)  # (S, H_kv, g, L_p)
+        sp.masked_fill_(~layer.prefix_mask.index_select(0, layer.owner)[:, None, None, :], float("-inf"))
+        so = q @ key.to(dt).transpose(-1, -2)  # (S, H_kv, g, T)
+        probs = torch.softmax(torch.cat([sp, so], -1) * scale, dim=-1)
+        lp = sp.shape[-1]
+        out = _grouped_out(probs[..., :lp], layer.prefix_values, layer.owner) + probs[..., lp:] @ value.to(dt)
+    return out.reshape(s, heads, 1, d).transpose(1, 2).contiguous().to(query.dtype), None
+
+
+def _no_mask(*args, **kwargs):
+    return None
+
+
+def register() -> bool:
+    """Register the attention function (and a no-op mask builder) with transformers once."""
+    global _registered
+    if not _registered:
+        try:
+            from transformers import AttentionInterface
+            from transformers.masking_utils import AttentionMaskInterface
+        except ImportError:
+            return False
+        AttentionInterface.register(NAME, shared_prefix_attention)
+        AttentionMaskInterface.register(NAME, _no_mask)
+        _registered = True
+    return True
+
+
+class active:
+    """Context manager: decode forwards inside it attend through `cache` (sets the model's attention
+    implementation to this module's and restores it on exit)."""
+
+    def __init__(self, model, cache: SharedPrefixCache):
+        self.model, self.cache = model, cache
+
+    def __enter__(self):
+        self._token = _ACTIVE.set(self.cache)
+        self._restore = self.model.config._attn_implementation
+        self.model.config._attn_implementation = NAME
+        return self.cache
+
+    def __exit__(self, *exc):
+        self.model.config._attn_implementation = self._restore
+        _ACTIVE.reset(self._token)
+        return False
