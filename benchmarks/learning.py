@@ -35,7 +35,6 @@ import argparse
 import hashlib
 import json
 import os
-import random
 import statistics
 import sys
 import tempfile
@@ -48,6 +47,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
+from envace_core.stats import bootstrap_ci
 
 CONDITIONS: dict[str, dict[str, Any] | None] = {
     "base": None,
@@ -146,13 +146,6 @@ def t_interval(xs: list[float]) -> tuple[float, float]:
     m, n = statistics.fmean(xs), len(xs)
     h = stats.t.ppf(0.975, n - 1) * statistics.stdev(xs) / n ** 0.5
     return m - h, m + h
-
-
-def bootstrap_ci(xs: list[float], n_boot: int = 2000, seed: int = 0) -> tuple[float, float]:
-    """95% percentile bootstrap interval of the mean of xs (resampling items with replacement)."""
-    rng = random.Random(seed)
-    means = sorted(statistics.fmean(rng.choices(xs, k=len(xs))) for _ in range(n_boot))
-    return means[int(0.025 * n_boot)], means[int(0.975 * n_boot) - 1]
 
 
 def summarise(per_seed: dict[int, dict[str, list[float]]], metric: str) -> dict[str, Any]:

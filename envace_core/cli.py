@@ -9,6 +9,9 @@
     envace eval --model REF --bench tau2:airline,bfcl:simple [--rehearsal parallel:4] [--out DIR]
                 [--trials K] [--split test|full] [--limit N] [--user-model REF | --user-url URL]
                                      benchmarks with their own scorers; results.json + report.md + PNGs
+    envace adapt-tools --model REF --tools tools.json [--examples ex.jsonl] [--domain retail] [--tasks N]
+                [--config PROFILE] [--set k=v ...] [--name NAME] [--registry PATH] [--measure]
+                                     teach a model new tools by rehearsal; registers a new version
 """
 
 from __future__ import annotations
@@ -121,6 +124,77 @@ def _eval(args) -> int:
     return 0
 
 
+def merged_overrides(overrides: str, sets: list[str] | None) -> dict:
+    """`--overrides` then each `--set KEY=VALUE` in order, merged into one override mapping.
+
+    Raises ConfigError for a `--set` without "=" or an unparseable value."""
+    from envace_core.config import ConfigError, _deep_merge, _parse_overrides
+
+    out = _parse_overrides(overrides)
+    for s in sets or []:
+        if "=" not in s or not s.partition("=")[0].strip():
+            raise ConfigError(f"--set {s!r}: write KEY=VALUE, e.g. --set train.iterations=1")
+        out = _deep_merge(out, _parse_overrides(s))
+    return out
+
+
+def _ci_cell(m: dict | None) -> str:
+    if not m or m.get("mean") is None:
+        return "—"
+    lo, hi = m.get("ci95") or m.get("ci") or (None, None)  # stats.mean_ci's key, or learning.py's
+    return f"{m['mean']:.3f}" + (f" [{lo:.3f}, {hi:.3f}]" if lo is not None else "")
+
+
+MEASURED = (("success", "real-environment success"), ("fidelity", "REHEARSE fidelity, new tools"))
+
+
+def measurement_table(before: dict, after: dict) -> str:
+    """Markdown table of two `tool_learning.measure` results (parent vs adapted): mean [95% CI], n."""
+    rows = ["| metric (held-out tasks) | parent | adapted | change | n |", "|---|---|---|---|---|"]
+    for key, label in MEASURED:
+        b, a = before.get(key) or {}, after.get(key) or {}
+        delta = (f"{a['mean'] - b['mean']:+.3f}" if a.get("mean") is not None and b.get("mean") is not None
+                 else "—")
+        rows.append(f"| {label} | {_ci_cell(b)} | {_ci_cell(a)} | {delta} | {a.get('n', b.get('n', '—'))} |")
+    return "\n".join(rows)
+
+
+def _adapt_tools(args) -> int:
+    """Tool learning (`envace_core.tool_learning`): validate the inputs, adapt, register, measure."""
+    from envace_core import stages
+    from envace_core import tool_learning as tl
+    from envace_core.lineage import Registry
+
+    if args.tasks < 1:
+        raise EnvaceError(f"--tasks must be >= 1, got {args.tasks}")
+    if args.trials < 1:
+        raise EnvaceError(f"--trials must be >= 1, got {args.trials}")
+    cfg = load_config(args.config or args.profile, merged_overrides(args.overrides, args.set))
+    if args.registry:
+        cfg.store.registry = args.registry
+    tools = tl.load_tools(args.tools)  # a bad schema stops here, before any model loads
+    examples = tl.load_examples(args.examples, tools) if args.examples else []
+    res = tl.adapt(cfg, args.model, tools, examples, domain=args.domain, n_tasks=args.tasks,
+                   registry=cfg.store.registry, name=args.name)
+    new_ref = f"registry:{res['name']}@{res['version']}"
+    manifest = Registry(cfg.store.registry).show(res["name"], res["version"])
+    print(f"adapted model: {new_ref}\nlineage manifest: {res['manifest']}\n"
+          f"tools: {', '.join(t['name'] for t in manifest['tools'])} ({len(examples)} examples)\n"
+          f"parent: {manifest['parent']['ref']}\n"
+          f"real calls to the new tools during training: {res['real_calls_to_new_tools']}")
+    if args.measure:
+        names = [t.spec.name for t in tools]
+        held = stages.load_dataset(res["dataset"], tl.HELD_OUT_SPLIT)
+        if not held:
+            print(f"\nno held-out tasks to measure on: none of the new tools is a {args.domain} tool, so no "
+                  "task that needs one can be scored in the real environment")
+            return 0
+        before = tl.measure(cfg, args.model, held, tools=names, trials=args.trials, seed=args.seed)
+        after = tl.measure(cfg, new_ref, held, tools=names, trials=args.trials, seed=args.seed)
+        print(f"\nheld-out tasks that need the new tools: {len(held)}\n{measurement_table(before, after)}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="envace")
     p.add_argument("--profile", default="cpu-smoke", choices=sorted(PROFILES))
@@ -159,13 +233,30 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--judge-model", help="VitaBench rubric judge model ref (default: the user simulator)")
     e.add_argument("--judge-url", help="VitaBench rubric judge as an OpenAI-compatible base URL")
     e.add_argument("--seed", type=int, default=0)
-    for sp in (t, c, r, h, e):  # the global options are also accepted after the subcommand
+    a = sub.add_parser("adapt-tools", help="teach a model new tools by rehearsal; registers a new version")
+    a.add_argument("--model", required=True, help="the parent: registry:NAME@VERSION, a local HF folder, "
+                   "bundled:smollm2-135m-instruct or s3://...")
+    a.add_argument("--tools", required=True, help="JSON file: a list (or {\"tools\": [...]}) of OpenAI-format "
+                   "tools, each optionally with \"documentation\" and \"implementation\"")
+    a.add_argument("--examples", help="JSONL of real (call, result) pairs: {\"tool\", \"arguments\", \"result\"}")
+    a.add_argument("--domain", default="retail", help="tau2 domain whose tasks and policy the new tools join")
+    a.add_argument("--tasks", type=int, default=16, help="adaptation tasks to build (train + held-out)")
+    a.add_argument("--config", choices=sorted(PROFILES), help="profile (same as --profile)")
+    a.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override, repeatable "
+                   "(applied after --overrides), e.g. --set train.iterations=2")
+    a.add_argument("--name", help="registry name of the new version (default: the parent's name, else "
+                   "store.model_name)")
+    a.add_argument("--registry", help="model registry: folder or s3:// URI (default: store.registry)")
+    a.add_argument("--measure", action="store_true", help="also measure parent vs adapted on the held-out tasks")
+    a.add_argument("--trials", type=int, default=1, help="--measure: trials per held-out task")
+    a.add_argument("--seed", type=int, default=0, help="--measure: sampling and bootstrap seed")
+    for sp in (t, c, r, h, e, a):  # the global options are also accepted after the subcommand
         sp.add_argument("--profile", choices=sorted(PROFILES), default=argparse.SUPPRESS)
         sp.add_argument("--overrides", default=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
         return {"train": _train, "config": _config, "registry": _registry,
-                "rehearse": _rehearse, "eval": _eval}[args.cmd](args)
+                "rehearse": _rehearse, "eval": _eval, "adapt-tools": _adapt_tools}[args.cmd](args)
     except EnvaceError as e:
         print(f"envace: error: {e}", file=sys.stderr)
         return 2

@@ -61,6 +61,10 @@ class DataConfig(_Strict):
         description="difficulty levels of synthesized tasks, split evenly: 1 = one look-up to report, "
         "2 = one write with all arguments given, 3 = a write that needs a look-up")
     synthetic_seed: int = Field(0, description="seed of the synthesized-task selection")
+    hidden_tools: list[str] = Field(
+        default_factory=list, description="domain tools held out (tool learning, METHOD.md §5): curate "
+        "drops train tasks whose gold actions call one and hides them from every task's prompt; test "
+        "tasks keep their gold. Names must be tools of the configured domains")
     dvc: Literal["auto", "require", "off"] = Field(
         "auto", description="DVC-track the curated dataset (datavc.py): 'auto' = when curate runs inside "
         "a DVC repo, else skip with a message; 'require' = fail outside one; 'off' = never")
@@ -99,7 +103,21 @@ class DataConfig(_Strict):
         if "mock" in self.domains and {self.train_split, self.test_split} - {"base"}:
             raise ValueError("the mock domain has only the 'base' split, so it cannot supply separate "
                              "train and test tasks; use airline, retail or telecom")
+        if self.hidden_tools:
+            _check_hidden_tools(self.hidden_tools, self.domains)
         return self
+
+
+def _check_hidden_tools(hidden: list[str], domains: list[str]) -> None:
+    """ValueError listing each configured domain's tools unless every hidden name is one of them.
+    Reads the domains' tool lists from tau2 (a few seconds, only when data.hidden_tools is set)."""
+    from envace_core.envs.tau2 import _domain_static
+
+    names = {d: sorted(t.name for t in _domain_static(d)[0]) for d in domains}
+    unknown = sorted(set(hidden) - {n for ns in names.values() for n in ns})
+    if unknown:
+        listing = "; ".join(f"{d}: {', '.join(ns)}" for d, ns in names.items())
+        raise ValueError(f"hidden_tools {unknown} are not tools of the configured domains ({listing})")
 
 
 class RolloutConfig(_Strict):
@@ -110,6 +128,12 @@ class RolloutConfig(_Strict):
     max_new_tokens_rehearse: int = Field(96, ge=1)
     temperature: float = Field(1.0, gt=0)
     top_p: float = Field(1.0, gt=0, le=1)
+    engine: Literal["hf", "vllm"] = Field(
+        "hf", description="rollout engine: 'hf' (transformers, CPU default) or 'vllm' (GPU, the [gpu] extra; "
+        "weights synced after every optimizer step, engines/vllm.py)")
+    vllm_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra vllm.LLM arguments for engine=vllm (gpu_memory_utilization, "
+        "max_model_len, enforce_eager, ...)")
     prefix_cache_tokens: int = Field(
         16384, ge=0, description="KV caches of finished samples kept by the transformers engine, in "
         "tokens: a trajectory's next turn prefills only its new tokens (engines/prefix_cache.py); 0 = off")
@@ -140,6 +164,18 @@ class RewardConfig(_Strict):
         "mean", description="'mean': fraction of checklist items met; 'all': 1 iff every item is met")
     fidelity_lambda: float = Field(
         0.0, ge=0, description="REHEARSE rows' reward R + lambda * fidelity (METHOD.md §2); 0 = off")
+    replay_fidelity: bool = Field(
+        True, description="after a reward that does not replay ('actions', 'judge'), replay ACT's calls "
+        "in a private environment anyway to log rehearsal fidelity; false = no environment call while "
+        "scoring (tool learning trains without real calls to new tools). 'replay' always replays")
+
+    @model_validator(mode="after")
+    def _fidelity_needs_replay(self) -> RewardConfig:
+        if not self.replay_fidelity and self.fidelity_lambda > 0 and self.name != "replay":
+            raise ValueError(f"fidelity_lambda > 0 needs real observations, which reward {self.name!r} "
+                             "gets only from the fidelity replay: set reward.replay_fidelity=true or "
+                             "reward.fidelity_lambda=0")
+        return self
 
     @field_validator("name")
     @classmethod
@@ -185,6 +221,11 @@ class TrainConfig(_Strict):
         "iteration 1 of a fresh run (envace_core/sft.py); 0 = none")
     sft_learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the SFT warm-up")
     sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
+    init_adapter: Optional[str] = Field(
+        None, description="start a fresh run from this LoRA adapter (a local directory or s3:// URI, e.g. "
+        "a registry version's artifacts/adapter) instead of a fresh LoRA; its r, alpha and target modules "
+        "(and per-role layout) must match train.*; its content is part of the run id. A checkpoint of "
+        "the run wins (resume)")
     seed: int = 0
 
     @model_validator(mode="after")

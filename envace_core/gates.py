@@ -18,7 +18,8 @@ the suite expects each to be all True (ExpectColumnValuesToBeInSet([True])):
 * `gold_actions_json_ok`: `gold_actions` is JSON text of a list of objects, each with a string
   `name` and an object `arguments`.
 * `tool_calls_valid`: every domain tool's `parameters` is a valid JSON Schema of type object, and
-  every gold action names a tool of the row's domain with `arguments` that validate against it.
+  every gold action names a tool of the row's domain, or of its optional `tools_added` column (tool
+  learning; those schemas are checked the same way), with `arguments` that validate against it.
 * `train_id`: `id` where `split` is the train split, else null (the leakage check runs
   ExpectColumnValuesToNotBeInSet(test ids) on it; nulls are ignored).
 
@@ -218,15 +219,32 @@ def _schema_ok(schema: Any) -> bool:
     return True
 
 
+def _added_tools(text: Any) -> dict[str, Any] | None:
+    """{name: parameters} of a row's `tools_added` JSON ([] when absent or NaN); None if malformed."""
+    if not isinstance(text, str) or not text:
+        return {}
+    try:
+        specs = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(specs, list) or not all(isinstance(s, dict) and isinstance(s.get("name"), str)
+                                              for s in specs):
+        return None
+    return {s["name"]: s.get("parameters", {"type": "object", "properties": {}}) for s in specs}
+
+
 def _tool_calls_ok(domain: Any, text: Any, tools: Mapping[str, Mapping[str, Any]],
-                   schema_ok: Mapping[str, Mapping[str, bool]]) -> bool:
+                   schema_ok: Mapping[str, Mapping[str, bool]], added: Any = None) -> bool:
+    """Gold actions parse and call tools of `domain`, or of the row's `added` tools (tool learning:
+    `tools_added` JSON; an added tool replaces the domain tool of its name), with valid arguments."""
     from jsonschema import Draft202012Validator
 
-    if not _gold_actions_json_ok(text) or domain not in tools:
+    extra = _added_tools(added)
+    if not _gold_actions_json_ok(text) or domain not in tools or extra is None:
         return False
-    specs = tools[domain]
-    if not all(schema_ok[domain].values()):
+    if not all(schema_ok[domain].values()) or not all(_schema_ok(s) for s in extra.values()):
         return False
+    specs = {**tools[domain], **extra}
     for a in json.loads(text):
         spec = specs.get(a["name"])
         if spec is None or next(Draft202012Validator(spec).iter_errors(a.get("arguments", {})), None):
@@ -243,7 +261,9 @@ def dataset_gate(df: pd.DataFrame, test_ids: Iterable[str], min_rows: int = 1,
     `test_ids`: every id of the benchmark's test split (not only the ones kept), for the leakage
     check. `min_rows`/`max_rows` bound the number of rows (None: no upper bound). `domains`: the
     allowed domains (default: any). `tools`: {domain: {tool name: JSON-schema parameters}}
-    (default: the tau2 domains' own tools). Never raises on bad data: see `raise_if_failed()`.
+    (default: the tau2 domains' own tools). An optional `tools_added` column (JSON list of tool
+    specs, `stages._task_record`; tool learning) adds its row's tools, whose schemas must be valid
+    too. Never raises on bad data: see `raise_if_failed()`.
     """
     t0 = time.perf_counter()
     gx = _gx()
@@ -258,8 +278,8 @@ def dataset_gate(df: pd.DataFrame, test_ids: Iterable[str], min_rows: int = 1,
     tools = dict(tools) if tools is not None else _domain_tools(doms)
     schema_ok = {d: {n: _schema_ok(s) for n, s in specs.items()} for d, specs in tools.items()}
     df["gold_actions_json_ok"] = [bool(_gold_actions_json_ok(g)) for g in col("gold_actions")]
-    df["tool_calls_valid"] = [bool(_tool_calls_ok(d, g, tools, schema_ok))
-                              for d, g in zip(col("domain"), col("gold_actions"))]
+    df["tool_calls_valid"] = [bool(_tool_calls_ok(d, g, tools, schema_ok, a))
+                              for d, g, a in zip(col("domain"), col("gold_actions"), col("tools_added"))]
     df["train_id"] = col("id").where(col("split") == train_split, None)
     test_ids = sorted({str(i) for i in test_ids})
     exp = [E.ExpectColumnToExist(column=c, description=f"column '{c}' exists")

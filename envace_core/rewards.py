@@ -294,7 +294,7 @@ def reward_fn_from_config(cfg: RunConfig, engine: Optional[Engine] = None) -> Re
 
 
 def score_trajectory(task: Task, trajectory: Trajectory, reward_fn: RewardFn | None = None,
-                     format_penalty: float = 0.0) -> Trajectory:
+                     format_penalty: float = 0.0, replay_fidelity: bool = True) -> Trajectory:
     """Score `trajectory` with `reward_fn` (default `replay_reward`) and apply tau2's termination rule.
 
     As in tau2's `evaluate_simulation`, only a trajectory that ended cleanly (`CLEAN_TERMINATIONS`:
@@ -303,12 +303,15 @@ def score_trajectory(task: Task, trajectory: Trajectory, reward_fn: RewardFn | N
     the function's own score is kept in ``reward_info["<fn>_reward"]``. A scoring failure leaves
     ``reward=None`` (masked). When the function did not replay (e.g. `actions`, `judge`), the tool
     calls are replayed privately anyway to fill real observations and fidelity (METHOD.md §2:
-    fidelity is logged always); a failure there only leaves fidelity unset.
+    fidelity is logged always); a failure there only leaves fidelity unset. `replay_fidelity=False`
+    (``reward.replay_fidelity``; tool learning: no real call to the new tools during training) skips
+    that replay: no environment is built, real observations and fidelity stay unset.
     """
     fn = reward_fn or replay_reward
     fn(task, trajectory)
     name = trajectory.reward_info.get("reward_fn", getattr(fn, "__name__", "reward"))
-    needs_replay = any(s.action is not None and s.real_observation is None for s in trajectory.steps)
+    needs_replay = replay_fidelity and any(s.action is not None and s.real_observation is None
+                                           for s in trajectory.steps)
     if needs_replay:
         try:
             replay_observations(task, trajectory)

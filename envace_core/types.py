@@ -65,6 +65,10 @@ class Task(BaseModel):
     user_scenario: str = ""  # JSON of the scenario (for USER-REHEARSE); no gold in it
     gold_actions: list[ToolCall] = Field(default_factory=list)  # scoring only
     source: dict[str, Any] = Field(default_factory=dict)  # the benchmark's own task record
+    # Tool learning (METHOD.md §5): tools this task's context adds (one named like a domain tool
+    # replaces it) and domain tools it hides. `envs.tau2.task_context` applies both.
+    tools_added: list[ToolSpec] = Field(default_factory=list)
+    tools_hidden: list[str] = Field(default_factory=list)
 
 
 class TaskContext(BaseModel):

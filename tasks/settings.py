@@ -233,6 +233,13 @@ def stages(env: Optional[dict[str, str]] = None) -> dict[str, Stage]:
                             2, h(24), False),
         "rehearse_task": Stage(evl, _gpu(eval_gpus, "4", "48Gi", "100Gi"), _gpu(eval_gpus, "8", "96Gi", "200Gi"),
                                1, h(2), False),
+        # Tool learning (tasks/adapt_tools.py explains why none of the three is cached).
+        "check_tool_inputs": Stage(cpu, Resources(cpu="1", mem="2Gi"), Resources(cpu="2", mem="4Gi"),
+                                   1, h(0.25), False),
+        "adapt_tools": Stage(train, _gpu(1, "8", "96Gi", "200Gi"), _gpu(1, "16", "160Gi", "400Gi"),
+                             2, h(12), False),
+        "measure_tools": Stage(evl, _gpu(eval_gpus, "4", "48Gi", "100Gi"), _gpu(eval_gpus, "8", "96Gi", "200Gi"),
+                               1, h(12), False),
     }
 
 

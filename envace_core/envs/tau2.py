@@ -184,13 +184,17 @@ def truncate_policy(policy: str, max_chars: int | None) -> str:
 def task_context(task: Task, policy_max_chars: int | None = None) -> TaskContext:
     """What a prompt may see of `task`: the domain's tools and policy (truncated by
     `truncate_policy` when `policy_max_chars` is set) and the first user message. No gold, no
-    environment handle. Raises UnknownDomainError for a task of an unknown domain."""
+    environment handle. The tool list is the domain's, minus `task.tools_hidden`, plus
+    `task.tools_added` (an added tool replaces the domain tool of the same name; tool learning,
+    METHOD.md §5). Raises UnknownDomainError for a task of an unknown domain."""
     tools, policy = _domain_static(task.domain)
+    added = {s.name for s in task.tools_added}
+    hidden = set(task.tools_hidden) | added  # an added tool named like a domain tool replaces it
     return TaskContext(
         task_id=task.id,
         domain=task.domain,
         policy=truncate_policy(policy, policy_max_chars),
-        tools=list(tools),
+        tools=[t for t in tools if t.name not in hidden] + list(task.tools_added),
         first_user_message=task.first_user_message,
     )
 

@@ -1,0 +1,46 @@
+"""Tool learning (issue 8): teach a registered model new tools by rehearsal, then measure the effect.
+
+    pyflyte run workflows/adapt_tools.py adapt_tools --model registry:envace-policy@VERSION \
+        --tools_file examples/tools/tools.json --examples_file examples/tools/examples.jsonl
+    pyflyte run workflows/adapt_tools.py adapt_tools --model registry:envace-policy@VERSION \
+        --tools_file tools.json --domain retail --n_tasks 32 --config gpu-8b
+
+check the inputs (CPU) → resolve the config → adapt (build + gate tasks, rehearsal-only GRPO from the
+parent, register the new version) → measure parent vs adapted on the held-out tasks. Same steps as
+`envace adapt-tools --measure`. Returns the new version's `registry:` reference, the adaptation result
+and the measurement (JSON); the measure task's Deck shows the before/after table.
+"""
+
+from typing import NamedTuple, Optional
+
+import envace_core  # noqa: F401  (offline environment before tau2 is imported)
+from flytekit import LaunchPlan, workflow
+from flytekit.types.file import FlyteFile
+
+from tasks.adapt_tools import adapt_tools_task, check_tool_inputs, measure_tools
+from tasks.config import resolve_config
+
+AdaptToolsOutputs = NamedTuple("AdaptToolsOutputs", [("model", str), ("adaptation", str), ("measurement", str)])
+
+
+@workflow
+def adapt_tools(model: str, tools_file: FlyteFile, examples_file: Optional[FlyteFile] = None,
+                domain: str = "retail", n_tasks: int = 16, config: str = "cpu-smoke", overrides: str = "",
+                name: str = "", trials: int = 1, seed: int = 0) -> AdaptToolsOutputs:
+    """Adapt `model` to the tools in `tools_file`; returns (new registry ref, adaptation JSON,
+    measurement JSON). `overrides` as `envace --overrides`; `name` "" = the profile's store.model_name."""
+    checked = check_tool_inputs(tools_file=tools_file, examples_file=examples_file)
+    cfg = resolve_config(profile=config, overrides=overrides)
+    adapted = adapt_tools_task(config=cfg, model=model, tools_file=tools_file, examples_file=examples_file,
+                               domain=domain, n_tasks=n_tasks, name=name, checked=checked)
+    measured = measure_tools(config=cfg, model=model, adapted=adapted.result, checked=checked, trials=trials,
+                             seed=seed)
+    return AdaptToolsOutputs(model=adapted.model, adaptation=adapted.result, measurement=measured)
+
+
+# On the cluster: the GPU profile is fixed so a launch cannot silently adapt with the CPU smoke settings.
+adapt_tools_gpu = LaunchPlan.get_or_create(
+    workflow=adapt_tools,
+    name="envace_adapt_tools_gpu",
+    fixed_inputs={"config": "gpu-8b"},
+)
