@@ -217,7 +217,8 @@ def build_judge(cfg: RunConfig, policy_engine: Optional[Engine] = None) -> Judge
     `HFEngine` in ``cfg.model.compute_dtype``) is cached per (ref, dtype) for the process.
     """
     r = cfg.reward
-    if r.judge_model is None and policy_engine is not None:
+    # (an engine without the live model, e.g. vLLM's copy of the merged policy, cannot switch the adapter off)
+    if r.judge_model is None and policy_engine is not None and hasattr(policy_engine, "model"):
         engine: Engine = _AdapterOff(policy_engine)
     else:
         ref = r.judge_model or cfg.model.ref

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -127,3 +128,85 @@ def test_sync_refuses_changed_tied_embeddings_and_empty_folders(tiny_model_dir, 
 def test_clear_error_without_vllm(tiny_model_dir):
     with pytest.raises(EngineUnavailableError, match=r"envace\[gpu\]"):
         VLLMEngine(tiny_model_dir)
+
+
+def _fake_vllm(monkeypatch):
+    """`_import_vllm` returning a stand-in module whose LLM records the weight-sync calls."""
+    import envace_core.engines.vllm as ev
+
+    made = []
+
+    class LLM(_RecordingLLM):
+        def __init__(self, model, **kwargs):
+            super().__init__()
+            self.model, self.kwargs = model, kwargs
+            made.append(self)
+
+    monkeypatch.setattr(ev, "_import_vllm", lambda: types.SimpleNamespace(LLM=LLM))
+    return made
+
+
+def test_policy_engine_syncs_merged_weights_after_an_update(tiny_model_dir, tmp_path, monkeypatch):
+    """rollout.engine=vllm: the engine starts on an export of the live policy and `sync_from` reloads a
+    fresh merged export after the weights change in place (an optimizer step), and only then."""
+    from safetensors.torch import load_file
+
+    from envace_core.engines.vllm import PolicyVLLMEngine
+
+    made = _fake_vllm(monkeypatch)
+    pm = _lora(load_model(tiny_model_dir))
+    eng = PolicyVLLMEngine(pm, _tok(tiny_model_dir), tmp_path, enforce_eager=True)
+    (llm,) = made
+    assert llm.model == str(tmp_path / "merged") and llm.kwargs["enforce_eager"] and llm.calls == []
+    assert eng.sync_from(pm) == 0.0 and llm.calls == []  # unchanged weights: nothing to do
+    with torch.no_grad():
+        next(p for n, p in pm.named_parameters() if "lora_B" in n).add_(1.0)  # in place, as an optimizer
+    eng.sync_from(pm)
+    assert [c[0] for c in llm.calls] == ["reload_weights", "reset_prefix_cache"]
+    exported = load_file(str(tmp_path / "merged" / "model.safetensors"))
+    expected, _ = merged_state_dict(pm)
+    assert all(torch.equal(exported[k], v) for k, v in expected.items())
+
+
+def test_policy_engine_serves_each_roles_adapter(tiny_model_dir, tmp_path, monkeypatch):
+    from peft import LoraConfig
+
+    from envace_core.engines.vllm import PolicyVLLMEngine
+
+    made = _fake_vllm(monkeypatch)
+    pm = _lora(load_model(tiny_model_dir))
+    pm.add_adapter("act", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    pm.add_adapter("rehearse", LoraConfig(r=8, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    import sys
+
+    lora_mod = types.ModuleType("vllm.lora.request")
+    lora_mod.LoRARequest = lambda name, i, path: types.SimpleNamespace(name=name, id=i, path=path)
+    for m in ("vllm", "vllm.lora"):
+        monkeypatch.setitem(sys.modules, m, sys.modules.get(m) or types.ModuleType(m))
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", lora_mod)
+    eng = PolicyVLLMEngine(pm, _tok(tiny_model_dir), tmp_path)
+    (llm,) = made
+    assert llm.model == str(tmp_path / "base") and llm.kwargs["enable_lora"] and llm.kwargs["max_lora_rank"] >= 8
+    act, reh = eng._lora_for("act"), eng._lora_for("rehearse")
+    assert act.path != reh.path and (Path(act.path) / "adapter_config.json").exists()
+    assert eng._lora_for("user") is reh and eng._lora_for("self_eval") is act
+
+
+def _tok(d):
+    from envace_core.models import load_tokenizer
+
+    return load_tokenizer(d)
+
+
+def test_rollout_engine_vllm_is_a_clear_error_without_vllm(tiny_model_dir, monkeypatch):
+    import envace_core.engines.vllm as ev
+    from envace_core.config import load_config
+    from envace_core.stages import policy_engine
+
+    def missing():
+        raise EngineUnavailableError("VLLMEngine needs vLLM ... pip install 'envace[gpu]'")
+
+    monkeypatch.setattr(ev, "_import_vllm", missing)
+    cfg = load_config("test", "rollout.engine=vllm")
+    with pytest.raises(EngineUnavailableError, match=r"envace\[gpu\]"):
+        policy_engine(cfg, _lora(load_model(tiny_model_dir)), _tok(tiny_model_dir))

@@ -201,6 +201,9 @@ class VLLMEngine:
         self.model_path = str(model_path)
         if llm is None:
             lora = {"enable_lora": True, "max_lora_rank": max_lora_rank} if enable_lora else {}
+            # Prompts go in as token ids and come back as ids (detokenize=False), with eos passed as a stop
+            # id: vLLM needs no tokenizer, so weight folders (export_merged) need none either.
+            llm_kwargs.setdefault("skip_tokenizer_init", True)
             llm = self._vllm.LLM(model=self.model_path, dtype=dtype, enable_prefix_caching=True,
                                  logprobs_mode=logprobs_mode, **lora, **llm_kwargs)
         self.llm = llm
@@ -276,3 +279,65 @@ class VLLMEngine:
     def clear_loras(self) -> None:
         """Generate with the engine's own weights again (e.g. after switching to merged-weight sync)."""
         self._loras.clear()
+
+
+# ------------------------------------------------------------------------------- serving a trained policy
+class PolicyVLLMEngine(VLLMEngine):
+    """A `VLLMEngine` that serves a live (peft) policy being trained in this process (``rollout.engine=vllm``).
+
+    Started on an `export_merged` copy of `policy` in `workdir`; `sync_from(policy)` after each optimizer step
+    brings the engine up to date without a restart: for a single-adapter policy by exporting the merged
+    weights and `sync_weights` (reload + prefix-cache reset), for a per-role policy (two adapters,
+    `ROLE_ADAPTERS`) by saving both adapters and serving them with `load_lora`, so every role generates with
+    its own adapter. `sync_from` is a no-op when the weights did not change since the last sync (parameter
+    version counters, as `HFEngine`'s prefix cache uses).
+
+    Args:
+        policy: the policy (plain HF model or ``PeftModel``) whose weights to serve.
+        tokenizer: its tokenizer.
+        workdir: a folder for the exported weights/adapters (created; reused across syncs).
+        **kwargs: passed to `VLLMEngine` (dtype, gpu_memory_utilization, max_model_len, enforce_eager, ...).
+    Raises:
+        EngineUnavailableError: vLLM is not importable.
+    """
+
+    def __init__(self, policy, tokenizer, workdir: str | Path, **kwargs):
+        from envace_core.engines.base import role_adapter
+        from envace_core.engines.prefix_cache import weights_fingerprint
+
+        self._fp = weights_fingerprint
+        self.workdir = Path(workdir)
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.per_role = role_adapter(policy, "rehearse") is not None
+        if self.per_role:  # serve the frozen base; adapters go through LoRA requests
+            base = policy.get_base_model()
+            rank = max(int(c.r) for c in policy.peft_config.values())
+            with policy.disable_adapter():
+                export_merged(base, self.workdir / "base")
+            kwargs = {"enable_lora": True, "max_lora_rank": max(rank, kwargs.pop("max_lora_rank", 16)), **kwargs}
+            super().__init__(self.workdir / "base", tokenizer, **kwargs)
+        else:
+            export_merged(policy, self.workdir / "merged")
+            super().__init__(self.workdir / "merged", tokenizer, **kwargs)
+        self._synced = None
+        self.sync_from(policy)
+
+    def sync_from(self, policy) -> float:
+        """Make the engine generate with `policy`'s current weights; returns seconds taken (0 if unchanged)."""
+        import time
+
+        fp = self._fp(policy, torch.float32)[0]
+        if fp == self._synced:
+            return 0.0
+        t0 = time.perf_counter()
+        if self.per_role:
+            for name in sorted(set(ROLE_ADAPTERS.values())):
+                out = self.workdir / f"adapter-{name}-{self.stats['weight_syncs']}"
+                policy.save_pretrained(str(out), selected_adapters=[name])
+                sub = out / name if (out / name / "adapter_config.json").exists() else out
+                self.load_lora(sub, name)
+            self.stats["weight_syncs"] += 1
+        elif self._synced is not None:  # the first export is what the engine started on
+            self.sync_weights(export_merged(policy, self.workdir / "merged").folder)
+        self._synced = fp
+        return time.perf_counter() - t0
