@@ -165,11 +165,14 @@ def _adapt_tools(args) -> int:
     from envace_core import tool_learning as tl
     from envace_core.lineage import Registry
 
-    if args.tasks < 1:
-        raise EnvaceError(f"--tasks must be >= 1, got {args.tasks}")
+    if args.tasks < 2:
+        raise EnvaceError(f"--tasks must be >= 2 (adaptation needs at least 2 tasks), got {args.tasks}")
     if args.trials < 1:
         raise EnvaceError(f"--trials must be >= 1, got {args.trials}")
-    cfg = load_config(args.config or args.profile, merged_overrides(args.overrides, args.set))
+    over = merged_overrides(args.overrides, args.set)
+    # the adaptation runs on --domain: check data.hidden_tools etc. against it, not the profile's domains
+    over = {**over, "data": {**(over.get("data") or {}), "domains": [args.domain]}}
+    cfg = load_config(args.config or args.profile, over)
     if args.registry:
         cfg.store.registry = args.registry
     tools = tl.load_tools(args.tools)  # a bad schema stops here, before any model loads

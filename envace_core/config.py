@@ -221,6 +221,9 @@ class TrainConfig(_Strict):
         "iteration 1 of a fresh run (envace_core/sft.py); 0 = none")
     sft_learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the SFT warm-up")
     sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
+    sft_max_tokens: int = Field(
+        4096, ge=16, description="SFT warm-up examples longer than this (prompt + target, tokens) are "
+        "skipped: memory grows with length (logits alone are ~0.2 MB per token)")
     init_adapter: Optional[str] = Field(
         None, description="start a fresh run from this LoRA adapter (a local directory or s3:// URI, e.g. "
         "a registry version's artifacts/adapter) instead of a fresh LoRA; its r, alpha and target modules "

@@ -161,7 +161,7 @@ def resolve_model_ref(ref: str, registry_root: str) -> ResolvedModel:
     except RegistryError as e:
         raise ModelRefError(f"--model {ref!r}: {e}") from e
     if bad:
-        raise ModelRefError(f"--model {ref!r} fails verification, refusing to evaluate it; artifacts that differ "
+        raise ModelRefError(f"--model {ref!r} fails verification, refusing to use it; artifacts that differ "
                             f"from the manifest: {', '.join(bad)}")
     adapter = reg.version_dir(name, version) / "artifacts" / "adapter"
     if not (adapter / "adapter_config.json").is_file():

@@ -67,11 +67,15 @@ def completion_ids(tokenizer, text: str) -> list[int]:
 
 def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None = None,
                  env_factory: Callable[[str], ToolEnvironment] | None = None,
-                 include_answer: bool = True) -> list[SFTExample]:
+                 include_answer: bool = True, max_turns: int | None = None,
+                 max_tokens: int | None = None) -> list[SFTExample]:
     """The supervised ACT turns of every task in `tasks` that has gold actions (others are skipped).
 
     `env_factory(domain)` makes the private environment the gold calls run in (default
     `Tau2Environment`); `include_answer` adds the final-answer turn (`synth.gold_answer`).
+    `max_turns`: only the first `max_turns` ACT turns of a task (rollouts never get further:
+    ``rollout.max_turns``); `max_tokens`: examples longer than this (prompt + target ids) are
+    skipped, since a long tau2 history (tool results of several KB) makes one step need many GB.
     Raises `UnknownDomainError` (from `task_context`) for a task of an unknown domain.
     """
     from envace_core.envs.tau2 import Tau2Environment, task_context
@@ -85,7 +89,8 @@ def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None 
         env = (env_factory or Tau2Environment)(task.domain)
         env.reset(task)
         history = [Message(role="user", content=ctx.first_user_message)]
-        for k, gold in enumerate(task.gold_actions):
+        turns = task.gold_actions[:max_turns] if max_turns is not None else task.gold_actions
+        for k, gold in enumerate(turns):
             call = ToolCall(name=gold.name, arguments=gold.arguments, id=f"call_{k}")
             text = roles.format_tool_call(call)
             out.append(SFTExample(task.id, roles.act_prompt_ids(tokenizer, ctx, history),
@@ -93,32 +98,26 @@ def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None 
             obs = env.step(call)  # a tool error stays in the history, as the gold replay sees it
             history += [Message(role="assistant", tool_call=call),
                         Message(role="tool", content=obs.content, error=obs.error)]
-        if include_answer:
+        if include_answer and len(turns) == len(task.gold_actions) \
+                and (max_turns is None or len(turns) < max_turns):
             text = gold_answer(task)
             out.append(SFTExample(task.id, roles.act_prompt_ids(tokenizer, ctx, history),
                                   completion_ids(tokenizer, text), text, None))
+    if max_tokens is not None:
+        out = [e for e in out if len(e.prompt_ids) + len(e.completion_ids) <= max_tokens]
     return out
 
 
-def _batch_loss(model, rows: Sequence[SFTExample], pad_id: int, device, compute_dtype: str) -> torch.Tensor:
-    """Token-mean CE over the completion tokens of `rows` (right-padded into one [B, L] batch; the
-    LM head runs only on positions from the shortest prompt on, as `PolicyTrainer._logits` does)."""
-    B = len(rows)
-    L = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
-    start = min(len(r.prompt_ids) for r in rows) - 1  # logits at position p predict token p + 1
-    ids = torch.full((B, L), pad_id, dtype=torch.long)
-    attn = torch.zeros((B, L), dtype=torch.long)
-    labels = torch.full((B, L - 1 - start), -100, dtype=torch.long)  # [B, T]
-    for i, r in enumerate(rows):
-        P, C = len(r.prompt_ids), len(r.completion_ids)
-        ids[i, :P + C] = torch.tensor(r.prompt_ids + r.completion_ids)
-        attn[i, :P + C] = 1
-        labels[i, P - 1 - start:P - 1 - start + C] = torch.tensor(r.completion_ids)
+def _row_loss_sum(model, row: SFTExample, device, compute_dtype: str) -> torch.Tensor:
+    """Summed CE (nats) over `row`'s completion tokens, scalar. One unpadded sequence, no attention
+    mask (SDPA's causal fast path, no L x L score matrix), and the LM head only on the C positions
+    that predict the completion (`logits_to_keep`, as `PolicyTrainer._logits` does)."""
+    P, C = len(row.prompt_ids), len(row.completion_ids)
+    ids = torch.tensor([row.prompt_ids + row.completion_ids], device=device)
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=compute_dtype == "bfloat16"):
-        logits = model(input_ids=ids.to(device), attention_mask=attn.to(device), use_cache=False,
-                       logits_to_keep=L - start).logits[:, :-1]  # [B, T, V]
-    return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                             labels.to(device).reshape(-1), ignore_index=-100)
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=C + 1).logits[0, :-1]  # [C, V]
+    return torch.nn.functional.cross_entropy(logits.float(), torch.tensor(row.completion_ids, device=device),
+                                             reduction="sum")
 
 
 def sft_warmup(trainer: PolicyTrainer, examples: Sequence[SFTExample], steps: int, learning_rate: float,
@@ -150,14 +149,20 @@ def sft_warmup(trainer: PolicyTrainer, examples: Sequence[SFTExample], steps: in
         while len(order) < batch_rows:  # a new pass when the current one runs out
             order += torch.randperm(len(examples), generator=gen).tolist()
         batch, order = [examples[i] for i in order[:batch_rows]], order[batch_rows:]
-        loss = _batch_loss(model, batch, trainer.pad_id, trainer.device, trainer.compute_dtype)
-        if not math.isfinite(loss.item()):
-            raise SFTError(f"SFT loss is {loss.item()} at step {step + 1}: lower train.sft_learning_rate")
+        # token-mean CE over the batch, one row per forward/backward (gradients accumulate), so memory
+        # is one sequence's whatever batch_rows is
+        n_tok = sum(len(r.completion_ids) for r in batch)
         opt.zero_grad(set_to_none=True)
-        loss.backward()
+        loss = 0.0
+        for r in batch:
+            part = _row_loss_sum(model, r, trainer.device, trainer.compute_dtype) / n_tok
+            part.backward()
+            loss += part.item()
+        if not math.isfinite(loss):
+            raise SFTError(f"SFT loss is {loss} at step {step + 1}: lower train.sft_learning_rate")
         torch.nn.utils.clip_grad_norm_(params, trainer.cfg.max_grad_norm)
         opt.step()
-        losses.append(loss.item())
+        losses.append(loss)
         if log:
             log(f"[sft] step {step + 1}/{steps}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)")
     opt.zero_grad(set_to_none=True)

@@ -53,6 +53,20 @@ def preflight(cfg: RunConfig, resolve_remote: bool = False) -> None:
         resolve_model(cfg.model.ref)
     open_store(cfg.store.root).check()
     Registry(cfg.store.registry)
+    if cfg.train.init_adapter and not cfg.train.init_adapter.startswith("s3://"):
+        d = init_adapter_dir(cfg.train.init_adapter)
+        if not any((d / sub / "adapter_config.json").is_file() for sub in (".", "act")):
+            raise EnvaceError(f"train.init_adapter={cfg.train.init_adapter!r} holds no LoRA adapter "
+                              "(adapter_config.json, or act/ and rehearse/ for a per-role policy)")
+    if cfg.rollout.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            from envace_core.engines.vllm import EngineUnavailableError
+
+            raise EngineUnavailableError("rollout.engine=vllm needs vLLM, which is not installed here: use the "
+                                         "train-cuda image or pip install 'envace[gpu]' on a CUDA machine, or "
+                                         "set rollout.engine=hf (the transformers engine, CPU)")
 
 
 # ----------------------------------------------------------------------------------------- curate
@@ -442,7 +456,12 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
         if cfg.train.sft_warmup_steps > 0:  # fresh run only: a checkpoint already holds the warmed-up adapter
             from envace_core import sft
 
-            examples = sft.act_examples(tasks, tok, cfg.data.policy_max_chars)
+            examples = sft.act_examples(tasks, tok, cfg.data.policy_max_chars, max_turns=cfg.rollout.max_turns,
+                                        max_tokens=cfg.train.sft_max_tokens)
+            if not examples:
+                raise EnvaceError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps} but no train task has a "
+                                  f"gold ACT turn within rollout.max_turns={cfg.rollout.max_turns} and "
+                                  f"train.sft_max_tokens={cfg.train.sft_max_tokens} tokens")
             losses = sft.sft_warmup(trainer, examples, cfg.train.sft_warmup_steps, cfg.train.sft_learning_rate,
                                     cfg.train.sft_batch_rows, seed=cfg.train.seed)
             say(f"[train] SFT warm-up: {len(losses)} steps on {len(examples)} gold ACT turns, "
@@ -522,8 +541,16 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
             "base_model_dir": str(base), "history": history}
 
 
-def print_training_table(history: list[dict[str, Any]]) -> None:
+def _console():
+    """A rich console that does not cut tables to 80 columns when output goes to a file or pipe."""
+    import sys
+
     from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def print_training_table(history: list[dict[str, Any]]) -> None:
     from rich.table import Table
 
     def f(v: Any) -> str:
@@ -539,7 +566,7 @@ def print_training_table(history: list[dict[str, Any]]) -> None:
         table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
     for rec in history:
         table.add_row(*[f(rec.get(key)) for _, key in cols])
-    Console().print(table)
+    _console().print(table)
 
 
 # -------------------------------------------------------------------------------------- validate
@@ -709,7 +736,6 @@ def summarise_eval(results: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def print_eval_table(summary: dict[str, dict[str, Any]]) -> None:
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title="tau2-bench evaluation (test split)")
@@ -720,7 +746,7 @@ def print_eval_table(summary: dict[str, dict[str, Any]]) -> None:
         table.add_row(cond, dom, str(s["n"]), f"{s['pass^1']:.3f}",
                       ", ".join(f"{k}={v:.2f}" for k, v in s["sub_rewards"].items()),
                       ", ".join(f"{k}:{v}" for k, v in s["terminations"].items()))
-    Console().print(table)
+    _console().print(table)
 
 
 # -------------------------------------------------------------------------------------- register

@@ -84,8 +84,10 @@ class ToolSchemaError(EnvaceError):
 @dataclass
 class NewTool:
     """A tool to learn: its OpenAI-format `spec`, documentation `doc` (the file's "documentation",
-    else the description) and optional `implementation` ("package.module:function", for scoring
-    a tool that no tau2 domain implements)."""
+    else the description) and optional `implementation` ("package.module:function"). The
+    implementation is checked to import when the tools are loaded and is recorded in the lineage;
+    scoring with it is not wired yet: held-out tasks (the measurement) exist only for tools of a tau2
+    domain, which tau2 itself executes."""
 
     spec: ToolSpec
     doc: str
@@ -162,6 +164,34 @@ def _parameters_errors(params: dict, where: list[str | int]) -> list[tuple[list,
         Draft202012Validator.check_schema(params)
     except SchemaError as e:
         out.append((where + list(e.absolute_path), e.message))
+    return out + _ref_errors(params, params, where)
+
+
+def _ref_errors(node: Any, root: dict, where: list[str | int]) -> list[tuple[list, str]]:
+    """Every ``$ref`` must point inside the schema (``#/...``, resolvable): runs are offline, so a remote
+    reference could never be fetched, and a dangling one would fail only when an example is checked."""
+    out: list[tuple[list, str]] = []
+    if isinstance(node, dict):
+        for k, v in node.items():
+            if k == "$ref" and isinstance(v, str):
+                if not v.startswith("#"):
+                    out.append((where + [k], f"{v!r}: only references inside the schema ('#/...') are "
+                                             "allowed (runs are offline)"))
+                    continue
+                target: Any = root
+                for part in [p.replace("~1", "/").replace("~0", "~") for p in v[1:].split("/") if p]:
+                    if isinstance(target, dict) and part in target:
+                        target = target[part]
+                    elif isinstance(target, list) and part.isdigit() and int(part) < len(target):
+                        target = target[int(part)]
+                    else:
+                        out.append((where + [k], f"{v!r} does not resolve inside the parameters schema"))
+                        break
+            else:
+                out += _ref_errors(v, root, where + [k])
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            out += _ref_errors(v, root, where + [i])
     return out
 
 
@@ -245,6 +275,10 @@ def load_tools(source: str | Path | list | dict) -> list[NewTool]:
             errors.append(f"{label}: {_at(name_at)}: duplicate tool name {tool.spec.name!r} "
                           f"(also {_at(seen[tool.spec.name])})")
         seen.setdefault(tool.spec.name, name_at)
+        try:  # an implementation must import now, not fail (or be ignored) after training
+            tool.load_implementation()
+        except ToolSchemaError as e:
+            errors += [f"{label}: tools[{i}].{m.split('.', 1)[1] if '.' in m else m}" for m in e.errors]
         tools.append(tool)
     if errors:
         raise ToolSchemaError(errors)
@@ -274,7 +308,10 @@ def _parse_example(text: str, where: str, specs: dict[str, ToolSpec]) -> tuple[T
     if not isinstance(args, dict):
         errors.append(f"{where}: arguments: expected an object, got {type(args).__name__}")
     elif isinstance(name, str) and name in specs:
-        bad = Draft202012Validator(specs[name].parameters).iter_errors(args)
+        try:
+            bad = list(Draft202012Validator(specs[name].parameters).iter_errors(args))
+        except Exception as e:  # noqa: BLE001 - e.g. an unresolvable $ref in a schema given as a dict
+            return None, [f"{where}: arguments: cannot be checked against {name}'s schema: {type(e).__name__}: {e}"]
         errors += [f"{where}: {_at(['arguments', *e.absolute_path])}: {e.message}"
                    for e in sorted(bad, key=lambda e: [str(p) for p in e.absolute_path])]
     if errors:
@@ -304,7 +341,11 @@ def load_examples(path: str | Path, tools: Sequence[NewTool | ToolSpec]) -> list
     specs = {(t.spec if isinstance(t, NewTool) else t).name: (t.spec if isinstance(t, NewTool) else t)
              for t in tools}
     examples, errors = [], []
-    for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), start=1):
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ToolSchemaError([f"{label}: not UTF-8 text ({e.reason} at byte {e.start})"]) from None
+    for n, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
         ex, errs = _parse_example(line, f"{label}:{n}", specs)
@@ -768,7 +809,15 @@ def adapt(cfg: RunConfig, model_ref: str, tools: Sequence[NewTool], examples: Se
     inherited = (((parent.manifest or {}).get("config") or {}).get("data") or {}).get("hidden_tools") or []
     hidden = sorted((set(inherited) | set(cfg.data.hidden_tools)) & domain_tools)
     name = name or (parent.manifest or {}).get("name") or cfg.store.model_name
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}", name):
+        raise AdaptationError(f"registry name {name!r}: use letters, digits, '.', '_' or '-' (e.g. envace-policy)")
     acfg = adaptation_config(cfg, parent, domain, hidden, registry, name)
+    try:  # model, store, registry, parent adapter, engine: fail now, not after the tasks are built
+        stages.preflight(acfg)
+    except EnvaceError as e:
+        hint = (f" (a registry version is written registry:{model_ref})"
+                if "@" in model_ref and not model_ref.startswith(("registry:", "s3://", "bundled:")) else "")
+        raise AdaptationError(f"--model {model_ref!r} cannot be used: {e}{hint}") from e
     built, gate = _build_tasks(domain, tools, examples, n_tasks, acfg.train.seed, 0.3, hidden)
     train, held = built["train"], built["held_out"]
     blocked = {t.spec.name for t in tools} & domain_tools

@@ -64,6 +64,28 @@ def test_cli_rejects_a_set_without_a_value(capsys, no_model_loads):
     assert rc == 2 and "--set 'train.iterations': write KEY=VALUE" in capsys.readouterr().err
 
 
+def test_cli_checks_task_count_model_and_name_before_building_tasks(tmp_path, capsys, monkeypatch):
+    """Bad --tasks, --model or --name stop before any task is built or dataset written."""
+    from envace_core import tool_learning
+
+    def boom(*a, **k):
+        raise AssertionError("tasks were built before the model/name were checked")
+
+    monkeypatch.setattr(tool_learning, "_build_tasks", boom)
+    store = ["--set", f"store.root={tmp_path / 'store'}", "--registry", str(tmp_path / "reg")]
+    assert main(["adapt-tools", "--model", "bundled:smollm2-135m-instruct", "--tools", str(TOOLS),
+                 "--tasks", "1"]) == 2
+    assert "--tasks must be >= 2" in capsys.readouterr().err
+    assert main(["adapt-tools", "--model", str(tmp_path / "nope"), "--tools", str(TOOLS), *store]) == 2
+    assert f"--model '{tmp_path / 'nope'}' cannot be used" in capsys.readouterr().err
+    assert main(["adapt-tools", "--model", "envace-policy@20261129T000000Z-abc", "--tools", str(TOOLS), *store]) == 2
+    assert "registry:envace-policy@20261129T000000Z-abc" in capsys.readouterr().err
+    assert main(["adapt-tools", "--model", "bundled:smollm2-135m-instruct", "--tools", str(TOOLS),
+                 "--name", "../evil", *store]) == 2
+    assert "registry name '../evil'" in capsys.readouterr().err
+    assert not (tmp_path / "store" / "datasets").exists()
+
+
 def test_example_inputs_are_the_tau2_tool_and_real_calls_off_the_test_split():
     """examples/tools/ is what export.py makes from tau2 today, and no example user is a test user."""
     sys.path.insert(0, str(REPO / "examples" / "tools"))

@@ -210,3 +210,24 @@ def test_rollout_engine_vllm_is_a_clear_error_without_vllm(tiny_model_dir, monke
     cfg = load_config("test", "rollout.engine=vllm")
     with pytest.raises(EngineUnavailableError, match=r"envace\[gpu\]"):
         policy_engine(cfg, _lora(load_model(tiny_model_dir)), _tok(tiny_model_dir))
+
+
+@pytest.mark.skipif(HAVE_VLLM, reason="vLLM is installed here")
+def test_preflight_stops_rollout_engine_vllm_without_vllm():
+    """`envace config --check` / `make train`'s pre-check: no curate and no model load first."""
+    from envace_core.config import load_config
+    from envace_core.stages import preflight
+
+    with pytest.raises(EngineUnavailableError, match="rollout.engine=hf"):
+        preflight(load_config("test", "rollout.engine=vllm"))
+
+
+def test_preflight_checks_init_adapter(tmp_path):
+    from envace_core import EnvaceError
+    from envace_core.config import load_config
+    from envace_core.stages import preflight
+
+    with pytest.raises(EnvaceError, match="is not a directory"):
+        preflight(load_config("test", f"train.init_adapter={tmp_path / 'missing'}"))
+    with pytest.raises(EnvaceError, match="holds no LoRA adapter"):
+        preflight(load_config("test", f"train.init_adapter={tmp_path}"))

@@ -46,6 +46,20 @@ def test_targets_parse_back_to_the_gold_calls(tasks, examples):
             assert (out.tool_call.name, out.tool_call.arguments) == (e.gold.name, e.gold.arguments)
 
 
+def test_turn_and_length_limits(tasks, examples, tok):
+    """max_turns keeps only the turns a rollout can reach (no answer turn when the gold needs them all);
+    max_tokens drops long examples instead of exhausting memory."""
+    one = sft.act_examples(tasks, tok, policy_max_chars=300, max_turns=1)
+    assert len(one) == sum(1 + (len(t.gold_actions) == 0) for t in tasks if t.gold_actions)
+    assert all(e.gold is not None for e in one)  # every task has >= 1 gold call: the answer is turn >= 2
+    assert [e.text for e in one] == [next(x for x in examples if x.task_id == e.task_id).text for e in one]
+    lengths = sorted(len(e.prompt_ids) + len(e.completion_ids) for e in examples)
+    cut = lengths[len(lengths) // 2]
+    short = sft.act_examples(tasks, tok, policy_max_chars=300, max_tokens=cut)
+    assert short and len(short) < len(examples)
+    assert all(len(e.prompt_ids) + len(e.completion_ids) <= cut for e in short)
+
+
 def test_prompt_and_target_ids_are_the_chat_template_conversation(tasks, examples, tok):
     """prompt ids = the rollout's ACT prompt; prompt + target = the template's rendering of the turn
     (up to the template's newline after <|im_end|>, which the engine never samples)."""

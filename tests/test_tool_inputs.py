@@ -135,6 +135,32 @@ def test_bad_examples_name_line_and_field(tmp_path):
     assert len(e.value.errors) == 5
 
 
+def test_references_must_resolve_inside_the_schema_and_implementations_must_import(tmp_path):
+    remote = _tool("lookup")
+    remote["function"]["parameters"]["properties"]["zip"] = {"$ref": "http://example.com/zip.json"}
+    msg = _error(tmp_path, [_tool(), remote])
+    assert "tools[1].function.parameters.properties.zip[\"$ref\"]: 'http://example.com/zip.json': only references " \
+           "inside the schema" in msg
+    dangling = _tool("lookup")
+    dangling["function"]["parameters"]["properties"]["zip"] = {"$ref": "#/$defs/Missing"}
+    assert "'#/$defs/Missing' does not resolve" in _error(tmp_path, [dangling])
+    local = _tool("lookup")
+    local["function"]["parameters"].update({"$defs": {"Zip": {"type": "string"}}})
+    local["function"]["parameters"]["properties"]["zip"] = {"$ref": "#/$defs/Zip"}
+    (tool,) = load_tools([local])
+    assert load_examples(_examples(tmp_path, [json.dumps({"tool": "lookup", "arguments": {
+        "order_id": "#W1", "amount": 1, "zip": "02139"}, "result": 1})]), [tool])
+    broken = dict(_tool()["function"], implementation="no_such_pkg.mod:fn")
+    assert "tools[0].implementation: cannot import 'no_such_pkg.mod:fn'" in _error(tmp_path, [broken])
+
+
+def test_examples_file_that_is_not_utf8(tmp_path):
+    path = tmp_path / "ex.jsonl"
+    path.write_bytes('{"tool": "refund_order", "arguments": {"order_id": "caf\u00e9"}, "result": 1}'.encode("latin-1"))
+    with pytest.raises(ToolSchemaError, match="not UTF-8 text"):
+        load_examples(path, load_tools([_tool()]))
+
+
 # ------------------------------------------------------------------------- hidden tools in curate
 HIDDEN = "get_reservation_details"
 

@@ -45,7 +45,7 @@ def _import_vllm():
         raise EngineUnavailableError(
             "VLLMEngine needs vLLM, which is not importable here "
             f"({type(e).__name__}: {e}). Install the GPU extra on a CUDA machine: pip install 'envace[gpu]' "
-            "(or use the transformers engine, engines.hf.HFEngine, on CPU).") from e
+            "(or rollout.engine=hf: the transformers engine, engines.hf.HFEngine, on CPU).") from e
     return vllm
 
 
