@@ -84,10 +84,9 @@ class ToolSchemaError(EnvaceError):
 @dataclass
 class NewTool:
     """A tool to learn: its OpenAI-format `spec`, documentation `doc` (the file's "documentation",
-    else the description) and optional `implementation` ("package.module:function"). The
-    implementation is checked to import when the tools are loaded and is recorded in the lineage;
-    scoring with it is not wired yet: held-out tasks (the measurement) exist only for tools of a tau2
-    domain, which tau2 itself executes."""
+    else the description) and optional `implementation` ("package.module:function", checked to import
+    when the tools are loaded). For a tool no tau2 domain executes, the implementation is what scores
+    held-out tasks built from its examples (`ImplementationEnvironment`); it never runs in training."""
 
     spec: ToolSpec
     doc: str
@@ -620,10 +619,74 @@ def _build_tasks(domain: str, tools: Sequence[NewTool], examples: Sequence[ToolE
     order = [i for i in order if not synth.test_users(domain, [real[i]], db) & ex_users] if ex_users else order
     held_idx = set(order[:max(k, 0)])
     train = [_with_id(t, "train", added, hidden) for i, t in enumerate(real) if i not in held_idx]
-    train += [_with_id(t, "train", added, hidden) for t in made]
+    made_train, made_held = _split_implemented(made, tools, domain_tools, held_out, seed)
+    train += [_with_id(t, "train", added, hidden) for t in made_train]
     held = [_with_id(real[i], HELD_OUT_SPLIT, added, hidden) for i in sorted(held_idx)]
+    held += [_with_id(t, HELD_OUT_SPLIT, added, hidden) for t in made_held]
     gate = adaptation_gate(domain, train, held, blocked).raise_if_failed()
     return {"train": train, "held_out": held}, gate
+
+
+def _split_implemented(made: list[Task], tools: Sequence[NewTool], domain_tools: set[str], held_out: float,
+                       seed: int) -> tuple[list[Task], list[Task]]:
+    """(train, held-out) of the example-built tasks. For a new tool that no tau2 domain executes but
+    that has an `implementation`, round(held_out x its examples) whole examples (all their phrasings,
+    so no held-out answer is trained on; at least 1 when it has 2+ examples) are held out and marked
+    to be scored by running the implementation (`ImplementationEnvironment`)."""
+    impl = {t.spec.name: t.implementation for t in tools if t.implementation and t.spec.name not in domain_tools}
+    chosen: set[tuple[str, int]] = set()
+    for name in sorted(impl):
+        idx = sorted({t.source["envace_adapt"]["example"] for t in made if t.gold_actions[0].name == name})
+        k = min(max(round(held_out * len(idx)), 1 if held_out > 0 else 0), len(idx) - 1)
+        random.Random(f"{seed}:{name}:adapt-held-out-examples").shuffle(idx)
+        chosen |= {(name, i) for i in idx[:max(k, 0)]}
+    train, held = [], []
+    for t in made:
+        name = t.gold_actions[0].name
+        if (name, t.source["envace_adapt"]["example"]) in chosen:
+            mark = {**t.source["envace_adapt"], "scored_by": {name: impl[name]}}
+            held.append(t.model_copy(update={"source": {"envace_adapt": mark}}))
+        else:
+            train.append(t)
+    return train, held
+
+
+class ImplementationEnvironment:
+    """A real environment for tools no tau2 domain executes: each call runs the tool's
+    `implementation` (``"module:function"``, called with the call's arguments as keywords) and the
+    JSON of its return value is the observation; an exception or an unknown tool is an error
+    observation. Used only to score held-out tasks (`measure`), never during adaptation.
+
+    Args:
+        implementations: {tool name: "module:function"}.
+    Raises:
+        ToolSchemaError: an implementation cannot be imported.
+    """
+
+    def __init__(self, implementations: dict[str, str]):
+        self.fns = {n: NewTool(ToolSpec(name=n), "", path).load_implementation()
+                    for n, path in implementations.items()}
+        self.calls_made = 0
+
+    def reset(self, task: Task) -> None:
+        self.calls_made = 0
+
+    def step(self, call: ToolCall):
+        from envace_core.types import Observation
+
+        self.calls_made += 1
+        fn = self.fns.get(call.name)
+        if fn is None:
+            return Observation(content=f"Error: unknown tool {call.name!r}", error=True)
+        try:
+            return Observation(content=json.dumps(fn(**call.arguments), default=str))
+        except Exception as e:  # noqa: BLE001 - a tool error is an observation, as in tau2
+            return Observation(content=f"Error: {type(e).__name__}: {e}", error=True)
+
+
+def _implemented(task: Task) -> dict[str, str] | None:
+    """{tool: "module:function"} for a held-out task scored by running implementations, else None."""
+    return ((task.source or {}).get("envace_adapt") or {}).get("scored_by")
 
 
 def _example_users(domain: str, examples: Sequence[ToolExample], db: Any) -> set[str]:
@@ -880,28 +943,41 @@ def measure(cfg: RunConfig, model_ref: str, tasks: Sequence[Task], *, tools: Seq
     from envace_core.eval_run import load_engine, resolve_model_ref
     from envace_core.rollout import real_rollouts
     from envace_core.stats import mean_ci
+    from envace_core.types import Message
 
     if trials < 1:
         raise AdaptationError(f"trials={trials}: need at least 1")
-    bad = [t.id for t in tasks if not (t.source or {}).get("evaluation_criteria")]
+    bad = [t.id for t in tasks if not (t.source or {}).get("evaluation_criteria") and not _implemented(t)]
     if bad:
-        raise AdaptationError(f"tasks {bad[:3]} have no tau2 record and cannot be scored in the real "
-                              "environment (example-built tasks are train-only)")
+        raise AdaptationError(f"tasks {bad[:3]} have no tau2 record and no tool implementation, so they cannot "
+                              "be scored in a real environment (example-built tasks are train-only unless the "
+                              "tool has an \"implementation\")")
     engine, _ = load_engine(cfg, resolve_model_ref(model_ref, registry or cfg.store.registry))
     p = stages.rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=cfg.eval.max_turns)
     per_task = []
+    from envace_core.rewards import actions_reward, score_trajectory
+
     for i, task in enumerate(tasks):
-        envs = [Tau2Environment(task.domain) for _ in range(trials)]
+        impl = _implemented(task)
+        envs = [ImplementationEnvironment(impl) if impl else Tau2Environment(task.domain) for _ in range(trials)]
         for env in envs:
             env.reset(task)
-        trajs = [stages.score(task, t) for t in real_rollouts(
-            engine, task_context(task, cfg.data.policy_max_chars), envs, p, seed=seed * 100003 + i)]
+        trajs = real_rollouts(engine, task_context(task, cfg.data.policy_max_chars), envs, p, seed=seed * 100003 + i)
+        # tau2 tasks: tau2's evaluator on a replay; implemented tools: every gold call made (actions
+        # reward, tau2's all-match rule) and a clean end, as tau2 requires
+        trajs = [score_trajectory(task, t, actions_reward, replay_fidelity=False) if impl else stages.score(task, t)
+                 for t in trajs]
         rewards = [t.reward for t in trajs]
         per_task.append({"task_id": task.id, "success": statistics.fmean(float((r or 0) >= 1.0) for r in rewards),
                          "rewards": rewards, "terminations": [t.termination for t in trajs],
                          "fidelity": None, "transitions": 0})
     wanted = set(tools)
-    trans = [tr for tr in stages.held_out_transitions(list(tasks), 1 << 30) if tr[2].name in wanted]
+    trans = [tr for tr in stages.held_out_transitions([t for t in tasks if not _implemented(t)], 1 << 30)
+             if tr[2].name in wanted]
+    for task in (t for t in tasks if _implemented(t)):  # the example's call, executed by its implementation
+        env = ImplementationEnvironment(_implemented(task))
+        call = task.gold_actions[0].model_copy(update={"id": "call_1"})
+        trans.append((task, [Message(role="user", content=task.first_user_message)], call, env.step(call)))
     by_task: dict[str, list[float]] = {}
     for (task, *_), row in zip(trans, stages.rehearse_rows(cfg, engine, trans)):
         by_task.setdefault(task.id, []).append(row["fidelity"])

@@ -191,3 +191,43 @@ def test_adapt_registers_a_child_naming_tools_and_parent_then_measure(parent, tm
     assert [r["task_id"] for r in res["per_task"]] == [t.id for t in held]
     with pytest.raises(AdaptationError, match="no tau2 record"):
         tool_learning.measure(cfg, "registry:tiny@v1", stages.load_dataset(out["dataset"], "train")[-1:], tools=[TOOL])
+
+
+def test_a_tool_outside_the_domain_is_scored_by_its_implementation(monkeypatch):
+    """Examples of a non-domain tool with an implementation: whole examples are held out (no phrasing
+    of a held-out example is trained on) and `measure` scores them by running the implementation:
+    a policy that makes the example's call and answers succeeds, and REHEARSE fidelity compares with
+    the implementation's real result."""
+    import envace_core.eval_run as er
+    from envace_core import tool_learning as tl
+    from envace_core.config import load_config
+    from envace_core.models import load_tokenizer, resolve_model
+    from tests.scripted import ScriptedEngine
+
+    (tool,) = tl.load_tools([{"type": "function", "function": {
+        "name": "get_weather", "description": "Get the weather in a city.",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
+        "implementation": "tests.tool_impls:get_weather"}])
+    examples = [tl.ToolExample(call=tl.ToolCall(name="get_weather", arguments={"city": c}),
+                               result={"city": c, "temperature": 21, "unit": "celsius"})
+                for c in ("Paris", "Rome", "Oslo", "Lima")]
+    built = tl.build_adaptation_tasks("retail", [tool], examples, n=12, seed=0, held_out=0.3)
+    held, train = built["held_out"], built["train"]
+    assert held and all(tl._implemented(t) == {"get_weather": "tests.tool_impls:get_weather"} for t in held)
+    held_cities = {t.gold_actions[0].arguments["city"] for t in held}
+    assert held_cities.isdisjoint({t.gold_actions[0].arguments["city"] for t in train})
+
+    tok = load_tokenizer(resolve_model("bundled:smollm2-135m-instruct"))
+    city = held[0].gold_actions[0].arguments["city"]
+    call = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>' % city
+    engine = ScriptedEngine(tok, [call, "It is 21 degrees."],
+                            rehearse_text='{"city": "%s", "temperature": 21, "unit": "celsius"}' % city)
+    monkeypatch.setattr(er, "resolve_model_ref", lambda ref, reg: ref)
+    monkeypatch.setattr(er, "load_engine", lambda cfg, m: (engine, None))
+    out = tl.measure(load_config("test", "eval.max_turns=3"), "scripted", held[:1], tools=["get_weather"])
+    assert out["success"]["mean"] == 1.0 and out["fidelity"]["mean"] == 1.0 and out["fidelity"]["transitions"] == 1
+    wrong = ScriptedEngine(tok, ['<tool_call>{"name": "get_weather", "arguments": {"city": "Atlantis"}}</tool_call>',
+                                 "Sorry."], rehearse_text='{"temperature": 5}')
+    monkeypatch.setattr(er, "load_engine", lambda cfg, m: (wrong, None))
+    out = tl.measure(load_config("test", "eval.max_turns=3"), "scripted", held[:1], tools=["get_weather"])
+    assert out["success"]["mean"] == 0.0 and out["fidelity"]["mean"] < 1.0
