@@ -189,8 +189,8 @@ def _adapt_tools(args) -> int:
         names = [t.spec.name for t in tools]
         held = stages.load_dataset(res["dataset"], tl.HELD_OUT_SPLIT)
         if not held:
-            print(f"\nno held-out tasks to measure on: none of the new tools is a {args.domain} tool, so no "
-                  "task that needs one can be scored in the real environment")
+            print(f"\nno held-out tasks to measure on: no new tool is a {args.domain} tool or has an "
+                  "\"implementation\" and 2+ examples, so no task that needs one can be scored for real")
             return 0
         before = tl.measure(cfg, args.model, held, tools=names, trials=args.trials, seed=args.seed)
         after = tl.measure(cfg, new_ref, held, tools=names, trials=args.trials, seed=args.seed)
