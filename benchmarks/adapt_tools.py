@@ -59,7 +59,8 @@ def parent_overrides(args) -> dict[str, Any]:
     """The parent's config: retail only, the tool hidden, synthesized level-1 tasks, optional SFT."""
     over: dict[str, Any] = {
         "data": {"domains": [DOMAIN], "hidden_tools": [TOOL], "synthetic_tasks_per_domain": args.synthetic,
-                 "synthetic_levels": [1], "max_test_tasks_per_domain": args.parent_test_tasks, "dvc": "off"},
+                 "synthetic_levels": [1], "max_test_tasks_per_domain": args.parent_test_tasks, "dvc": "off",
+                 "max_train_tasks_per_domain": args.parent_tau2_train_tasks},
         "train": {"iterations": args.parent_iterations, "sft_warmup_steps": args.parent_sft_steps},
         "store": {"root": str(args.out / "store"), "registry": str(args.out / "registry")},
     }
@@ -191,6 +192,9 @@ def main() -> int:
     ap.add_argument("--parent-test-tasks", type=int, default=2, help="tau2 retail test tasks the parent's "
                     "own evaluate stage runs (only for its registry entry; not the demonstration's measure)")
     ap.add_argument("--synthetic", type=int, default=12, help="synthesized level-1 retail train tasks")
+    ap.add_argument("--parent-tau2-train-tasks", type=int, default=None,
+                    help="tau2 retail train-split tasks the parent draws from (default: all); fewer keeps its "
+                    "SFT warm-up on short level-1 turns, which is what teaches the 135M model the format")
     ap.add_argument("--profile", default="cpu-smoke")
     ap.add_argument("--model", help="base model ref (default: the profile's, the bundled 135M)")
     ap.add_argument("--out", type=Path, default=Path(".envace/bench/adapt_tools"))
