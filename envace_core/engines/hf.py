@@ -37,7 +37,6 @@ _DTYPES = {
 
 
 _F32_DECODE_ATTN = "envace_sdpa_f32_decode"
-_registered = False
 
 
 def _f32_decode_sdpa(module, query, key, value, attention_mask, **kwargs):
@@ -59,17 +58,11 @@ def _f32_decode_sdpa(module, query, key, value, attention_mask, **kwargs):
 
 def _register_f32_decode_attention() -> bool:
     """Register `_f32_decode_sdpa` (and SDPA's mask builder) with transformers once; False if unsupported."""
-    global _registered
-    if not _registered:
-        try:
-            from transformers import AttentionInterface
-            from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-        except ImportError:
-            return False
-        AttentionInterface.register(_F32_DECODE_ATTN, _f32_decode_sdpa)
-        AttentionMaskInterface.register(_F32_DECODE_ATTN, sdpa_mask)
-        _registered = True
-    return True
+    try:
+        from transformers.masking_utils import sdpa_mask
+    except ImportError:
+        return False
+    return shared_prefix.register_attention(_F32_DECODE_ATTN, _f32_decode_sdpa, sdpa_mask)
 
 
 def _row_seed(base: int, prompt_idx: int, sample_idx: int) -> int:

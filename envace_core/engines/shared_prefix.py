@@ -32,7 +32,6 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "qwen2", "qwen3", "mistral"})
 
 _ACTIVE: contextvars.ContextVar["SharedPrefixCache | None"] = contextvars.ContextVar("envace_shared_prefix",
                                                                                        default=None)
-_registered = False
 
 
 def supports(model) -> bool:
@@ -188,19 +187,27 @@ def _no_mask(*args, **kwargs):
     return None
 
 
-def register() -> bool:
-    """Register the attention function (and a no-op mask builder) with transformers once."""
-    global _registered
-    if not _registered:
+_REGISTERED: set[str] = set()
+
+
+def register_attention(name: str, fn, mask_fn) -> bool:
+    """Register attention function `fn` and mask builder `mask_fn` with transformers under `name`, once;
+    False when this transformers has no attention interface."""
+    if name not in _REGISTERED:
         try:
             from transformers import AttentionInterface
             from transformers.masking_utils import AttentionMaskInterface
         except ImportError:
             return False
-        AttentionInterface.register(NAME, shared_prefix_attention)
-        AttentionMaskInterface.register(NAME, _no_mask)
-        _registered = True
+        AttentionInterface.register(name, fn)
+        AttentionMaskInterface.register(name, mask_fn)
+        _REGISTERED.add(name)
     return True
+
+
+def register() -> bool:
+    """Register the attention function (and a no-op mask builder) with transformers once."""
+    return register_attention(NAME, shared_prefix_attention, _no_mask)
 
 
 class active:
