@@ -8,12 +8,20 @@ seed) split deterministically by the sha256 of the task id into train and held-o
 asserted; synthesis already keeps every task off the tau2 test split's users). The split is written
 as a dataset (train / "test" = held-out rows) through the same dataset gate `stages.curate` uses.
 
+Warm start (preset "sft"): the 135M base writes no parseable tool call on this curriculum (0/48,
+RESULTS.md "Feasibility"), so every GRPO group has equal rewards and nothing can learn. One SFT warm
+start on the train split's gold ACT turns (`warm_start`: `sft.sft_warmup`, preset steps / rows / LR,
+one seed) is therefore computed once and loaded by every trained condition through
+`train.init_adapter` (both adapters of the per-role policy get the same weights), so all of them
+start from the same function and only the GRPO phase differs.
+
 Conditions (issue 3 item 7), each trained with `stages.rollout_and_train` for every seed until the
 cumulative generated tokens (HFEngine ``generated_tokens``, i.e. every ACT/REHEARSE completion token)
 first reach `--token-budget`; the data cursor, RNG and optimizer carry over between chunks through
 the stage's own checkpoint (copied to the next chunk's run id; LR schedule forced constant):
 
 * ``base``            no training (the adapter-free base model; greedy, so seed-independent)
+* ``sft``             the warm start only (the common starting point of the three below)
 * ``world_rehearsal`` rollout.source=imagined (ACT + REHEARSE rows, role-wise GRPO)
 * ``standard_grpo``   rollout.source=real (ACT only, against private copies of the real env)
 * ``per_role``        rollout.source=imagined, train.policy_per_role=true (two LoRA adapters)
@@ -51,21 +59,25 @@ from envace_core.stats import bootstrap_ci
 
 CONDITIONS: dict[str, dict[str, Any] | None] = {
     "base": None,
+    "sft": {},
     "world_rehearsal": {"rollout": {"source": "imagined"}},
     "standard_grpo": {"rollout": {"source": "real"}},
     "per_role": {"rollout": {"source": "imagined"}, "train": {"policy_per_role": True}},
 }
 
-# Sized from measured seconds (RESULTS.md, "Learning benchmark"): full <= 3 h on an idle 2-core box.
+# full: sized to ~1.5 h on an idle 2-core box (RESULTS.md, "Learning benchmark"); level-2 retail tasks
+# need 3 tool calls, hence max_turns 3.
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {"seeds": [0, 1], "levels": [1, 2], "tasks_per_level": 12, "heldout_mod": 3,
-             "token_budget": 12000, "max_iterations": 40, "eval_every": 0, "max_transitions": 16,
+             "sft": {"steps": 60, "batch_rows": 2, "learning_rate": 5e-4, "seed": 0},
+             "token_budget": 20000, "max_iterations": 40, "eval_every": 0, "max_transitions": 16,
              "overrides": {"data": {"policy_max_chars": 200},
-                           "rollout": {"group_size": 8, "tasks_per_iteration": 2, "max_turns": 2,
+                           "rollout": {"group_size": 8, "tasks_per_iteration": 2, "max_turns": 3,
                                        "max_new_tokens_act": 48, "max_new_tokens_rehearse": 48},
                            "train": {"learning_rate": 1e-4, "lr_scheduler": "constant"},
-                           "eval": {"max_turns": 2}, "rehearsal": {"mode": "none"}}},
+                           "eval": {"max_turns": 3}, "rehearsal": {"mode": "none"}}},
     "quick": {"seeds": [0], "levels": [1], "tasks_per_level": 4, "heldout_mod": 2,
+              "sft": {"steps": 2, "batch_rows": 1, "learning_rate": 5e-4, "seed": 0},
               "token_budget": 200, "max_iterations": 2, "eval_every": 0, "max_transitions": 4,
               "overrides": {"data": {"policy_max_chars": 200},
                             "rollout": {"group_size": 4, "tasks_per_iteration": 1, "max_turns": 1,
@@ -148,20 +160,43 @@ def t_interval(xs: list[float]) -> tuple[float, float]:
     return m - h, m + h
 
 
-def summarise(per_seed: dict[int, dict[str, list[float]]], metric: str) -> dict[str, Any]:
-    """Mean and 95% CI of `metric` over seeds (t, >= 2 seeds) or items (bootstrap, one seed).
+def item_means(per_seed: dict[int, dict[str, list[float]]], metric: str) -> list[float]:
+    """Per-item values of `metric` averaged over seeds (every seed measures the same items in the
+    same order: the held-out tasks / transitions; raises BenchmarkError otherwise)."""
+    cols = [v[metric] for v in per_seed.values() if v[metric]]
+    if not cols:
+        return []
+    if len({len(c) for c in cols}) != 1:
+        raise BenchmarkError(f"seeds measured different numbers of items for {metric}: {[len(c) for c in cols]}")
+    return [statistics.fmean(xs) for xs in zip(*cols)]
 
-    `per_seed`: {seed: {metric: per-item values}}. Items of several seeds are pooled only for the
-    bootstrap's per-item mean (item i averaged over seeds)."""
+
+def summarise(per_seed: dict[int, dict[str, list[float]]], metric: str) -> dict[str, Any]:
+    """Mean of `metric` with a 95% percentile bootstrap CI over items (held-out tasks or
+    transitions; each item first averaged over seeds), plus a Student-t CI over seed means when
+    there are >= 2 seeds (`seed_ci`; wide for few seeds: t(0.975, 2) = 4.3).
+
+    `per_seed`: {seed: {metric: per-item values}}."""
+    items = item_means(per_seed, metric)
+    if not items:
+        return {"mean": None, "ci": None, "n": 0, "method": "no data", "seed_ci": None}
     seed_means = [statistics.fmean(v[metric]) for v in per_seed.values() if v[metric]]
-    if not seed_means:
-        return {"mean": None, "ci": None, "n": 0, "method": "no data"}
-    if len(seed_means) >= 2:
-        return {"mean": statistics.fmean(seed_means), "ci": t_interval(seed_means),
-                "n": len(seed_means), "method": "t over seeds"}
-    items = next(v[metric] for v in per_seed.values() if v[metric])
     return {"mean": statistics.fmean(items), "ci": bootstrap_ci(items), "n": len(items),
-            "method": "bootstrap over items"}
+            "method": f"bootstrap over items ({len(seed_means)} seed(s) averaged)",
+            "seed_ci": t_interval(seed_means) if len(seed_means) >= 2 else None, "seeds": len(seed_means)}
+
+
+def paired_difference(a: dict[int, dict[str, list[float]]], b: dict[int, dict[str, list[float]]],
+                      metric: str) -> dict[str, Any]:
+    """Mean of (a - b) over the same items (each averaged over its condition's seeds) with a 95%
+    percentile bootstrap CI over items; None when either side has no data."""
+    xa, xb = item_means(a, metric), item_means(b, metric)
+    if not xa or not xb:
+        return {"mean": None, "ci": None, "n": 0}
+    if len(xa) != len(xb):
+        raise BenchmarkError(f"paired difference over different item counts ({len(xa)} vs {len(xb)})")
+    d = [x - y for x, y in zip(xa, xb)]
+    return {"mean": statistics.fmean(d), "ci": bootstrap_ci(d), "n": len(d)}
 
 
 # -------------------------------------------------------------------------------- measurements
@@ -205,6 +240,59 @@ def measure(cfg, dataset: dict[str, Any], adapter_dir: str | None, held: list,
     return {"success": [r["success"] for r in res], "task_ids": [r["task_id"] for r in res],
             "terminations": [r["termination"] for r in res],
             "fidelity": [r["fidelity"] for r in fid], "json_validity": [r["json_valid"] for r in fid]}
+
+
+def warm_start(cfg, train: list, out: Path, sft_opts: dict[str, Any],
+               log: Callable[[str], None] = print) -> dict[str, Any]:
+    """One SFT warm start shared by every trained condition (same starting function for all).
+
+    `sft.sft_warmup` on the gold ACT turns of the train split (`sft.act_examples`, first
+    `rollout.max_turns` turns, final answer included) with `sft_opts` {"steps", "batch_rows",
+    "learning_rate", "seed"}; the LoRA is saved to ``out/warm_start/adapter`` and, copied into both
+    roles, to ``out/warm_start/per_role`` (act/ + rehearse/, the layout `train.init_adapter` reads
+    for `train.policy_per_role`). Reused when ``warm_start.json`` records the same options and
+    train ids (a re-run resumes). Returns {"adapter", "per_role", "losses", "examples", "seconds"}.
+
+    Raises BenchmarkError when the train split has no gold ACT turn."""
+    import shutil
+
+    import torch
+
+    from envace_core import sft, stages
+    from envace_core.storage import atomic_dir
+    from envace_core.trainer import PolicyTrainer
+
+    root = out / "warm_start"
+    meta_file, key = root / "warm_start.json", {"sft": sft_opts, "train_ids": sorted(t.id for t in train),
+                                                 "model": cfg.model.ref}
+    if meta_file.is_file():
+        meta = json.loads(meta_file.read_text())
+        if meta.get("key") == key and Path(meta["adapter"]).is_dir() and Path(meta["per_role"]).is_dir():
+            log(f"[learning] warm start reused from {root}")
+            return meta
+    t0 = time.perf_counter()
+    torch.manual_seed(sft_opts["seed"])
+    model, tok, _ = stages.load_policy(cfg)
+    trainer = PolicyTrainer(model, tok, cfg.train, compute_dtype=cfg.model.compute_dtype)
+    examples = sft.act_examples(train, tok, cfg.data.policy_max_chars, max_turns=cfg.rollout.max_turns,
+                                max_tokens=cfg.train.sft_max_tokens)
+    if not examples:
+        raise BenchmarkError("the train split has no gold ACT turn to warm up on")
+    losses = sft.sft_warmup(trainer, examples, sft_opts["steps"], sft_opts["learning_rate"],
+                            sft_opts["batch_rows"], seed=sft_opts["seed"])
+    adapter, per_role = root / "adapter", root / "per_role"
+    trainer.save_adapter(str(adapter))
+
+    def both_roles(tmp: Path) -> None:
+        for role in ("act", "rehearse"):
+            shutil.copytree(adapter, Path(tmp) / role)
+    atomic_dir(str(per_role), both_roles)
+    meta = {"key": key, "adapter": str(adapter), "per_role": str(per_role), "examples": len(examples),
+            "losses": [round(x, 4) for x in losses], "seconds": round(time.perf_counter() - t0, 1)}
+    meta_file.write_text(json.dumps(meta, indent=1))
+    log(f"[learning] warm start: {sft_opts['steps']} SFT steps on {len(examples)} gold ACT turns, loss "
+        f"{losses[0]:.3f} -> {losses[-1]:.3f}, {meta['seconds']:.0f}s")
+    return meta
 
 
 def train_to_budget(cfg, dataset: dict[str, Any], budget: int, max_iterations: int, eval_every: int,
@@ -294,21 +382,36 @@ def plot_curve(runs: dict[str, dict[int, dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def _fmt(s: dict[str, Any]) -> str:
-    if s["mean"] is None:
+def _fmt(s: dict[str, Any] | None, key: str = "ci") -> str:
+    if not s or s.get("mean") is None:
         return "—"
-    lo, hi = s["ci"]
-    return f"{s['mean']:.3f} [{lo:.3f}, {hi:.3f}]"
+    lo, hi = s[key] if s.get(key) else s["ci"]
+    return f"{s['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]" if key == "diff" else f"{s['mean']:.3f} [{lo:.3f}, {hi:.3f}]"
+
+
+def _seed_ci(s: dict[str, Any]) -> str:
+    return f"[{s['seed_ci'][0]:.3f}, {s['seed_ci'][1]:.3f}]" if s.get("seed_ci") else "—"
 
 
 def markdown(report: dict[str, Any]) -> str:
-    rows = [("| condition | held-out ACT success (95% CI) | CI method, n | REHEARSE fidelity (95% CI) | "
-            "CI method, n | JSON validity | iterations (per seed) | generated tokens (per seed) | "
-            "train frac_zero_std (mean) |"), "|---|---|---|---|---|---|---|---|---|"]
+    """Two tables: per condition (CIs over held-out items, seeds averaged; t over seeds), and the
+    paired differences against the warm start ("sft") and standard GRPO."""
+    rows = [("| condition | seeds | held-out ACT success (95% CI over tasks) | t-CI over seeds | "
+             "REHEARSE fidelity (95% CI over transitions) | t-CI over seeds | JSON validity | "
+             "iterations (per seed) | generated tokens (per seed) | train frac_zero_std (mean) |"),
+            "|---|---|---|---|---|---|---|---|---|---|"]
     for cond, s in report["summary"].items():
-        rows.append(f"| {cond} | {_fmt(s['success'])} | {s['success']['method']}, {s['success']['n']} | "
-                    f"{_fmt(s['fidelity'])} | {s['fidelity']['method']}, {s['fidelity']['n']} | "
-                    f"{_fmt(s['json_validity'])} | {s['iterations']} | {s['tokens']} | {s['frac_zero_std']} |")
+        rows.append(f"| {cond} | {s['success'].get('seeds', 1)} | {_fmt(s['success'])} (n={s['success']['n']}) | "
+                    f"{_seed_ci(s['success'])} | {_fmt(s['fidelity'])} (n={s['fidelity']['n']}) | "
+                    f"{_seed_ci(s['fidelity'])} | {_fmt(s['json_validity'])} | {s['iterations']} | "
+                    f"{s['tokens']} | {s['frac_zero_std']} |")
+    diffs = [(cond, k, v) for cond, s in report["summary"].items() for k, v in s.items() if "_vs_" in k]
+    if diffs:
+        rows += ["", "| condition | difference (same held-out items, 95% bootstrap CI) | mean [CI] | n |",
+                 "|---|---|---|---|"]
+        rows += [f"| {cond} | {k.replace('_vs_', ' − ')} | "
+                 f"{_fmt({**v, 'diff': v['ci']}, 'diff') if v['mean'] is not None else '—'} | {v['n']} |"
+                 for cond, k, v in diffs]
     return "\n".join(rows)
 
 
@@ -332,13 +435,22 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
     log(f"[learning] curriculum: {len(train)} train / {len(held)} held-out synthesized tasks "
         f"(levels {preset['levels']}), dataset {dataset['version']}")
     runs: dict[str, dict[int, dict]] = {}
+    warm = None
+    if preset.get("sft") and any(CONDITIONS[c] is not None for c in conditions):
+        warm = warm_start(load_config("cpu-smoke", over), train, out, preset["sft"], log)
     for cond in conditions:
-        for seed in ([preset["seeds"][0]] if CONDITIONS[cond] is None else preset["seeds"]):
-            cfg = load_config("cpu-smoke", _merge(over, {**(CONDITIONS[cond] or {}), "train": {
-                **(CONDITIONS[cond] or {}).get("train", {}), "seed": seed}}))
+        spec = CONDITIONS[cond]
+        trains = bool(spec)  # None: base model; {}: the warm start only; else GRPO on top of it
+        for seed in (preset["seeds"] if trains else [preset["seeds"][0]]):
+            extra: dict[str, Any] = {**(spec or {}), "train": {**(spec or {}).get("train", {}), "seed": seed}}
+            if warm and spec is not None:
+                per_role = extra["train"].get("policy_per_role", False)
+                extra["train"]["init_adapter"] = warm["per_role" if per_role else "adapter"]
+            cfg = load_config("cpu-smoke", _merge(over, extra))
             t1 = time.perf_counter()
-            if CONDITIONS[cond] is None:
-                r: dict[str, Any] = {"history": [], "tokens": 0, "iterations": 0, "adapter_dir": None}
+            if not trains:
+                r: dict[str, Any] = {"history": [], "tokens": 0, "iterations": 0,
+                                     "adapter_dir": warm["adapter"] if warm and spec is not None else None}
             else:
                 r = train_to_budget(cfg, dataset, preset["token_budget"], preset["max_iterations"],
                                     preset["eval_every"],
@@ -350,6 +462,7 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
                 f"held-out success {statistics.fmean(r['final']['success']):.3f}, fidelity "
                 f"{statistics.fmean(r['final']['fidelity'] or [0]):.3f}, {r['seconds']:.0f}s")
     report = {"preset": {k: v for k, v in preset.items() if k != "synthesize"}, "dataset": dataset,
+              "warm_start": warm,
               "held_out_ids": [t.id for t in held], "train_ids": [t.id for t in train],
               "summary": {}, "runs": runs, "wall_seconds": None}
     for cond, seeds in runs.items():
@@ -361,6 +474,9 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
             "iterations": [r["iterations"] for r in seeds.values()],
             "tokens": [r["tokens"] for r in seeds.values()],
             "frac_zero_std": round(statistics.fmean(zs), 3) if zs else "—",
+            **({f"{m}_vs_{ref}": paired_difference(finals, {k: v["final"] for k, v in runs[ref].items()}, m)
+                for m in ("success", "fidelity") for ref in ("sft", "standard_grpo")
+                if ref in runs and ref != cond}),
             "seconds_per_iteration": (statistics.fmean(h["seconds"] for h in hist) if hist else None)}
     report["wall_seconds"] = time.perf_counter() - t0
     out.mkdir(parents=True, exist_ok=True)

@@ -40,21 +40,36 @@ def test_confidence_intervals():
     assert 0.0 < blo < 0.5 < bhi < 1.0
     assert lb.bootstrap_ci([1.0, 1.0]) == (1.0, 1.0)
     seeds = lb.summarise({0: {"m": [1.0, 0.0]}, 1: {"m": [1.0, 1.0]}}, "m")
-    assert seeds["method"] == "t over seeds" and seeds["n"] == 2 and seeds["mean"] == 0.75
+    # items averaged over seeds ([1.0, 0.5]), bootstrap over the 2 items; t over the 2 seed means
+    assert seeds["n"] == 2 and seeds["mean"] == 0.75 and seeds["seeds"] == 2
+    assert seeds["ci"][0] >= 0.5 and seeds["ci"][1] <= 1.0 and seeds["seed_ci"][0] < 0.5 < 1.0 < seeds["seed_ci"][1]
     one = lb.summarise({0: {"m": [1.0, 0.0, 0.0, 1.0]}}, "m")
-    assert one["method"] == "bootstrap over items" and one["n"] == 4
+    assert one["method"].startswith("bootstrap over items") and one["n"] == 4 and one["seed_ci"] is None
+    with pytest.raises(lb.BenchmarkError, match="different numbers of items"):
+        lb.summarise({0: {"m": [1.0]}, 1: {"m": [1.0, 0.0]}}, "m")
+    d = lb.paired_difference({0: {"m": [1.0, 1.0, 0.0]}}, {0: {"m": [0.0, 1.0, 0.0]}}, "m")
+    assert d["n"] == 3 and d["mean"] == pytest.approx(1 / 3) and d["ci"][0] == 0.0 and d["ci"][1] == 1.0
+    assert lb.paired_difference({0: {"m": []}}, {0: {"m": [1.0]}}, "m")["mean"] is None
 
 
 def test_whole_run_with_tiny_model(tmp_path, tiny_model_dir):
     preset = {"seeds": [0], "levels": [1], "tasks_per_level": 3, "heldout_mod": 2, "domains": ["airline"],
+              "sft": {"steps": 1, "batch_rows": 1, "learning_rate": 1e-3, "seed": 0},
               "token_budget": 20, "max_iterations": 3, "eval_every": 0, "max_transitions": 2,
               "overrides": {"data": {"policy_max_chars": 200},
                             "rollout": {"group_size": 2, "tasks_per_iteration": 1, "max_turns": 1,
                                         "max_new_tokens_act": 8, "max_new_tokens_rehearse": 8},
                             "train": {"lr_scheduler": "constant", "micro_batch_rows": 8},
                             "eval": {"max_turns": 1}, "rehearsal": {"mode": "none"}}}
-    # one trained condition keeps this under a minute; the others differ only in config overrides
-    report = lb.run(preset, tmp_path, ["world_rehearsal"], model_ref=str(tiny_model_dir))
+    # one GRPO condition keeps this under a minute; the others differ only in config overrides
+    report = lb.run(preset, tmp_path, ["sft", "world_rehearsal"], model_ref=str(tiny_model_dir))
+    warm = report["warm_start"]
+    assert len(warm["losses"]) == 1 and warm["examples"] >= 1
+    assert report["runs"]["sft"][0]["adapter_dir"] == warm["adapter"]
+    for role in ("act", "rehearse"):  # the per-role copy holds the same adapter for both roles
+        assert (Path(warm["per_role"]) / role / "adapter_model.safetensors").read_bytes() == \
+            (Path(warm["adapter"]) / "adapter_model.safetensors").read_bytes()
+    assert json.loads((tmp_path / "warm_start" / "warm_start.json").read_text())["adapter"] == warm["adapter"]
     assert not set(report["held_out_ids"]) & set(report["train_ids"])
     for cond in ("world_rehearsal",):
         r = report["runs"][cond][0]
@@ -66,7 +81,9 @@ def test_whole_run_with_tiny_model(tmp_path, tiny_model_dir):
     final = report["runs"]["world_rehearsal"][0]["final"]
     assert len(final["success"]) == report["dataset"]["n_test"] and len(final["fidelity"]) >= 1
     s = report["summary"]["world_rehearsal"]["success"]
-    assert s["method"] == "bootstrap over items" and s["mean"] == statistics.fmean(final["success"])
+    assert s["method"].startswith("bootstrap over items") and s["mean"] == statistics.fmean(final["success"])
+    diff = report["summary"]["world_rehearsal"]["success_vs_sft"]
+    assert diff["n"] == len(final["success"])
     assert json.loads((tmp_path / "learning.json").read_text())["summary"].keys() == report["summary"].keys()
     assert (tmp_path / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert "| world_rehearsal |" in lb.markdown(report)
