@@ -803,7 +803,13 @@ def adaptation_config(cfg: RunConfig, parent: Any, domain: str, hidden: Sequence
     d["data"].update(domains=[domain], hidden_tools=list(hidden))
     d["rollout"].update(source="imagined")
     d["reward"].update(name="actions", replay_fidelity=False, fidelity_lambda=0.0)
-    d["train"].update(init_adapter=parent.adapter_dir, sft_warmup_steps=0, **_adapter_settings(parent.adapter_dir))
+    fixed = _adapter_settings(parent.adapter_dir)
+    for k, v in fixed.items():  # a continued adapter keeps its shape: say so instead of silently overriding
+        mine = d["train"].get(k)
+        if (sorted(mine) if k == "lora_target_modules" and mine else mine) != v:
+            print(f"[adapt] train.{k}={mine!r} from the config is replaced by the parent's {v!r} "
+                  f"(the adaptation continues {parent.ref}'s adapter, so its shape is fixed)")
+    d["train"].update(init_adapter=parent.adapter_dir, sft_warmup_steps=0, **fixed)
     d["store"].update(registry=registry, model_name=name)
     try:
         return RunConfig.model_validate(d)

@@ -153,7 +153,7 @@ def parent(tiny_model_dir, tmp_path):
     return root
 
 
-def test_adapt_registers_a_child_naming_tools_and_parent_then_measure(parent, tmp_path):
+def test_adapt_registers_a_child_naming_tools_and_parent_then_measure(parent, tmp_path, capsys):
     from envace_core import stages
     from envace_core.config import load_config
     from envace_core.eval_run import resolve_model_ref
@@ -175,6 +175,8 @@ def test_adapt_registers_a_child_naming_tools_and_parent_then_measure(parent, tm
     assert m["dataset"]["version"] == out["dataset"]["version"]
     assert m["config"]["train"]["init_adapter"].endswith("tiny/v1/artifacts/adapter")
     assert m["config"]["train"]["lora_r"] == 2 and m["config"]["reward"]["name"] == "actions"
+    if cfg.train.lora_r != 2:  # the config's r is replaced by the parent's, and the user is told
+        assert f"train.lora_r={cfg.train.lora_r} from the config is replaced by the parent's 2" in capsys.readouterr().out
     assert m["adaptation"]["hidden_tools"] == [TOOL] and m["adaptation"]["real_calls_to_new_tools"] == 0
     assert "artifacts/tools.json" in m["artifacts"] and "artifacts/examples.jsonl" in m["artifacts"]
     assert Registry(parent).verify("tiny", out["version"]) == []
