@@ -438,10 +438,20 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
     warm = None
     if preset.get("sft") and any(CONDITIONS[c] is not None for c in conditions):
         warm = warm_start(load_config("cpu-smoke", over), train, out, preset["sft"], log)
-    for cond in conditions:
-        spec = CONDITIONS[cond]
-        trains = bool(spec)  # None: base model; {}: the warm start only; else GRPO on top of it
-        for seed in (preset["seeds"] if trains else [preset["seeds"][0]]):
+    report_key = {"preset": {k: v for k, v in preset.items() if k not in ("synthesize", "seeds")},
+                  "dataset": dataset["version"], "warm_start": warm and warm["key"]}
+    done = _finished_runs(out, report_key)  # a killed benchmark resumes: finished (condition, seed) runs are kept
+    # seed-major: every condition of the first seed finishes before the next seed starts
+    for seed in preset["seeds"]:
+        for cond in conditions:
+            spec = CONDITIONS[cond]
+            trains = bool(spec)  # None: base model; {}: the warm start only; else GRPO on top of it
+            if not trains and seed != preset["seeds"][0]:
+                continue  # greedy evaluation of an untrained policy does not depend on the seed
+            if str(seed) in done.get(cond, {}):
+                runs.setdefault(cond, {})[seed] = done[cond][str(seed)]
+                log(f"[learning] {cond} seed {seed}: kept from the previous report")
+                continue
             extra: dict[str, Any] = {**(spec or {}), "train": {**(spec or {}).get("train", {}), "seed": seed}}
             if warm and spec is not None:
                 per_role = extra["train"].get("policy_per_role", False)
@@ -461,10 +471,37 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
             log(f"[learning] {cond} seed {seed}: {r['iterations']} iterations, {r['tokens']} tokens, "
                 f"held-out success {statistics.fmean(r['final']['success']):.3f}, fidelity "
                 f"{statistics.fmean(r['final']['fidelity'] or [0]):.3f}, {r['seconds']:.0f}s")
-    report = {"preset": {k: v for k, v in preset.items() if k != "synthesize"}, "dataset": dataset,
-              "warm_start": warm,
-              "held_out_ids": [t.id for t in held], "train_ids": [t.id for t in train],
-              "summary": {}, "runs": runs, "wall_seconds": None}
+            _write_report(out, _report(preset, dataset, warm, train, held, runs, report_key,
+                                       time.perf_counter() - t0, complete=False))
+    report = _report(preset, dataset, warm, train, held, runs, report_key, time.perf_counter() - t0, complete=True)
+    _write_report(out, report)
+    return report
+
+
+def _finished_runs(out: Path, key: dict[str, Any]) -> dict[str, dict[str, dict]]:
+    """Runs of an earlier report in `out` with the same preset, dataset and warm start ({} otherwise)."""
+    f = out / "learning.json"
+    if not f.is_file():
+        return {}
+    old = json.loads(f.read_text())
+    return old.get("runs", {}) if old.get("key") == json.loads(json.dumps(key, default=str)) else {}
+
+
+def _write_report(out: Path, report: dict[str, Any]) -> None:
+    """learning.json (atomically: temp file + rename) and learning_curve.png."""
+    out.mkdir(parents=True, exist_ok=True)
+    tmp = out / "learning.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, out / "learning.json")
+    plot_curve(report["runs"], out / "learning_curve.png")
+
+
+def _report(preset, dataset, warm, train, held, runs, key, wall: float, complete: bool) -> dict[str, Any]:
+    """The JSON-able report of the runs so far: summaries per condition and paired differences."""
+    report = {"key": key, "complete": complete,
+              "preset": {k: v for k, v in preset.items() if k != "synthesize"}, "dataset": dataset,
+              "warm_start": warm, "held_out_ids": [t.id for t in held], "train_ids": [t.id for t in train],
+              "summary": {}, "runs": runs, "wall_seconds": wall}
     for cond, seeds in runs.items():
         finals = {s: r["final"] for s, r in seeds.items()}
         hist = [h for r in seeds.values() for h in r["history"]]
@@ -478,10 +515,6 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
                 for m in ("success", "fidelity") for ref in ("sft", "standard_grpo")
                 if ref in runs and ref != cond}),
             "seconds_per_iteration": (statistics.fmean(h["seconds"] for h in hist) if hist else None)}
-    report["wall_seconds"] = time.perf_counter() - t0
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "learning.json").write_text(json.dumps(report, indent=1, default=str))
-    plot_curve(runs, out / "learning_curve.png")
     return report
 
 

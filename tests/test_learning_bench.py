@@ -87,3 +87,9 @@ def test_whole_run_with_tiny_model(tmp_path, tiny_model_dir):
     assert json.loads((tmp_path / "learning.json").read_text())["summary"].keys() == report["summary"].keys()
     assert (tmp_path / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert "| world_rehearsal |" in lb.markdown(report)
+    assert report["complete"] is True
+    # re-running the same command resumes: finished (condition, seed) runs are kept, not recomputed
+    lines: list[str] = []
+    again = lb.run(preset, tmp_path, ["sft", "world_rehearsal"], log=lines.append, model_ref=str(tiny_model_dir))
+    assert sum("kept from the previous report" in line for line in lines) == 2
+    assert again["summary"]["world_rehearsal"]["success"] == report["summary"]["world_rehearsal"]["success"]
