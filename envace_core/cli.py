@@ -222,9 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     h.add_argument("--max-turns", type=int, help="ACT turns (default: the profile's eval.max_turns)")
     e = sub.add_parser("eval", help="evaluate a model on benchmarks (tau2, BFCL, VitaBench, FinMCP) with their scorers")
     e.add_argument("--model", required=True, help="local HF folder, s3://..., bundled:smollm2-135m-instruct, "
-                   "or registry:NAME@VERSION (verified, then base model + adapter)")
+                   "registry:NAME@VERSION (verified, then base model + adapter), or a local LoRA adapter "
+                   "folder (over the profile's model.ref)")
     e.add_argument("--bench", required=True, help="comma-separated: tau2:DOMAIN, bfcl:CATEGORY, vita:PATH, finmcp:PATH")
-    e.add_argument("--rehearsal", default="none", help="none | parallel:N | sequential:N (tau2 and VitaBench)")
+    e.add_argument("--rehearsal", default="none", help="none | parallel:N | sequential:N (tau2, VitaBench and "
+                   "BFCL multi-turn; single-turn BFCL and FinMCP never rehearse)")
     e.add_argument("--out", default=".envace/eval", help="output folder (report, results, resume cache)")
     e.add_argument("--trials", type=int, default=1, help="k trials per task (pass^k)")
     e.add_argument("--split", default="test", choices=["test", "full"], help="tau2 split (full = every task)")

@@ -10,7 +10,10 @@ Benchmarks (METHOD.md §6), each run by its existing adapter with the benchmark'
   OpenAI-compatible URL. `split` "test" (default) or "full" (tau2's ``base`` split: every task; telecom's
   ``full``); mock has only ``base``.
 * ``bfcl:<category>``: `evaluation.bfcl.evaluate_bfcl` (bfcl-eval's data, AST / multi-turn checkers, BFCL's
-  weighting). No rehearsal (single generations scored by bfcl's checkers).
+  weighting). Multi-turn categories run entry by entry through `evaluation.bfcl.run_multi_turn`, with
+  Private Rehearsal as for tau2 (a rehearsal round at the start of every user turn, every step with
+  ``rehearsal.reenter``; memory in the committed prompt); single-turn categories never rehearse (one
+  generation per entry, nothing to imagine).
 * ``vita:<path>``: VitaBench task files at `path` (`evaluation.vita.load_vitabench`); the agent commits one
   execution against `VitaEnvironment` from the opening request (no simulated follow-up turns), with
   Private Rehearsal as for tau2, and the official sliding-window rubric loop (`vita.judge_reward`) is
@@ -18,11 +21,15 @@ Benchmarks (METHOD.md §6), each run by its existing adapter with the benchmark'
   VitaBench's official ones (see `evaluation/vita.py`), so numbers are not comparable to published ones.
 * ``finmcp:<path>``: `evaluation.finmcp.evaluate_finmcp` (TF1 and tool precision over tool names).
 
+Models (`resolve_model_ref`): ``bundled:…``, a local HF folder, ``s3://…``, ``registry:NAME@VERSION``, or a
+local LoRA adapter folder (``adapter_config.json``, or per-role ``act/`` + ``rehearse/``, and no
+``config.json``), loaded over the profile's ``model.ref``.
+
 Resume: finished work is cached under ``<out>/cache/<fingerprint>/`` (fingerprint = sha256 of the settings
-that change results: model, rehearsal, user, judge, sampling; NOT `limit`/`trials`/`split`, which only
-select work): tau2 and VitaBench per (task, trial) as JSONL lines, BFCL per category (and limit), FinMCP
-per sample. Repeating the command recomputes nothing finished; `results["work"]` counts what ran and
-what came from the cache.
+that change results: model (a local adapter's file checksums too), rehearsal, user, judge, sampling; NOT
+`limit`/`trials`/`split`, which only select work): tau2 and VitaBench per (task, trial) as JSONL lines, BFCL
+multi-turn per entry, other BFCL categories per category (and limit), FinMCP per sample. Repeating the
+command recomputes nothing finished; `results["work"]` counts what ran and what came from the cache.
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ BENCHES = ("tau2", "bfcl", "vita", "finmcp")
 TAU2_DOMAINS = ("airline", "retail", "telecom", "mock")
 SPLITS = ("test", "full")
 REHEARSAL_MODES = ("none", "parallel", "sequential")
+REHEARSAL_APPLIES_TO = "tau2, VitaBench and BFCL multi-turn; single-turn BFCL and FinMCP never rehearse"
 
 
 class BenchSpecError(EnvaceError):
@@ -136,18 +144,34 @@ class ResolvedModel:
     def label(self) -> str:
         if self.manifest is not None:
             return f"{self.ref} (base {self.base_ref} + LoRA adapter)"
+        if self.adapter_dir is not None:
+            return f"{self.ref} (LoRA adapter over {self.base_ref})"
         return self.ref
 
 
-def resolve_model_ref(ref: str, registry_root: str) -> ResolvedModel:
+def is_adapter_dir(path: Path) -> bool:
+    """A LoRA adapter folder (``adapter_config.json``, or per-role ``act/`` and ``rehearse/`` ones) that
+    is not a full model (no ``config.json``)."""
+    if not path.is_dir() or (path / "config.json").is_file():
+        return False
+    per_role = all((path / r / "adapter_config.json").is_file() for r in ("act", "rehearse"))
+    return (path / "adapter_config.json").is_file() or per_role
+
+
+def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smollm2-135m-instruct") -> ResolvedModel:
     """A local path, ``s3://…``, ``bundled:…`` or ``registry:NAME@VERSION`` as a `ResolvedModel`.
 
     A registry model is verified first (`lineage.Registry.verify`: every artifact's sha256, and the manifest
     signature when $ENVACE_REGISTRY_HMAC_KEY is set); its base model is the manifest's ``base_model.ref`` and
     its adapter ``artifacts/adapter``. Raises `ModelRefError` (unregistered, tampered, no adapter).
-    Other forms are checked when loaded (`models.resolve_model`).
+    A local LoRA adapter folder (`is_adapter_dir`) is loaded over `base_ref` (`run_eval` passes the
+    profile's ``model.ref``); peft refuses a base whose shapes do not fit. Other forms are checked when
+    loaded (`models.resolve_model`).
     """
     if not ref.startswith("registry:"):
+        local = Path(ref).expanduser()
+        if "://" not in ref and not ref.startswith("bundled:") and is_adapter_dir(local):
+            return ResolvedModel(ref=ref, base_ref=base_ref, adapter_dir=str(local.resolve()))
         return ResolvedModel(ref=ref, base_ref=ref)
     from envace_core.lineage import Registry, RegistryError
 
@@ -236,6 +260,11 @@ def fingerprint(opts: EvalOptions, cfg: RunConfig, model: ResolvedModel) -> str:
     """sha256 (16 hex) of the settings that change results (module docstring)."""
     keep = {k: v for k, v in asdict(opts).items() if k not in ("benches", "out", "limit", "trials", "split")}
     keep["model_version"] = (model.manifest or {}).get("version")
+    if model.adapter_dir and model.manifest is None:  # a local adapter folder: its content, not its path
+        from envace_core.storage import dir_checksums
+
+        keep["adapter_sha256"] = hashlib.sha256(json.dumps(dir_checksums(model.adapter_dir),
+                                                           sort_keys=True).encode()).hexdigest()
     keep["config"] = {k: cfg.to_dict()[k] for k in ("model", "data", "rollout", "rehearsal", "eval")}
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
@@ -410,12 +439,54 @@ def _bfcl_report(categories: dict, limit: int | None):
     return rep
 
 
+def _bfcl_multi_turn(ctx: _Ctx, cat: str):
+    """A multi-turn category's first `limit` entries through `run_multi_turn`, with Private Rehearsal when
+    ``--rehearsal`` asks for it; each scored entry is appended to ``bfcl_<cat>.jsonl`` at once, so a rerun
+    plays only the entries not there yet."""
+    from envace_core.evaluation.bfcl import (
+        CategoryResult,
+        EntryResult,
+        _tally,
+        load_bfcl,
+        run_multi_turn,
+        sampling_params,
+    )
+
+    entries = load_bfcl(cat, ctx.opts.limit)
+    path = ctx.cache / f"bfcl_{cat}.jsonl"
+    have = {r["id"]: EntryResult.model_validate(r) for r in _read_jsonl(path)}
+    todo = [e for e in entries if e.id not in have]
+    if todo:
+        print(f"[eval] bfcl:{cat} ({len(todo)} entries; rehearsal {ctx.opts.rehearsal}) ...", flush=True)
+
+        def keep(r: EntryResult) -> None:
+            _append_jsonl(path, r.model_dump(mode="json"))
+            have[r.id] = r
+
+        c = ctx.cfg
+        run_multi_turn(ctx.engine, todo, sampling_params(ctx.engine, c.rollout.max_new_tokens_act,
+                                                         c.eval.temperature, ctx.opts.seed),
+                       batch_size=4, rehearsal=ctx.rehearsal_agent("bfcl"), on_entry=keep)
+    ctx.count(f"bfcl:{cat}", len(todo), len(entries) - len(todo))
+    return _tally(CategoryResult(category=cat, entries=[have[e.id] for e in entries]))
+
+
 def run_bfcl_benches(ctx: _Ctx, categories: list[str]) -> dict:
-    """BFCL categories through `evaluate_bfcl`, cached per (category, limit); one report with bfcl's overall."""
-    from envace_core.evaluation.bfcl import CategoryResult, evaluate_bfcl
+    """BFCL categories through `evaluate_bfcl` (cached per (category, limit)) or, multi-turn ones,
+    `_bfcl_multi_turn` (cached per entry); one report with bfcl's overall."""
+    from envace_core.evaluation.bfcl import (
+        MULTI_TURN_CATEGORIES,
+        CategoryResult,
+        evaluate_bfcl,
+    )
 
     done: dict[str, Any] = {}
     for cat in categories:
+        if cat in MULTI_TURN_CATEGORIES:
+            done[cat] = _bfcl_multi_turn(ctx, cat)
+            print(f"[eval] bfcl:{cat}: accuracy {done[cat].accuracy:.3f} over {done[cat].n} "
+                  f"({done[cat].decode_errors} with decode errors)", flush=True)
+            continue
         path = ctx.cache / f"bfcl_{cat}_limit-{ctx.opts.limit or 'all'}.json"
         if path.is_file():
             done[cat] = CategoryResult.model_validate_json(path.read_text())
@@ -450,7 +521,13 @@ def _vita_messages(task, traj) -> list[dict]:
 
 def run_vita_bench(ctx: _Ctx, path: str) -> dict:
     """VitaBench tasks at `path` (module docstring), cached per (task, trial); `vita_metrics` over them."""
-    from envace_core.evaluation.vita import VitaEnvironment, judge_reward, load_vitabench, vita_context, vita_metrics
+    from envace_core.evaluation.vita import (
+        VitaEnvironment,
+        judge_reward,
+        load_vitabench,
+        vita_context,
+        vita_metrics,
+    )
 
     tasks = load_vitabench(path)[: ctx.opts.limit]
     cache = ctx.cache / f"vita_{_path_key(path)}.jsonl"
@@ -533,7 +610,8 @@ def _user(opts: EvalOptions, cfg: RunConfig, engine):
         return None, OpenAIChatClient(opts.user_url, opts.user_url_model), \
             f"OpenAI-compatible endpoint {opts.user_url} (model {opts.user_url_model})"
     if opts.user_model:
-        user_engine, n = load_engine(cfg, resolve_model_ref(opts.user_model, opts.registry or cfg.store.registry))
+        ref = resolve_model_ref(opts.user_model, opts.registry or cfg.store.registry, base_ref=cfg.model.ref)
+        user_engine, n = load_engine(cfg, ref)
         return user_engine, None, f"{opts.user_model} ({n / 1e6:.0f}M parameters) through our engine"
     return engine, None, "the evaluated policy itself (its own engine)"
 
@@ -544,7 +622,8 @@ def _judge(opts: EvalOptions, cfg: RunConfig, user_engine, user_client, user_des
     if opts.judge_url:
         return LLMJudge(client=OpenAIChatClient(opts.judge_url, opts.user_url_model)), f"endpoint {opts.judge_url}"
     if opts.judge_model:
-        eng, _ = load_engine(cfg, resolve_model_ref(opts.judge_model, opts.registry or cfg.store.registry))
+        ref = resolve_model_ref(opts.judge_model, opts.registry or cfg.store.registry, base_ref=cfg.model.ref)
+        eng, _ = load_engine(cfg, ref)
         return LLMJudge(engine=eng), opts.judge_model
     return LLMJudge(engine=user_engine, client=user_client), f"the user simulator ({user_desc})"
 
@@ -560,7 +639,7 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
     specs = parse_benches(opts.benches)
     mode, n = parse_rehearsal(opts.rehearsal)
     cfg = load_config(opts.profile, opts.overrides)
-    model = resolve_model_ref(opts.model, opts.registry or cfg.store.registry)
+    model = resolve_model_ref(opts.model, opts.registry or cfg.store.registry, base_ref=cfg.model.ref)
     fp = fingerprint(opts, cfg, model)
     cache = Path(opts.out).expanduser() / "cache" / fp
     t0 = time.perf_counter()
@@ -589,12 +668,14 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
     return {
         "model": {"ref": model.ref, "base": model.base_ref, "adapter": model.adapter_dir, "label": model.label,
                   "n_params": n_params, "registry_version": (model.manifest or {}).get("version")},
-        "settings": {"benches": [s.label for s in specs], "rehearsal": {"mode": mode, "n": n},
+        "settings": {"benches": [s.label for s in specs],
+                     "rehearsal": {"mode": mode, "n": n, "applies_to": REHEARSAL_APPLIES_TO},
                      "trials": opts.trials, "split": opts.split, "limit": opts.limit, "max_steps": opts.max_steps,
                      "seed": opts.seed, "profile": opts.profile, "overrides": opts.overrides},
         "user_simulator": user_desc, "judge": judge_desc, "fingerprint": fp, "cache": str(cache),
         "protocol": {"tau2": "tau2 Orchestrator + evaluate_simulation; NL assertions skipped (no judge offline)",
-                     "bfcl": "bfcl-eval AST / multi-turn checkers; no rehearsal",
+                     "bfcl": "bfcl-eval AST / multi-turn checkers; Private Rehearsal (as --rehearsal) in "
+                             "multi-turn categories only, single-turn categories never rehearse",
                      "vita": "opening request only, generated read-only tools (not the official ones), "
                              "rubric judge as configured",
                      "finmcp": "gold history up to each user turn; tool-name TF1 / precision; no rehearsal"},

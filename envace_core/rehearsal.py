@@ -92,6 +92,17 @@ def summarise(traj: Trajectory, k: int) -> str:
     return "\n".join(lines)
 
 
+def isolated(env: ToolEnvironment, fn: Callable[[], T]) -> T:
+    """`fn()` (a rehearsal round), checked: raises `IsolationError` if `env`'s real-call counter
+    (`calls_made`) or state hash (`snapshot()`) changed while it ran (METHOD.md §4, isolation)."""
+    before = (env.calls_made, env.snapshot())
+    out = fn()
+    after = (env.calls_made, env.snapshot())
+    if before != after:
+        raise IsolationError(f"rehearsal changed the real environment: {before} -> {after}")
+    return out
+
+
 class RehearsalAgent:
     """An agent that rehearses privately before acting for real (METHOD.md §4).
 
@@ -210,15 +221,6 @@ class RehearsalAgent:
         return out
 
     # ---------------------------------------------------------------------------------- execution
-    @staticmethod
-    def _isolated(env: ToolEnvironment, fn: Callable[[], T]) -> T:
-        before = (env.calls_made, env.snapshot())
-        out = fn()
-        after = (env.calls_made, env.snapshot())
-        if before != after:
-            raise IsolationError(f"rehearsal changed the real environment: {before} -> {after}")
-        return out
-
     def run(self, ctx: TaskContext, env: ToolEnvironment) -> RehearsalResult:
         """Rehearse, then commit one real execution in `env` (already reset to the task).
 
@@ -227,7 +229,7 @@ class RehearsalAgent:
         """
         iso = {"real_calls_during_rehearsal": 0, "db_hash_unchanged": True}  # else IsolationError
         if not self.reenter or self.mode == "none":
-            rnd = self._isolated(env, lambda: self.rehearse_round(ctx))
+            rnd = isolated(env, lambda: self.rehearse_round(ctx))
             committed = real_rollout(self.engine, ctx, env, self.act, seed=self.seed, memory=rnd.memory or None)
             return RehearsalResult(committed, rnd.rehearsals, rnd.memory, iso, rnd.rejected, [rnd])
         # Re-entry: real_rollout's loop, with a rehearsal round from the real history before each ACT step.
@@ -235,7 +237,7 @@ class RehearsalAgent:
         history = [Message(role="user", content=ctx.first_user_message)]
         seeds, rounds = _Seeds(self.seed), []
         for turn in range(self.act.max_turns):
-            rnd = self._isolated(env, lambda t=turn: self.rehearse_round(ctx, history, traj.steps, t))
+            rnd = isolated(env, lambda t=turn: self.rehearse_round(ctx, history, traj.steps, t))
             rounds.append(rnd)
             if not _act_turn(self.engine, ctx, [traj], [history], self.act, seeds, rnd.memory or None,
                              first=False):

@@ -11,6 +11,12 @@
   ast_checker.py); irrelevance / relevance with bfcl's rule from `_evaluate_single_relevance_entry`
   (eval_runner.py: no decodable non-empty call = irrelevance correct); multi-turn with bfcl's own tool
   classes (`envs.bfcl.BfclMultiTurnEnv`) and `multi_turn_checker`.
+* Private Rehearsal (METHOD.md §4), multi-turn categories only: with a `rehearsal.RehearsalAgent`, each
+  user turn (with `reenter`: each step) starts with a rehearsal round in imagination from the real history
+  (REHEARSE imagines the tool outputs; the round gets a `TaskContext`, never the `BfclMultiTurnEnv`, and
+  `rehearsal.isolated` checks the env's call counter and state hash around it); the round's memory joins
+  the committed prompt's system message as "# Notes from rehearsal", as in `roles.act_messages`.
+  Single-turn categories never rehearse (one generation, no environment to imagine).
 * Overall: bfcl's `generate_leaderboard_csv` (bfcl_eval/eval_checker/eval_runner_helper.py) composition,
   computed with bfcl's own `calculate_weighted_accuracy` / `calculate_unweighted_accuracy` /
   `calculate_percentage_weighted_accuracy` (see `overall_scores`).
@@ -31,6 +37,7 @@ from typing import Any
 from pydantic import BaseModel, Field
 
 from envace_core import EnvaceError
+from envace_core import rehearsal as rehearsal_mod
 from envace_core.engines.base import SamplingParams
 from envace_core.envs.bfcl import (
     BFCL_MODEL_NAME,
@@ -45,7 +52,7 @@ from envace_core.roles import (
     render_tool,
     template_supports_tools,
 )
-from envace_core.types import Task, ToolCall, ToolSpec
+from envace_core.types import Message, Step, Task, TaskContext, ToolCall, ToolSpec
 
 # ------------------------------------------------------------------------------------- categories
 AST_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple",
@@ -356,23 +363,27 @@ _CALL_FORMAT = (
 )
 
 
-def bfcl_system_prompt(tools: list[ToolSpec], multi_turn: bool, native_tools: bool = False) -> str:
+def bfcl_system_prompt(tools: list[ToolSpec], multi_turn: bool, native_tools: bool = False,
+                       memory: str | None = None) -> str:
     """The system prompt: bfcl's classic persona and task text (`PROMPT_STYLE_TEMPLATES["classic"]`),
     its multi-turn behaviour line for multi-turn entries, then (unless the chat template renders tools
-    itself) the tools as `roles.render_tool` text and our `<tool_call>` format."""
+    itself) the tools as `roles.render_tool` text and our `<tool_call>` format, then the rehearsal
+    `memory` under "# Notes from rehearsal" when given (the section `roles.act_messages` ends with)."""
     tpl = import_bfcl().PROMPT_STYLE_TEMPLATES["classic"]
     parts = [f"{tpl['persona']} {tpl['task']}"]
     if multi_turn:
         parts.append(tpl["multiturn_behavior"])
     if not native_tools:
         parts.append("# Tools\n" + "\n".join(render_tool(t) for t in tools) + "\n\n" + _CALL_FORMAT)
+    if memory and memory.strip():
+        parts.append(f"# Notes from rehearsal\n{memory.strip()}")
     return "\n\n".join(parts)
 
 
 def bfcl_messages(tools: list[ToolSpec], history: list[dict], multi_turn: bool,
-                  native_tools: bool = False) -> list[dict]:
+                  native_tools: bool = False, memory: str | None = None) -> list[dict]:
     """Chat messages: our system prompt (an entry's own system message appended to it), then `history`."""
-    system = bfcl_system_prompt(tools, multi_turn, native_tools)
+    system = bfcl_system_prompt(tools, multi_turn, native_tools, memory)
     rest = []
     for m in history:
         if m.get("role") == "system":
@@ -382,12 +393,13 @@ def bfcl_messages(tools: list[ToolSpec], history: list[dict], multi_turn: bool,
     return [{"role": "system", "content": system}, *rest]
 
 
-def bfcl_prompt_ids(tokenizer, tools: list[ToolSpec], history: list[dict], multi_turn: bool) -> list[int]:
+def bfcl_prompt_ids(tokenizer, tools: list[ToolSpec], history: list[dict], multi_turn: bool,
+                    memory: str | None = None) -> list[int]:
     """Token ids of `bfcl_messages` with the generation prompt; native tool templates get `tools=`."""
     native = template_supports_tools(tokenizer)
     kw = {"tools": [compact_openai_schema(t) for t in tools]} if native else {}
-    ids = tokenizer.apply_chat_template(bfcl_messages(tools, history, multi_turn, native), add_generation_prompt=True,
-                                        tokenize=True, return_dict=False, **kw)
+    ids = tokenizer.apply_chat_template(bfcl_messages(tools, history, multi_turn, native, memory),
+                                        add_generation_prompt=True, tokenize=True, return_dict=False, **kw)
     return [int(i) for i in ids]
 
 
@@ -405,6 +417,10 @@ class EntryResult(BaseModel):
     decode_reasons: list[str] = Field(default_factory=list)
     output: str = ""  # the model's raw text (single-turn), truncated
     calls: Any = None  # the decoded calls (single-turn) or per-turn call strings (multi-turn)
+    truncated: int = 0  # generations that hit max_new_tokens
+    # multi-turn with Private Rehearsal only: mode, n, reenter, rounds, rehearsals, rejected, memory_chars (last
+    # round), real_calls_during_rehearsal (always 0: anything else raises IsolationError)
+    rehearsal: dict[str, Any] | None = None
 
 
 class CategoryResult(BaseModel):
@@ -594,8 +610,8 @@ def _run_single_turn(engine, entries: list[BfclEntry], params: SamplingParams, b
         res.entries.append(EntryResult(
             id=e.id, valid=verdict["valid"], outcome=outcome, error_type=verdict["error_type"],
             error="; ".join(verdict["error"])[:500], decode_errors=1 if reason else 0,
-            decode_reasons=[reason] if reason else [], output=text[:keep_output_chars], calls=calls))
-        res.truncated += finish == "length"
+            decode_reasons=[reason] if reason else [], output=text[:keep_output_chars], calls=calls,
+            truncated=int(finish == "length")))
     return _tally(res)
 
 
@@ -608,6 +624,7 @@ def _tally(res: CategoryResult) -> CategoryResult:
     res.wrong = sum(r.outcome == "wrong" for r in res.entries)
     res.no_call = sum(r.outcome == "no_call" for r in res.entries)
     res.force_terminated = sum(r.outcome == "force_terminated" for r in res.entries)
+    res.truncated = sum(r.truncated for r in res.entries)
     for r in res.entries:
         if not r.valid and r.error_type:
             res.error_types[r.error_type] = res.error_types.get(r.error_type, 0) + 1
@@ -623,14 +640,27 @@ class _Episode:
     holdout turn, bfcl's "additional functions" message, and the revealed tools join the prompt); then
     steps: generate, decode, stop the turn on no call or a decode error, otherwise execute the calls and
     add their results; more than `max_steps` steps in one turn force-terminates the entry.
+
+    With `rehearsal` (mode other than "none"), `rehearse` runs a rehearsal round before the turn's first
+    step (every step with `rehearsal.reenter`); its memory enters every prompt until the next round.
+    The round sees `messages` (the real history as our `Message`s, one assistant message per executed
+    call followed by its result), the current turn's real `Step`s as its prefix, and a `TaskContext`
+    whose `first_user_message` is the current turn's request (what SELF-EVAL judges the rehearsal by).
     """
 
-    def __init__(self, entry: BfclEntry, max_steps: int):
+    def __init__(self, entry: BfclEntry, max_steps: int, rehearsal: rehearsal_mod.RehearsalAgent | None = None):
         self.entry, self.max_steps = entry, max_steps
+        self.rehearsal = rehearsal if rehearsal is not None and rehearsal.mode != "none" else None
         self.env = BfclMultiTurnEnv()
         self.task = bfcl_task(entry)
         self.env.reset(self.task)
         self.history: list[dict] = []
+        self.messages: list[Message] = []  # the same history for rehearsal (module docstring)
+        self.turn_steps: list[Step] = []
+        self.request = ""
+        self.memory = ""
+        self.due = False  # a rehearsal round is due before the next step
+        self.stats: dict[str, int] = {"rounds": 0, "rehearsals": 0, "rejected": 0}
         self.turn = -1
         self.count = 0
         self.done = False
@@ -651,9 +681,33 @@ class _Episode:
             tpl = import_bfcl().DEFAULT_USER_PROMPT_FOR_ADDITIONAL_FUNCTION_PROMPTING
             msgs = [{"role": "user", "content": tpl.format(functions=json.dumps(revealed, ensure_ascii=False))}]
         self.history += msgs
+        users = [str(m["content"]) for m in msgs if m["role"] == "user"]
+        self.messages += [Message(role="user", content=u) for u in users]
+        self.request = "\n".join(users) or self.request
+        self.turn_steps = []
+        self.due = True
+
+    def context(self) -> TaskContext:
+        """What a rehearsal may see: the tools visible now, bfcl's policy line, the current request."""
+        return TaskContext(task_id=self.task.id, domain="bfcl", policy=self.env.policy(), tools=self.env.tools(),
+                           first_user_message=self.request)
+
+    def rehearse(self) -> None:
+        """One rehearsal round in imagination if one is due (class docstring); raises
+        `rehearsal.IsolationError` if the real env's call counter or state hash changed during it."""
+        agent = self.rehearsal
+        if agent is None or self.done or not (self.due or agent.reenter):
+            return
+        self.due = False
+        ctx, history, prefix, k = self.context(), list(self.messages), list(self.turn_steps), self.stats["rounds"]
+        rnd = rehearsal_mod.isolated(self.env, lambda: agent.rehearse_round(ctx, history, prefix, k))
+        self.memory = rnd.memory
+        self.stats["rounds"] += 1
+        self.stats["rehearsals"] += len(rnd.rehearsals)
+        self.stats["rejected"] += len(rnd.rejected)
 
     def prompt_ids(self, tokenizer) -> list[int]:
-        return bfcl_prompt_ids(tokenizer, self.env.tools(), self.history, multi_turn=True)
+        return bfcl_prompt_ids(tokenizer, self.env.tools(), self.history, multi_turn=True, memory=self.memory or None)
 
     def advance(self, text: str, finish: str) -> None:
         self.truncated += finish == "length"
@@ -664,11 +718,18 @@ class _Episode:
             self.decode_reasons.append(err.reason)
             calls = []
         if not calls:
+            if text.strip():
+                self.messages.append(Message(role="assistant", content=text.strip()))
             self._next_turn()
             return
-        tool_calls = [ToolCall(name=name, arguments=args) for c in calls for name, args in c.items()]
-        for obs in self.env.step_calls(tool_calls):
+        pairs = [(name, args) for c in calls for name, args in c.items()]
+        tool_calls = [ToolCall(name=name, arguments=args, id=f"call_{self.turn}_{self.count}_{i}")
+                      for i, (name, args) in enumerate(pairs)]
+        for call, obs in zip(tool_calls, self.env.step_calls(tool_calls)):
             self.history.append({"role": "tool", "content": obs.content})
+            self.messages += [Message(role="assistant", tool_call=call),
+                              Message(role="tool", content=obs.content, error=obs.error)]
+            self.turn_steps.append(Step(action=call, observation=obs, real_observation=obs))
         self.count += 1
         if self.count > self.max_steps:
             self.force_terminated = True
@@ -681,23 +742,39 @@ class _Episode:
             self.env.close()
         valid = bool(r.get("valid"))
         outcome = "correct" if valid else ("force_terminated" if self.force_terminated else "wrong")
+        reh = None
+        if self.rehearsal is not None:
+            reh = {"mode": self.rehearsal.mode, "n": self.rehearsal.n, "reenter": self.rehearsal.reenter,
+                   **self.stats, "memory_chars": len(self.memory), "real_calls_during_rehearsal": 0}
         return EntryResult(id=self.entry.id, valid=valid, outcome=outcome,
                            error_type="" if valid else str(r.get("error_type", "")),
                            error="" if valid else str(r.get("error_message", ""))[:500],
                            decode_errors=len(self.decode_reasons), decode_reasons=self.decode_reasons,
-                           calls=self.env.turn_calls)
+                           calls=self.env.turn_calls, truncated=self.truncated, rehearsal=reh)
 
 
-def _run_multi_turn(engine, entries: list[BfclEntry], params: SamplingParams, batch_size: int,
-                    max_steps: int) -> CategoryResult:
+def run_multi_turn(engine, entries: list[BfclEntry], params: SamplingParams, batch_size: int = 4,
+                   max_steps: int | None = None, rehearsal: rehearsal_mod.RehearsalAgent | None = None,
+                   on_entry: Callable[[EntryResult], None] | None = None) -> CategoryResult:
+    """Play multi-turn `entries` (one category) with bfcl's loop and score each with bfcl's checker.
+
+    Up to `batch_size` episodes advance in lockstep (one batched generation per step); `max_steps` per
+    user turn (default bfcl's `MAXIMUM_STEP_LIMIT`). `rehearsal`: Private Rehearsal per `_Episode`
+    (rounds run one episode at a time, before the batched step). `on_entry` is called with each entry's
+    result as soon as it is scored (per-entry resume caches). Entries are reported in input order.
+    Raises `rehearsal.IsolationError` if a rehearsal round touched a real environment.
+    """
     tok = engine.tokenizer
+    steps = import_bfcl().MAXIMUM_STEP_LIMIT if max_steps is None else int(max_steps)
     res = CategoryResult(category=entries[0].category if entries else "")
     pending = list(entries)
     active: list[_Episode] = []
     while pending or active:
         while pending and len(active) < max(1, batch_size):
-            active.append(_Episode(pending.pop(0), max_steps))
+            active.append(_Episode(pending.pop(0), steps, rehearsal))
         live = [ep for ep in active if not ep.done]
+        for ep in live:
+            ep.rehearse()
         if live:
             outs = _generate(engine, [ep.prompt_ids(tok) for ep in live], params, batch_size)
             for ep, (text, finish) in zip(live, outs):
@@ -705,38 +782,46 @@ def _run_multi_turn(engine, entries: list[BfclEntry], params: SamplingParams, ba
         for ep in [ep for ep in active if ep.done]:
             active.remove(ep)
             res.entries.append(ep.result())
-            res.truncated += ep.truncated
+            if on_entry is not None:
+                on_entry(res.entries[-1])
     order = {e.id: i for i, e in enumerate(entries)}
     res.entries.sort(key=lambda r: order[r.id])
     return _tally(res)
 
 
+def sampling_params(engine, max_new_tokens: int = 512, temperature: float = 0.0, seed: int = 0) -> SamplingParams:
+    """`evaluate_bfcl`'s sampling: `temperature` (0 = greedy), `max_new_tokens`, `seed`; the tokenizer's
+    eos stops."""
+    eos = getattr(engine.tokenizer, "eos_token_id", None)
+    return SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=1, seed=seed,
+                          stop_token_ids=(int(eos),) if eos is not None else ())
+
+
 def evaluate_bfcl(engine, categories: Sequence[str], limit_per_category: int | None = None, *,
                   max_new_tokens: int = 512, temperature: float = 0.0, seed: int = 0, batch_size: int = 8,
                   max_steps: int | None = None, keep_output_chars: int = 2000,
-                  progress: Callable[[str, CategoryResult], None] | None = None) -> BfclReport:
+                  progress: Callable[[str, CategoryResult], None] | None = None,
+                  rehearsal: rehearsal_mod.RehearsalAgent | None = None) -> BfclReport:
     """Run our policy (`engine`, the `Engine` protocol) on BFCL categories and score them with bfcl.
 
     Single-turn categories: one generation per entry (batched by `batch_size`), `decode_calls`, then
-    `score_single_turn`. Multi-turn categories: `_Episode` per entry (bfcl's inference loop on
-    `BfclMultiTurnEnv`, at most `max_steps` steps per turn, default bfcl's `MAXIMUM_STEP_LIMIT` = 20),
-    episodes batched in lockstep, then bfcl's `multi_turn_checker` via `check_multi_turn`.
-    Sampling: `temperature` (0 = greedy), `max_new_tokens`, `seed`; the tokenizer's eos stops.
+    `score_single_turn`; never rehearsed. Multi-turn categories: `run_multi_turn` (an `_Episode` per
+    entry: bfcl's inference loop on `BfclMultiTurnEnv`, at most `max_steps` steps per turn, default bfcl's
+    `MAXIMUM_STEP_LIMIT` = 20; episodes batched in lockstep; Private Rehearsal with `rehearsal`), then
+    bfcl's `multi_turn_checker` via `check_multi_turn`.
+    Sampling (`sampling_params`): `temperature` (0 = greedy), `max_new_tokens`, `seed`; eos stops.
 
     Returns a `BfclReport`: per category accuracy, decode errors (separately), error types; bfcl's groups;
-    `overall` in bfcl's weighting (`overall_scores`). Raises `UnsupportedCategory` for a category not run.
+    `overall` in bfcl's weighting (`overall_scores`). Raises `UnsupportedCategory` for a category not run,
+    `rehearsal.IsolationError` if a rehearsal round touched a real environment.
     """
     cats = [resolve_category(c) for c in categories]
-    b = import_bfcl()
-    steps = b.MAXIMUM_STEP_LIMIT if max_steps is None else int(max_steps)
-    eos = getattr(engine.tokenizer, "eos_token_id", None)
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, n=1, seed=seed,
-                            stop_token_ids=(int(eos),) if eos is not None else ())
+    params = sampling_params(engine, max_new_tokens, temperature, seed)
     report = BfclReport(limit_per_category=limit_per_category)
     for cat in dict.fromkeys(cats):
         entries = load_bfcl(cat, limit_per_category)
         if cat in MULTI_TURN_CATEGORIES:
-            res = _run_multi_turn(engine, entries, params, batch_size, steps)
+            res = run_multi_turn(engine, entries, params, batch_size, max_steps, rehearsal)
         else:
             res = _run_single_turn(engine, entries, params, batch_size, keep_output_chars)
         res.category = cat

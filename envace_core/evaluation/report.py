@@ -197,7 +197,7 @@ def markdown(results: dict, plots: list[str]) -> str:
              f"- model: `{m['label']}`, {_params(m['n_params'])} parameters"
              + (f" (registry version {m['registry_version']})" if m.get("registry_version") else ""),
              f"- Private Rehearsal: {reh['mode']}" + (f", N = {reh['n']}" if reh["mode"] != "none" else "")
-             + " (tau2 and VitaBench only)",
+             + f" ({reh.get('applies_to', 'tau2 and VitaBench only')})",
              f"- user simulator (tau2): {results['user_simulator']}",
              f"- trials k = {s['trials']}; split {s['split']}; limit {s['limit'] or 'none'} per bench; "
              f"tau2 max steps {s['max_steps']}; seed {s['seed']}",

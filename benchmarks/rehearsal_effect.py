@@ -1,0 +1,379 @@
+"""Effect of Private Rehearsal on success (issue 4 item 7): no rehearsal vs parallel N vs sequential N.
+
+    .venv/bin/python benchmarks/rehearsal_effect.py [--trained REF] [--limit 3]
+        [--conditions none,parallel:2,parallel:4,parallel:8,sequential:2,sequential:4]
+        [--benches tau2:airline,tau2:retail,bfcl:multi_turn_base] [--user policy|REF|URL] [--no-append]
+
+For every model (``--models``, default ``base=bundled:smollm2-135m-instruct``, plus ``trained=REF`` from
+``--trained``: any ``envace eval --model`` reference, e.g. ``registry:NAME@VERSION`` or a local LoRA adapter
+folder over the profile's base) and every rehearsal condition, `eval_run.run_eval` runs the benches on the
+first ``--limit`` items of each (tau2: the test split, tau2's Orchestrator and evaluator; BFCL multi-turn:
+bfcl's loop and checker, a rehearsal round per user turn). The model is loaded once per model; run_eval's
+cache (``<out>/eval/cache/<fingerprint>``: per tau2 task, per BFCL entry) makes a rerun resume.
+
+Per model × bench × condition: success rate (tau2: ``is_successful``, reward 1; unscored tasks, judged only
+by NL assertions, are left out; BFCL: bfcl's multi-turn checker) with a 95% percentile bootstrap CI over
+items (`stats.mean_ci`), and the paired difference to ``none`` on the same items (per-item success
+difference, bootstrap CI over items). Every condition must score exactly the items ``none`` scored
+(asserted). Writes ``<out>/rehearsal_effect.json``, prints a markdown table and the estimated wall time of
+the full-scale run (all test tasks, from the measured seconds per freshly run episode), and appends a
+section to benchmarks/RESULTS.md (unless ``--no-append``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import envace_core  # noqa: F401  (offline environment first)
+from envace_core import EnvaceError
+from envace_core.stats import mean_ci
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_CONDITIONS = "none,parallel:2,parallel:4,parallel:8,sequential:2,sequential:4"
+DEFAULT_BENCHES = "tau2:airline,tau2:retail,bfcl:multi_turn_base"
+DEFAULT_MODELS = "base=bundled:smollm2-135m-instruct"
+
+
+class BenchmarkError(EnvaceError):
+    """Bad arguments, or results that cannot be compared (different items per condition)."""
+
+
+# ---------------------------------------------------------------------------------------- arguments
+def parse_conditions(text: str) -> list[str]:
+    """``none,parallel:2,...`` -> canonical condition names (`eval_run.parse_rehearsal` syntax), ``none``
+    first. Raises `BenchmarkError` for a bad item, a duplicate, or no ``none`` (the paired baseline)."""
+    from envace_core.eval_run import parse_rehearsal
+
+    out: list[str] = []
+    for item in [s.strip() for s in (text or "").split(",") if s.strip()]:
+        try:
+            mode, n = parse_rehearsal(item)
+        except EnvaceError as e:
+            raise BenchmarkError(f"--conditions item {item!r}: {e}") from None
+        name = "none" if mode == "none" else f"{mode}:{n}"
+        if name in out:
+            raise BenchmarkError(f"--conditions lists {name} twice")
+        out.append(name)
+    if "none" not in out:
+        raise BenchmarkError(f"--conditions {text!r} must include none: every effect is a paired difference to it")
+    return ["none"] + [c for c in out if c != "none"]
+
+
+def parse_models(models: str, trained: str | None) -> list[tuple[str, str]]:
+    """``LABEL=REF,...`` (a bare REF is its own label) plus ``("trained", trained)`` -> [(label, ref)].
+    Raises `BenchmarkError` for an empty list, an empty label/ref or a duplicate label."""
+    pairs = []
+    for item in [s.strip() for s in (models or "").split(",") if s.strip()]:
+        label, sep, ref = item.partition("=")
+        label, ref = (label.strip(), ref.strip()) if sep else (item, item)
+        if not label or not ref:
+            raise BenchmarkError(f"--models item {item!r}: write LABEL=REF, e.g. base=bundled:smollm2-135m-instruct")
+        pairs.append((label, ref))
+    if trained:
+        pairs.append(("trained", trained.strip()))
+    if not pairs:
+        raise BenchmarkError("no model: give --models LABEL=REF and/or --trained REF")
+    labels = [p[0] for p in pairs]
+    dup = sorted({x for x in labels if labels.count(x) > 1})
+    if dup:
+        raise BenchmarkError(f"model labels must be unique, repeated: {', '.join(dup)}")
+    return pairs
+
+
+def parse_benches(text: str) -> list[str]:
+    """Bench labels via `eval_run.parse_benches`; only tau2 domains and BFCL multi-turn categories (the
+    ones Private Rehearsal acts on). Raises `BenchmarkError`."""
+    from envace_core.eval_run import parse_benches as parse
+    from envace_core.evaluation.bfcl import MULTI_TURN_CATEGORIES
+
+    try:
+        specs = parse(text)
+    except EnvaceError as e:
+        raise BenchmarkError(str(e)) from None
+    bad = [s.label for s in specs if not (s.bench == "tau2" or (s.bench == "bfcl" and s.arg in MULTI_TURN_CATEGORIES))]
+    if bad:
+        raise BenchmarkError(f"--benches {', '.join(bad)}: only tau2:DOMAIN and bfcl:multi_turn_* rehearse "
+                             f"(single-turn BFCL never does, so it has no effect to measure)")
+    return [s.label for s in specs]
+
+
+def parse_user(text: str | None) -> dict[str, str]:
+    """``policy`` (default: run_eval's own default, the evaluated policy simulates the user), an
+    ``http(s)://`` OpenAI-compatible base URL, or a model reference -> `EvalOptions` keyword arguments."""
+    text = (text or "policy").strip()
+    if text == "policy":
+        return {}
+    if text.startswith(("http://", "https://")):
+        return {"user_url": text}
+    return {"user_model": text}
+
+
+# ------------------------------------------------------------------------------------------ results
+def item_outcomes(result: dict[str, Any]) -> dict[str, dict[str, float]]:
+    """{bench label: {item id: success in [0, 1]}} from one `run_eval` result.
+
+    tau2: mean over trials of tau2's ``is_successful(reward)`` per task (records with reward None, i.e.
+    judged only by NL assertions, are left out); BFCL: ``valid`` per entry of each category."""
+    from tau2.metrics.agent_metrics import is_successful
+
+    out: dict[str, dict[str, float]] = {}
+    for b in result["benches"]:
+        if b["bench"] == "tau2":
+            per: dict[str, list[float]] = {}
+            for r in b["results"]:
+                if r.get("reward") is not None:
+                    per.setdefault(str(r["task_id"]), []).append(float(is_successful(r["reward"])))
+            out[f"tau2:{b['name']}"] = {k: statistics.fmean(v) for k, v in per.items()}
+        elif b["bench"] == "bfcl":
+            for cat, c in b["report"]["categories"].items():
+                out[f"bfcl:{cat}"] = {e["id"]: float(bool(e["valid"])) for e in c["entries"]}
+    return out
+
+
+def rehearsals_run(result: dict[str, Any]) -> dict[str, int]:
+    """{bench label: rehearsed trajectories in total} (0 for no rehearsal; proves rehearsal ran)."""
+    out: dict[str, int] = {}
+    for b in result["benches"]:
+        if b["bench"] == "tau2":
+            out[f"tau2:{b['name']}"] = sum((r.get("agent_stats") or {}).get("rehearsals", 0) for r in b["results"])
+        elif b["bench"] == "bfcl":
+            for cat, c in b["report"]["categories"].items():
+                out[f"bfcl:{cat}"] = sum((e.get("rehearsal") or {}).get("rehearsals", 0) for e in c["entries"])
+    return out
+
+
+def check_same_items(by_condition: dict[str, dict[str, float]], where: str) -> list[str]:
+    """The item ids every condition scored (sorted); raises `BenchmarkError` naming the condition and
+    the items that differ from ``none``'s."""
+    base = set(by_condition["none"])
+    for cond, items in by_condition.items():
+        if set(items) != base:
+            raise BenchmarkError(f"{where}: condition {cond} scored other items than none: missing "
+                                 f"{sorted(base - set(items))}, extra {sorted(set(items) - base)}")
+    return sorted(base)
+
+
+def effect(by_condition: dict[str, dict[str, float]], where: str, n_boot: int = 2000,
+           seed: int = 0) -> dict[str, dict[str, Any]]:
+    """{condition: {"success": mean_ci over items, "diff_vs_none": mean_ci of the paired per-item
+    differences (condition - none)}} (Efron & Tibshirani 1993 ch. 13 percentile bootstrap, `stats`)."""
+    items = check_same_items(by_condition, where)
+    base = by_condition["none"]
+    return {c: {"success": mean_ci([v[i] for i in items], n_boot, seed),
+                "diff_vs_none": mean_ci([v[i] - base[i] for i in items], n_boot, seed)}
+            for c, v in by_condition.items()}
+
+
+def _ci(s: dict[str, Any], signed: bool = False) -> str:
+    if s["mean"] is None:
+        return "n/a"
+    f = "{:+.3f}" if signed else "{:.3f}"
+    return f"{f.format(s['mean'])} [{f.format(s['ci95'][0])}, {f.format(s['ci95'][1])}]"
+
+
+def markdown(cells: list[dict[str, Any]]) -> str:
+    """The results table: one row per model × bench × condition."""
+    rows = ["| model | bench | condition | n | success [95% CI] | Δ vs none [95% CI] | rehearsals | s / episode |",
+            "|---|---|---|---|---|---|---|---|"]
+    for c in cells:
+        sec = "cached" if c["per_episode_s"] is None else f"{c['per_episode_s']:.1f}"
+        diff = "—" if c["condition"] == "none" else _ci(c["diff_vs_none"], signed=True)
+        rows.append(f"| {c['model']} | {c['bench']} | {c['condition']} | {c['success']['n']} | {_ci(c['success'])} "
+                    f"| {diff} | {c['rehearsals']} | {sec} |")
+    return "\n".join(rows)
+
+
+def full_scale_estimate(cells: list[dict[str, Any]], full_items: dict[str, int]) -> dict[str, Any]:
+    """Seconds for all `full_items[bench]` items of every cell: per-episode seconds × items, where a
+    cell with nothing freshly run borrows the mean of the same (condition, bench) over models."""
+    def mean_of(cond: str, bench: str) -> float | None:
+        xs = [c["per_episode_s"] for c in cells
+              if c["condition"] == cond and c["bench"] == bench and c["per_episode_s"] is not None]
+        return statistics.fmean(xs) if xs else None
+
+    total, missing = 0.0, []
+    for c in cells:
+        s = c["per_episode_s"] if c["per_episode_s"] is not None else mean_of(c["condition"], c["bench"])
+        if s is None:
+            missing.append(f"{c['model']}/{c['bench']}/{c['condition']}")
+        else:
+            total += s * full_items[c["bench"]]
+    return {"seconds": total, "hours": total / 3600, "items": full_items, "unmeasured_cells": missing}
+
+
+def full_items(benches: list[str]) -> dict[str, int]:
+    """Items per bench at full scale: tau2's test split size, the BFCL category's entry count."""
+    from envace_core.envs.tau2 import load_tasks
+    from envace_core.evaluation.bfcl import load_bfcl
+
+    return {b: len(load_tasks(b.split(":", 1)[1], "test")) if b.startswith("tau2:") else len(load_bfcl(b.split(":", 1)[1]))
+            for b in benches}
+
+
+# ---------------------------------------------------------------------------------------------- run
+def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Every model × condition through `run_eval` (module docstring); returns the JSON report."""
+    from envace_core.config import load_config
+    from envace_core.eval_run import (
+        EvalOptions,
+        load_engine,
+        resolve_model_ref,
+        run_eval,
+    )
+
+    conditions, benches = parse_conditions(args.conditions), parse_benches(args.benches)
+    models, user = parse_models(args.models, args.trained), parse_user(args.user)
+    cfg = load_config(args.profile, args.overrides)
+    t0, load0 = time.perf_counter(), os.getloadavg()
+    cells, meta, user_desc = [], {}, None
+    for label, ref in models:
+        engine, n_params = load_engine(cfg, resolve_model_ref(ref, cfg.store.registry, base_ref=cfg.model.ref))
+        by_bench: dict[str, dict[str, dict[str, float]]] = {b: {} for b in benches}
+        timing: dict[tuple[str, str], dict[str, Any]] = {}
+        for cond in conditions:
+            opts = EvalOptions(model=ref, benches=",".join(benches), out=str(Path(args.out) / "eval"), rehearsal=cond,
+                               limit=args.limit, max_steps=args.max_steps, seed=args.seed, profile=args.profile,
+                               overrides=args.overrides, **user)
+            res = run_eval(opts, engine=engine, n_params=n_params, log=log)
+            user_desc = res["user_simulator"]
+            meta[label] = res["model"]
+            reh, outcomes = rehearsals_run(res), item_outcomes(res)
+            for b, items in outcomes.items():
+                by_bench[b][cond] = items
+                ran = res["work"].get(b, {}).get("ran", 0)
+                timing[(b, cond)] = {"ran": ran, "cached": res["work"].get(b, {}).get("cached", 0),
+                                     "per_episode_s": res["seconds"][b] / ran if ran else None,
+                                     "rehearsals": reh.get(b, 0)}
+            log(f"[effect] {label} {cond}: " + ", ".join(
+                f"{b} {statistics.fmean(v.values()) if v else float('nan'):.3f} (n={len(v)})" for b, v in outcomes.items()))
+        for b in benches:
+            for cond, stats in effect(by_bench[b], f"{label}/{b}", args.n_boot, args.seed).items():
+                cells.append({"model": label, "bench": b, "condition": cond, **stats, **timing[(b, cond)],
+                              "items": by_bench[b][cond]})
+        del engine
+    wall = time.perf_counter() - t0
+    return {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"), "wall_s": wall,
+            "machine": {"cpus": os.cpu_count(), "torch_threads": _torch_threads(), "load_avg_start": load0,
+                        "load_avg_end": os.getloadavg()},
+            "settings": {"conditions": conditions, "benches": benches, "limit": args.limit, "split": "test",
+                         "max_steps": args.max_steps, "seed": args.seed, "profile": args.profile,
+                         "overrides": args.overrides, "n_boot": args.n_boot,
+                         "bfcl_rehearsal": "a round at the start of every user turn (every step with rehearsal.reenter)"},
+            "user_simulator": user_desc + (" (each model simulates its own user; --user REF fixes one)"
+                                           if not user and len(models) > 1 else ""),
+            "models": meta, "cells": cells,
+            "estimate_full_scale": full_scale_estimate(cells, full_items(benches))}
+
+
+def _torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def results_section(report: dict[str, Any]) -> str:
+    """The markdown section appended to RESULTS.md (command, wall time, limits, user simulator, load)."""
+    s, m, est = report["settings"], report["machine"], report["estimate_full_scale"]
+    load = lambda xs: "/".join(f"{x:.2f}" for x in xs)
+    models = "; ".join(f"{k}: {v['label']}" for k, v in report["models"].items())
+    return "\n".join([
+        f"## Private Rehearsal effect (issue 4 item 7), {report['date']}", "",
+        (f"Command: `{report['command']}`; wall {report['wall_s']:.0f} s; first {s['limit']} items per bench "
+         f"(tau2 {s['split']} split, ≤ {s['max_steps']} orchestrator steps; BFCL rehearsal: {s['bfcl_rehearsal']}); "
+         f"models: {models}; user simulator: {report['user_simulator']}; {m['cpus']} CPUs, "
+         f"{m['torch_threads']} torch threads, load average "
+         f"(1/5/15 min) {load(m['load_avg_start'])} at start, {load(m['load_avg_end'])} at end. Success: tau2 "
+         f"reward 1 / bfcl multi-turn checker valid; CIs: 95% percentile bootstrap over items ({s['n_boot']} "
+         "resamples); Δ: paired per-item difference to no rehearsal on the same items."), "",
+        markdown(report["cells"]), "",
+        f"Full scale ({', '.join(f'{b}: {n}' for b, n in est['items'].items())} items per model and condition), "
+        f"estimated from the measured seconds per episode: {est['hours']:.1f} h"
+        + (f" (cells without a measurement: {', '.join(est['unmeasured_cells'])})" if est["unmeasured_cells"] else "")
+        + ".", ""])
+
+
+def _append(path: Path, text: str) -> None:
+    """Append `text` to `path` atomically (write the whole new file, then rename)."""
+    old = path.read_text() if path.is_file() else ""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(old.rstrip("\n") + "\n\n" + text)
+    tmp.replace(path)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
+    tmp.replace(path)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=DEFAULT_MODELS, help="LABEL=REF,... (default: %(default)s)")
+    ap.add_argument("--trained", help="the trained model, added as label 'trained': registry:NAME@VERSION, "
+                    "a local LoRA adapter folder (over the profile's base), a local HF folder, ...")
+    ap.add_argument("--conditions", default=DEFAULT_CONDITIONS, help="must include none (default: %(default)s)")
+    ap.add_argument("--benches", default=DEFAULT_BENCHES, help="tau2:DOMAIN and bfcl:multi_turn_* (default: %(default)s)")
+    ap.add_argument("--limit", type=int, default=3, help="first N items per bench (default 3; full scale is hours)")
+    ap.add_argument("--user", default="policy", help="user simulator: policy (run_eval's default: the evaluated "
+                    "model itself), a model ref, or an OpenAI-compatible base URL")
+    ap.add_argument("--max-steps", type=int, default=30, help="tau2 orchestrator steps per task")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n-boot", type=int, default=2000)
+    ap.add_argument("--profile", default="cpu-smoke")
+    ap.add_argument("--overrides", default="")
+    ap.add_argument("--out", default=".envace/bench/rehearsal_effect")
+    ap.add_argument("--results-md", default=str(HERE / "RESULTS.md"))
+    ap.add_argument("--no-append", action="store_true")
+    return ap
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Everything checkable before a model loads; raises `BenchmarkError`."""
+    if args.limit is not None and args.limit < 1:
+        raise BenchmarkError(f"--limit must be >= 1, got {args.limit}")
+    if args.n_boot < 100:
+        raise BenchmarkError(f"--n-boot must be >= 100 for a 95% interval, got {args.n_boot}")
+    parse_conditions(args.conditions)
+    parse_benches(args.benches)
+    parse_models(args.models, args.trained)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        check_args(args)
+    except BenchmarkError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    report = run(args)
+    out = Path(args.out) / "rehearsal_effect.json"
+    _write_json(out, report)
+    est = report["estimate_full_scale"]
+    print(markdown(report["cells"]))
+    print(f"user simulator: {report['user_simulator']}; wall {report['wall_s']:.0f} s; "
+          f"{report['machine']['torch_threads']} torch threads; load average "
+          f"{report['machine']['load_avg_start'][0]:.2f} -> {report['machine']['load_avg_end'][0]:.2f}")
+    print(f"full-scale estimate ({est['items']} items per model x condition): {est['hours']:.1f} h"
+          + (f"; unmeasured: {est['unmeasured_cells']}" if est["unmeasured_cells"] else ""))
+    print(f"report: {out}")
+    if not args.no_append:
+        _append(Path(args.results_md), results_section(report))
+        print(f"appended to {args.results_md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
