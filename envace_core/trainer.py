@@ -153,6 +153,11 @@ class PolicyTrainer:
     """
 
     min_shared_prefix: int = 16  # tokens; a shorter common prefix is not worth a separate call
+    # tokens; rows whose prompt lengths differ by more share no micro-batch: `_logits` computes
+    # [B, L - min prompt, V] float32 logits, so a turn-1 row next to a turn-3 row of the same
+    # trajectory (adjacent in prompt order) would make every row pay the whole later history
+    # (measured: 4 such rows with ~2k-token tool histories took > 15 GB on the 135M model).
+    max_prompt_spread: int = 256
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, compute_dtype: str = "bfloat16"):
         from peft import LoraConfig, PeftModel, get_peft_model
@@ -441,24 +446,27 @@ class PolicyTrainer:
         group (same prompt) and rows sharing a system message are adjacent; `_logits` computes a
         micro-batch's common prefix once. A micro-batch is also closed early when the next row would
         shorten its common prefix by more than `min_shared_prefix` tokens (e.g. at a group boundary):
-        a separate batch then costs less than recomputing the lost prefix for every row.
+        a separate batch then costs less than recomputing the lost prefix for every row. Rows whose
+        prompt lengths differ by more than `max_prompt_spread` tokens never share a micro-batch
+        (the logits cover every row from the shortest prompt on: memory).
         """
         order = sorted(range(len(rows)), key=lambda i: (rows[i].prompt_ids, len(rows[i].completion_ids)))
         chunks: list[list[int]] = []
         cur: list[int] = []
-        lcp = 0
+        lcp, lo, hi = 0, 0, 0
         for i in order:
             p = rows[i].prompt_ids
             if cur:
                 first = rows[cur[0]].prompt_ids
                 new = next((k for k in range(min(lcp, len(p))) if p[k] != first[k]), min(lcp, len(p)))
                 if len(cur) < self.cfg.micro_batch_rows and not (
-                        len(cur) > 1 and lcp - new > self.min_shared_prefix):
+                        len(cur) > 1 and lcp - new > self.min_shared_prefix) and \
+                        max(hi, len(p)) - min(lo, len(p)) <= self.max_prompt_spread:
                     cur.append(i)
-                    lcp = new
+                    lcp, lo, hi = new, min(lo, len(p)), max(hi, len(p))
                     continue
                 chunks.append(cur)
-            cur, lcp = [i], len(p)
+            cur, lcp, lo, hi = [i], len(p), len(p), len(p)
         return chunks + [cur] if cur else chunks
 
     def _collate(self, rows: Sequence[TrainingRow]) -> _Batch:

@@ -220,6 +220,14 @@ def test_micro_batches_keep_groups_together(tiny_model_dir):
     unrelated = [TrainingRow("act", [i] * 5, [1], [0.0], 0.0) for i in range(1, 7)]
     trainer.cfg.micro_batch_rows = 4
     assert [len(c) for c in trainer._micro_batches(unrelated)] == [4, 2]
+    # a turn-1 row and the turn-3 rows that extend its prompt by a long history: adjacent in prompt
+    # order, yet kept apart (else every row's logits span the history)
+    turn1 = TrainingRow("act", system, [1, 2], [0.0, 0.0], 0.0)
+    turn3 = [TrainingRow("act", system + [9] * (trainer.max_prompt_spread + 1) + [k], [1], [0.0], 0.0)
+             for k in range(3)]
+    assert sorted(sorted(c) for c in trainer._micro_batches([turn1] + turn3)) == [[0], [1, 2, 3]]
+    near = TrainingRow("act", system + [9] * 8, [1], [0.0], 0.0)  # within the spread: one batch
+    assert [len(c) for c in trainer._micro_batches([turn1, near])] == [2]
 
 
 # --- the update: PPO epochs, mini-batches, LR schedule, clipping -------------------------------
