@@ -70,7 +70,7 @@ CONDITIONS: dict[str, dict[str, Any] | None] = {
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {"seeds": [0, 1], "levels": [1, 2], "tasks_per_level": 12, "heldout_mod": 3,
              "sft": {"steps": 60, "batch_rows": 2, "learning_rate": 5e-4, "seed": 0},
-             "token_budget": 20000, "max_iterations": 40, "eval_every": 0, "max_transitions": 16,
+             "token_budget": 12000, "max_iterations": 40, "eval_every": 0, "max_transitions": 16,
              "overrides": {"data": {"policy_max_chars": 200},
                            "rollout": {"group_size": 8, "tasks_per_iteration": 2, "max_turns": 3,
                                        "max_new_tokens_act": 48, "max_new_tokens_rehearse": 48},
@@ -417,8 +417,12 @@ def markdown(report: dict[str, Any]) -> str:
 
 # -------------------------------------------------------------------------------------------- run
 def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[[str], None] = print,
-        model_ref: str | None = None) -> dict[str, Any]:
-    """The whole benchmark for one preset; returns the JSON-able report (also written to out/)."""
+        model_ref: str | None = None, merge: list[Path] = ()) -> dict[str, Any]:
+    """The whole benchmark for one preset; returns the JSON-able report (also written to out/).
+
+    `merge`: other output folders of the same preset, dataset and warm start (e.g. conditions run
+    in a second process); their finished runs count as done here. A folder whose report was made
+    with other settings raises BenchmarkError."""
     from envace_core.config import load_config
 
     t0 = time.perf_counter()
@@ -441,6 +445,12 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
     report_key = {"preset": {k: v for k, v in preset.items() if k not in ("synthesize", "seeds")},
                   "dataset": dataset["version"], "warm_start": warm and warm["key"]}
     done = _finished_runs(out, report_key)  # a killed benchmark resumes: finished (condition, seed) runs are kept
+    for other in merge:
+        theirs = _finished_runs(Path(other), report_key)
+        if not theirs:
+            raise BenchmarkError(f"--merge {other}: no learning.json there with this preset, dataset and warm start")
+        for cond, seeds in theirs.items():
+            done.setdefault(cond, {}).update(seeds)
     # seed-major: every condition of the first seed finishes before the next seed starts
     for seed in preset["seeds"]:
         for cond in conditions:
@@ -558,6 +568,9 @@ def main() -> int:
     ap.add_argument("--out", default=".envace/bench/learning")
     ap.add_argument("--results-md", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
     ap.add_argument("--no-append", action="store_true")
+    ap.add_argument("--merge", action="append", default=[], metavar="DIR",
+                    help="another --out of the same preset (e.g. conditions run in a second process): "
+                         "its finished runs are kept; repeatable")
     ap.add_argument("--probe", action="store_true", help="only measure the base model's tool-call rate")
     args = ap.parse_args()
     if args.probe:
@@ -565,12 +578,18 @@ def main() -> int:
         return 0
     preset = dict(PRESETS[args.preset])
     if args.seeds:
-        preset["seeds"] = [int(s) for s in args.seeds.split(",")]
+        try:
+            preset["seeds"] = [int(s) for s in args.seeds.split(",")]
+        except ValueError:
+            ap.error(f"--seeds {args.seeds!r}: give comma-separated integers, e.g. 0,1")
+        if len(set(preset["seeds"])) != len(preset["seeds"]):
+            ap.error(f"--seeds {args.seeds!r}: seeds repeat")
     conds = [c.strip() for c in args.conditions.split(",") if c.strip()]
     bad = [c for c in conds if c not in CONDITIONS]
-    if bad:
-        raise BenchmarkError(f"unknown condition(s) {bad}; choose from {list(CONDITIONS)}")
-    report = run(preset, Path(args.out), conds)
+    if bad or not conds or len(set(conds)) != len(conds):
+        ap.error(f"--conditions {args.conditions!r}: give distinct names from {list(CONDITIONS)}"
+                 + (f" (unknown: {bad})" if bad else ""))
+    report = run(preset, Path(args.out), conds, merge=[Path(m) for m in args.merge])
     table = markdown(report)
     cmd = " ".join([".venv/bin/python"] + sys.argv)
     print(table)

@@ -93,3 +93,8 @@ def test_whole_run_with_tiny_model(tmp_path, tiny_model_dir):
     again = lb.run(preset, tmp_path, ["sft", "world_rehearsal"], log=lines.append, model_ref=str(tiny_model_dir))
     assert sum("kept from the previous report" in line for line in lines) == 2
     assert again["summary"]["world_rehearsal"]["success"] == report["summary"]["world_rehearsal"]["success"]
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "learning.json").write_text(json.dumps({"key": {"preset": "another"}, "runs": {}}))
+    with pytest.raises(lb.BenchmarkError, match="--merge"):
+        lb.run(preset, tmp_path, ["sft"], log=lines.append, model_ref=str(tiny_model_dir), merge=[other])
