@@ -242,6 +242,13 @@ def measure(cfg, dataset: dict[str, Any], adapter_dir: str | None, held: list,
             "fidelity": [r["fidelity"] for r in fid], "json_validity": [r["json_valid"] for r in fid]}
 
 
+def warm_key(sft_opts: dict[str, Any] | None, train: list, model_ref: str) -> dict[str, Any] | None:
+    """What decides the warm start's weights: SFT options, train task ids, base model (None: no SFT)."""
+    if not sft_opts:
+        return None
+    return {"sft": sft_opts, "train_ids": sorted(t.id for t in train), "model": model_ref}
+
+
 def warm_start(cfg, train: list, out: Path, sft_opts: dict[str, Any],
                log: Callable[[str], None] = print) -> dict[str, Any]:
     """One SFT warm start shared by every trained condition (same starting function for all).
@@ -263,8 +270,7 @@ def warm_start(cfg, train: list, out: Path, sft_opts: dict[str, Any],
     from envace_core.trainer import PolicyTrainer
 
     root = out / "warm_start"
-    meta_file, key = root / "warm_start.json", {"sft": sft_opts, "train_ids": sorted(t.id for t in train),
-                                                 "model": cfg.model.ref}
+    meta_file, key = root / "warm_start.json", warm_key(sft_opts, train, cfg.model.ref)
     if meta_file.is_file():
         meta = json.loads(meta_file.read_text())
         if meta.get("key") == key and Path(meta["adapter"]).is_dir() and Path(meta["per_role"]).is_dir():
@@ -443,7 +449,8 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
     if preset.get("sft") and any(CONDITIONS[c] is not None for c in conditions):
         warm = warm_start(load_config("cpu-smoke", over), train, out, preset["sft"], log)
     report_key = {"preset": {k: v for k, v in preset.items() if k not in ("synthesize", "seeds")},
-                  "dataset": dataset["version"], "warm_start": warm and warm["key"]}
+                  "dataset": dataset["version"],  # a base-only run has the same key as a full one
+                  "warm_start": warm_key(preset.get("sft"), train, load_config("cpu-smoke", over).model.ref)}
     done = _finished_runs(out, report_key)  # a killed benchmark resumes: finished (condition, seed) runs are kept
     for other in merge:
         theirs = _finished_runs(Path(other), report_key)
@@ -452,14 +459,17 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
         for cond, seeds in theirs.items():
             done.setdefault(cond, {}).update(seeds)
     # seed-major: every condition of the first seed finishes before the next seed starts
+    for cond, seeds in done.items():  # conditions not asked for this time stay in the report
+        if cond not in conditions and cond in CONDITIONS:
+            runs[cond] = dict(seeds)
     for seed in preset["seeds"]:
         for cond in conditions:
             spec = CONDITIONS[cond]
             trains = bool(spec)  # None: base model; {}: the warm start only; else GRPO on top of it
             if not trains and seed != preset["seeds"][0]:
                 continue  # greedy evaluation of an untrained policy does not depend on the seed
-            if str(seed) in done.get(cond, {}):
-                runs.setdefault(cond, {})[seed] = done[cond][str(seed)]
+            if seed in done.get(cond, {}):
+                runs.setdefault(cond, {})[seed] = done[cond][seed]
                 log(f"[learning] {cond} seed {seed}: kept from the previous report")
                 continue
             extra: dict[str, Any] = {**(spec or {}), "train": {**(spec or {}).get("train", {}), "seed": seed}}
@@ -493,8 +503,13 @@ def _finished_runs(out: Path, key: dict[str, Any]) -> dict[str, dict[str, dict]]
     f = out / "learning.json"
     if not f.is_file():
         return {}
-    old = json.loads(f.read_text())
-    return old.get("runs", {}) if old.get("key") == json.loads(json.dumps(key, default=str)) else {}
+    try:
+        old = json.loads(f.read_text())
+    except ValueError as e:
+        raise BenchmarkError(f"{f} is not valid JSON ({e}): move it away to start this benchmark afresh") from None
+    if old.get("key") != json.loads(json.dumps(key, default=str)):
+        return {}
+    return {cond: {int(s): r for s, r in seeds.items()} for cond, seeds in old.get("runs", {}).items()}
 
 
 def _write_report(out: Path, report: dict[str, Any]) -> None:
@@ -512,6 +527,8 @@ def _report(preset, dataset, warm, train, held, runs, key, wall: float, complete
               "preset": {k: v for k, v in preset.items() if k != "synthesize"}, "dataset": dataset,
               "warm_start": warm, "held_out_ids": [t.id for t in held], "train_ids": [t.id for t in train],
               "summary": {}, "runs": runs, "wall_seconds": wall}
+    runs = {c: runs[c] for c in CONDITIONS if c in runs}  # table order
+    report["runs"] = runs
     for cond, seeds in runs.items():
         finals = {s: r["final"] for s, r in seeds.items()}
         hist = [h for r in seeds.values() for h in r["history"]]
@@ -589,7 +606,20 @@ def main() -> int:
     if bad or not conds or len(set(conds)) != len(conds):
         ap.error(f"--conditions {args.conditions!r}: give distinct names from {list(CONDITIONS)}"
                  + (f" (unknown: {bad})" if bad else ""))
-    report = run(preset, Path(args.out), conds, merge=[Path(m) for m in args.merge])
+    for m in args.merge:  # cheap checks first: the full key check needs the curriculum and warm start
+        f = Path(m) / "learning.json"
+        try:
+            other = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            ap.error(f"--merge {m}: cannot read {f} ({e})")
+        want = {k: v for k, v in preset.items() if k not in ("synthesize", "seeds")}
+        if other.get("key", {}).get("preset") != json.loads(json.dumps(want)):
+            ap.error(f"--merge {m}: its report was made with another preset than --preset {args.preset}")
+    try:
+        report = run(preset, Path(args.out), conds, merge=[Path(m) for m in args.merge])
+    except EnvaceError as e:
+        print(f"learning.py: error: {e}", file=sys.stderr)
+        return 1
     table = markdown(report)
     cmd = " ".join([".venv/bin/python"] + sys.argv)
     print(table)

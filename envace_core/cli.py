@@ -257,7 +257,8 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--seed", type=int, default=0, help="--measure: sampling and bootstrap seed")
     for sp in (t, c, r, h, e, a):  # the global options are also accepted after the subcommand
         sp.add_argument("--profile", choices=sorted(PROFILES), default=argparse.SUPPRESS)
-        sp.add_argument("--overrides", default=argparse.SUPPRESS)
+        sp.add_argument("--overrides", default=argparse.SUPPRESS,
+                        help="config overrides: 'a.b=v,...', JSON/YAML text, or a file path")
     args = p.parse_args(argv)
     try:
         return {"train": _train, "config": _config, "registry": _registry,

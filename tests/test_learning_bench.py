@@ -93,6 +93,10 @@ def test_whole_run_with_tiny_model(tmp_path, tiny_model_dir):
     again = lb.run(preset, tmp_path, ["sft", "world_rehearsal"], log=lines.append, model_ref=str(tiny_model_dir))
     assert sum("kept from the previous report" in line for line in lines) == 2
     assert again["summary"]["world_rehearsal"]["success"] == report["summary"]["world_rehearsal"]["success"]
+    # fewer conditions into the same folder: the others' finished runs stay in the report
+    part = lb.run(preset, tmp_path, ["sft"], log=lines.append, model_ref=str(tiny_model_dir))
+    assert list(part["runs"]) == ["sft", "world_rehearsal"] and list(part["runs"]["world_rehearsal"]) == [0]
+    assert json.loads((tmp_path / "learning.json").read_text())["runs"].keys() == {"sft", "world_rehearsal"}
     other = tmp_path / "other"
     other.mkdir()
     (other / "learning.json").write_text(json.dumps({"key": {"preset": "another"}, "runs": {}}))
