@@ -16,8 +16,11 @@ by NL assertions, are left out; BFCL: bfcl's multi-turn checker) with a 95% perc
 items (`stats.mean_ci`), and the paired difference to ``none`` on the same items (per-item success
 difference, bootstrap CI over items). Every condition must score exactly the items ``none`` scored
 (asserted). Writes ``<out>/rehearsal_effect.json``, prints a markdown table and the estimated wall time of
-the full-scale run (all test tasks, from the measured seconds per freshly run episode), and appends a
-section to benchmarks/RESULTS.md (unless ``--no-append``).
+the full-scale run (all test tasks, from the measured seconds per freshly run episode; a cell that all came
+from the cache keeps the seconds the previous ``rehearsal_effect.json`` in the same ``--out`` measured for
+it, marked "timed in an earlier run"), and appends a section to benchmarks/RESULTS.md (unless
+``--no-append``). Every argument and model reference is checked before any model loads (`check_args`);
+a bad one is a one-line error, exit status 2.
 """
 
 from __future__ import annotations
@@ -101,10 +104,15 @@ def parse_benches(text: str) -> list[str]:
         specs = parse(text)
     except EnvaceError as e:
         raise BenchmarkError(str(e)) from None
-    bad = [s.label for s in specs if not (s.bench == "tau2" or (s.bench == "bfcl" and s.arg in MULTI_TURN_CATEGORIES))]
+    why = {"bfcl": "single-turn BFCL never rehearses, so it has no effect to measure",
+           "finmcp": "FinMCP never rehearses, so it has no effect to measure",
+           "vita": "VitaBench is not scored by this script: compare `envace eval --bench vita:PATH` with "
+                   "--rehearsal none and parallel:N instead"}
+    bad = [s for s in specs if not (s.bench == "tau2" or (s.bench == "bfcl" and s.arg in MULTI_TURN_CATEGORIES))]
     if bad:
-        raise BenchmarkError(f"--benches {', '.join(bad)}: only tau2:DOMAIN and bfcl:multi_turn_* rehearse "
-                             f"(single-turn BFCL never does, so it has no effect to measure)")
+        reasons = "; ".join(dict.fromkeys(why[s.bench] for s in bad))
+        raise BenchmarkError(f"--benches {', '.join(s.label for s in bad)}: this script measures only tau2:DOMAIN "
+                             f"and bfcl:multi_turn_* ({reasons})")
     return [s.label for s in specs]
 
 
@@ -182,12 +190,18 @@ def _ci(s: dict[str, Any], signed: bool = False) -> str:
     return f"{f.format(s['mean'])} [{f.format(s['ci95'][0])}, {f.format(s['ci95'][1])}]"
 
 
+def _seconds(c: dict[str, Any]) -> str:
+    if c["per_episode_s"] is None:
+        return "never timed (all from cache)"
+    return f"{c['per_episode_s']:.1f}" + (" (timed in an earlier run)" if c.get("timed") == "earlier run" else "")
+
+
 def markdown(cells: list[dict[str, Any]]) -> str:
     """The results table: one row per model × bench × condition."""
     rows = ["| model | bench | condition | n | success [95% CI] | Δ vs none [95% CI] | rehearsals | s / episode |",
             "|---|---|---|---|---|---|---|---|"]
     for c in cells:
-        sec = "cached" if c["per_episode_s"] is None else f"{c['per_episode_s']:.1f}"
+        sec = _seconds(c)
         diff = "—" if c["condition"] == "none" else _ci(c["diff_vs_none"], signed=True)
         rows.append(f"| {c['model']} | {c['bench']} | {c['condition']} | {c['success']['n']} | {_ci(c['success'])} "
                     f"| {diff} | {c['rehearsals']} | {sec} |")
@@ -196,7 +210,9 @@ def markdown(cells: list[dict[str, Any]]) -> str:
 
 def full_scale_estimate(cells: list[dict[str, Any]], full_items: dict[str, int]) -> dict[str, Any]:
     """Seconds for all `full_items[bench]` items of every cell: per-episode seconds × items, where a
-    cell with nothing freshly run borrows the mean of the same (condition, bench) over models."""
+    cell never timed borrows the mean of the same (condition, bench) over models. When some cell has no
+    time even so (``unmeasured_cells``), ``seconds``/``hours`` are None (a sum without them would
+    understate) and ``timed_seconds`` is the sum over the others."""
     def mean_of(cond: str, bench: str) -> float | None:
         xs = [c["per_episode_s"] for c in cells
               if c["condition"] == cond and c["bench"] == bench and c["per_episode_s"] is not None]
@@ -209,7 +225,51 @@ def full_scale_estimate(cells: list[dict[str, Any]], full_items: dict[str, int])
             missing.append(f"{c['model']}/{c['bench']}/{c['condition']}")
         else:
             total += s * full_items[c["bench"]]
-    return {"seconds": total, "hours": total / 3600, "items": full_items, "unmeasured_cells": missing}
+    whole = None if missing else total
+    return {"seconds": whole, "hours": None if whole is None else whole / 3600, "timed_seconds": total,
+            "items": full_items, "unmeasured_cells": missing}
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 360 else f"{seconds:.0f} s"
+
+
+def estimate_text(est: dict[str, Any]) -> str:
+    """The full-scale estimate in words; says which cells were never timed instead of a partial sum."""
+    if est["seconds"] is not None:
+        return _duration(est["seconds"])
+    return (f"not available: never timed (all from cache, no earlier rehearsal_effect.json timing them): "
+            f"{', '.join(est['unmeasured_cells'])}; rerun them with a fresh --out to time them"
+            + (f"; the timed cells alone: {_duration(est['timed_seconds'])}" if est["timed_seconds"] else ""))
+
+
+def previous_timings(path: Path) -> dict[tuple, float]:
+    """{(model ref, bench, condition, item ids): seconds per episode} of the timed cells of an earlier
+    report at `path` ({} when there is none; a report that does not parse is ignored with a warning)."""
+    if not path.is_file():
+        return {}
+    try:
+        rep = json.loads(path.read_text())
+        refs = {label: m["ref"] for label, m in rep["models"].items()}
+        return {(refs[c["model"]], c["bench"], c["condition"], tuple(sorted(c["items"]))): float(c["per_episode_s"])
+                for c in rep["cells"] if c.get("per_episode_s") is not None}
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        print(f"warning: {path} does not parse ({type(e).__name__}: {e}); cached cells stay untimed", file=sys.stderr)
+        return {}
+
+
+def cell_timing(res: dict[str, Any], bench: str, ref: str, cond: str, items: dict[str, float],
+                earlier: dict[tuple, float]) -> dict[str, Any]:
+    """ran/cached counts and seconds per freshly run episode of one cell; a cell that all came from the
+    cache takes the seconds of the same cell (model ref, bench, condition, items) in `earlier`."""
+    w = res["work"].get(bench, {})
+    ran = w.get("ran", 0)
+    if ran:
+        sec, timed = res["seconds"][bench] / ran, "this run"
+    else:
+        sec = earlier.get((ref, bench, cond, tuple(sorted(items))))
+        timed = None if sec is None else "earlier run"
+    return {"ran": ran, "cached": w.get("cached", 0), "per_episode_s": sec, "timed": timed}
 
 
 def full_items(benches: list[str]) -> dict[str, int]:
@@ -235,6 +295,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
     conditions, benches = parse_conditions(args.conditions), parse_benches(args.benches)
     models, user = parse_models(args.models, args.trained), parse_user(args.user)
     cfg = load_config(args.profile, args.overrides)
+    earlier = previous_timings(Path(args.out) / "rehearsal_effect.json")
     t0, load0 = time.perf_counter(), os.getloadavg()
     cells, meta, user_desc = [], {}, None
     for label, ref in models:
@@ -251,9 +312,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
             reh, outcomes = rehearsals_run(res), item_outcomes(res)
             for b, items in outcomes.items():
                 by_bench[b][cond] = items
-                ran = res["work"].get(b, {}).get("ran", 0)
-                timing[(b, cond)] = {"ran": ran, "cached": res["work"].get(b, {}).get("cached", 0),
-                                     "per_episode_s": res["seconds"][b] / ran if ran else None,
+                timing[(b, cond)] = {**cell_timing(res, b, res["model"]["ref"], cond, items, earlier),
                                      "rehearsals": reh.get(b, 0)}
             log(f"[effect] {label} {cond}: " + ", ".join(
                 f"{b} {statistics.fmean(v.values()) if v else float('nan'):.3f} (n={len(v)})" for b, v in outcomes.items()))
@@ -298,10 +357,8 @@ def results_section(report: dict[str, Any]) -> str:
          f"reward 1 / bfcl multi-turn checker valid; CIs: 95% percentile bootstrap over items ({s['n_boot']} "
          "resamples); Δ: paired per-item difference to no rehearsal on the same items."), "",
         markdown(report["cells"]), "",
-        f"Full scale ({', '.join(f'{b}: {n}' for b, n in est['items'].items())} items per model and condition), "
-        f"estimated from the measured seconds per episode: {est['hours']:.1f} h"
-        + (f" (cells without a measurement: {', '.join(est['unmeasured_cells'])})" if est["unmeasured_cells"] else "")
-        + ".", ""])
+        (f"Full scale ({', '.join(f'{b}: {n}' for b, n in est['items'].items())} items per model and condition), "
+         f"estimated from the measured seconds per episode: {estimate_text(est)}."), ""])
 
 
 def _append(path: Path, text: str) -> None:
@@ -341,24 +398,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """Everything checkable before a model loads; raises `BenchmarkError`."""
+    """Everything checkable before a model loads: the options, the profile and overrides
+    (`config.load_config`), --max-steps (`EvalOptions.check`), and every model reference (--models,
+    --trained, --user REF) with `eval_run.check_model_ref` (registry versions verified, adapter folders
+    checked, base model folders found). Raises `EnvaceError` (`BenchmarkError`, `config.ConfigError`,
+    `eval_run.ModelRefError`, `models.ModelNotFoundError`)."""
+    from envace_core.config import load_config
+    from envace_core.eval_run import EvalOptions, check_model_ref
+
     if args.limit is not None and args.limit < 1:
         raise BenchmarkError(f"--limit must be >= 1, got {args.limit}")
     if args.n_boot < 100:
         raise BenchmarkError(f"--n-boot must be >= 100 for a 95% interval, got {args.n_boot}")
     parse_conditions(args.conditions)
     parse_benches(args.benches)
-    parse_models(args.models, args.trained)
+    models = parse_models(args.models, args.trained)
+    cfg = load_config(args.profile, args.overrides)
+    EvalOptions(model="", benches=args.benches, out=args.out, limit=args.limit, max_steps=args.max_steps,
+                seed=args.seed, **parse_user(args.user)).check()
+    user = parse_user(args.user).get("user_model")
+    for what, ref in [(f"model {label}", ref) for label, ref in models] + ([("--user", user)] if user else []):
+        try:
+            check_model_ref(ref, cfg)
+        except EnvaceError as e:
+            raise BenchmarkError(f"{what} ({ref}): {e}") from None
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    ap = build_parser()
+    args = ap.parse_args(argv)
     try:
         check_args(args)
-    except BenchmarkError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except EnvaceError as e:  # argparse's form: one line, exit 2, before any model loads
+        print(f"{ap.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
-    report = run(args)
+    try:
+        report = run(args)
+    except EnvaceError as e:
+        print(f"{ap.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
     out = Path(args.out) / "rehearsal_effect.json"
     _write_json(out, report)
     est = report["estimate_full_scale"]
@@ -366,8 +444,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"user simulator: {report['user_simulator']}; wall {report['wall_s']:.0f} s; "
           f"{report['machine']['torch_threads']} torch threads; load average "
           f"{report['machine']['load_avg_start'][0]:.2f} -> {report['machine']['load_avg_end'][0]:.2f}")
-    print(f"full-scale estimate ({est['items']} items per model x condition): {est['hours']:.1f} h"
-          + (f"; unmeasured: {est['unmeasured_cells']}" if est["unmeasured_cells"] else ""))
+    print(f"full-scale estimate ({est['items']} items per model x condition): {estimate_text(est)}")
     print(f"report: {out}")
     if not args.no_append:
         _append(Path(args.results_md), results_section(report))

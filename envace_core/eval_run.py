@@ -38,6 +38,7 @@ import hashlib
 import json
 import re
 import time
+import warnings
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -60,6 +61,11 @@ class BenchSpecError(EnvaceError):
 
 class ModelRefError(EnvaceError):
     """A `--model` reference that cannot be resolved (unknown form, unregistered, or failing verification)."""
+
+
+class AdapterError(ModelRefError):
+    """A LoRA adapter folder that cannot be loaded: missing, no/half a per-role pair, ``adapter_config.json``
+    not a JSON object, weights missing or unreadable, or weights that do not fit the base model."""
 
 
 # ------------------------------------------------------------------------------------------ specs
@@ -164,14 +170,25 @@ def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smo
     A registry model is verified first (`lineage.Registry.verify`: every artifact's sha256, and the manifest
     signature when $ENVACE_REGISTRY_HMAC_KEY is set); its base model is the manifest's ``base_model.ref`` and
     its adapter ``artifacts/adapter``. Raises `ModelRefError` (unregistered, tampered, no adapter).
-    A local LoRA adapter folder (`is_adapter_dir`) is loaded over `base_ref` (`run_eval` passes the
-    profile's ``model.ref``); peft refuses a base whose shapes do not fit. Other forms are checked when
-    loaded (`models.resolve_model`).
+    A local LoRA adapter folder (`is_adapter_dir`) is checked (`check_adapter_dir`, raises `AdapterError`)
+    and loaded over `base_ref` (`run_eval` passes the profile's ``model.ref``); a base whose shapes do not
+    fit fails at load (`AdapterError`). Another local path must be a folder with ``config.json``, else
+    `ModelRefError` (or `AdapterError` for half a per-role adapter); ``bundled:``/``s3://`` are checked
+    when loaded (`models.resolve_model`).
     """
     if not ref.startswith("registry:"):
         local = Path(ref).expanduser()
-        if "://" not in ref and not ref.startswith("bundled:") and is_adapter_dir(local):
+        if "://" in ref or ref.startswith("bundled:"):
+            return ResolvedModel(ref=ref, base_ref=ref)
+        if is_adapter_dir(local):
+            check_adapter_dir(local)  # a broken adapter fails here, before any model loads
             return ResolvedModel(ref=ref, base_ref=base_ref, adapter_dir=str(local.resolve()))
+        if not (local / "config.json").is_file():
+            _check_partial_roles(local)
+            what = ("no such file or folder" if not local.exists() else "neither a model folder (config.json) "
+                    "nor a LoRA adapter folder (adapter_config.json, or per-role act/ and rehearse/)")
+            raise ModelRefError(f"--model {ref!r}: {what}; give bundled:smollm2-135m-instruct, a local HF model "
+                                "folder, a LoRA adapter folder, s3://... or registry:NAME@VERSION")
         return ResolvedModel(ref=ref, base_ref=ref)
     from envace_core.lineage import Registry, RegistryError
 
@@ -194,6 +211,98 @@ def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smo
     if not base:
         raise ModelRefError(f"--model {ref!r}: the manifest names no base_model.ref")
     return ResolvedModel(ref=ref, base_ref=base, adapter_dir=str(adapter), manifest=manifest)
+
+
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # peft's SAFETENSORS_/WEIGHTS_NAME
+ROLES = ("act", "rehearse")
+
+
+def _check_partial_roles(path: Path) -> None:
+    """Raise `AdapterError` when `path` holds one per-role adapter (act/ or rehearse/) but not the other."""
+    have = [r for r in ROLES if (path / r / "adapter_config.json").is_file()]
+    if len(have) == 1:
+        miss = next(r for r in ROLES if r not in have)
+        raise AdapterError(f"per-role LoRA adapter folder {path}: has {have[0]}/ but {miss}/ (with its "
+                           f"adapter_config.json) is missing; a per-role policy needs both act/ and rehearse/")
+
+
+def check_adapter_dir(path: str | Path) -> list[Path]:
+    """The adapter folders to load from `path`: ``[path]``, or ``[path/act, path/rehearse]`` for a per-role
+    policy (`train.policy_per_role`). Reads only the configs and the safetensors headers, no weights.
+
+    Raises `AdapterError` naming the folder: it does not exist, has no ``adapter_config.json`` (or only one
+    of act/ and rehearse/), the config is not JSON / not a JSON object / has no ``peft_type``, or the
+    weights (`ADAPTER_WEIGHTS`) are missing or unreadable.
+    """
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise AdapterError(f"LoRA adapter folder {d} does not exist" if not d.exists()
+                           else f"LoRA adapter {d} is a file, not a folder")
+    _check_partial_roles(d)
+    dirs = [d / r for r in ROLES] if all((d / r / "adapter_config.json").is_file() for r in ROLES) else [d]
+    for one in dirs:
+        _check_one_adapter(one)
+    return dirs
+
+
+def _check_one_adapter(d: Path) -> None:
+    cfg_path = d / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise AdapterError(f"{d} has no adapter_config.json (nor per-role act/ and rehearse/ ones): not a LoRA "
+                           "adapter folder; give the folder the train stage saved (or re-run it)")
+    try:
+        conf = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{cfg_path} is not JSON ({e}); the adapter folder is damaged") from None
+    if not isinstance(conf, dict):
+        raise AdapterError(f"{cfg_path} is not a JSON object (got a {type(conf).__name__}); "
+                           "the adapter folder is damaged")
+    if "peft_type" not in conf:
+        raise AdapterError(f"{cfg_path} has no peft_type: not a peft adapter config")
+    weights = [d / w for w in ADAPTER_WEIGHTS if (d / w).is_file()]
+    if not weights:
+        raise AdapterError(f"LoRA adapter {d}: weights missing (no {' or '.join(ADAPTER_WEIGHTS)} beside "
+                           "adapter_config.json)")
+    import pickle
+
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        if weights[0].suffix == ".safetensors":
+            with safe_open(str(weights[0]), framework="pt") as f:
+                list(f.keys())
+        else:
+            import torch
+
+            torch.load(weights[0], map_location="cpu", weights_only=True)
+    except (SafetensorError, pickle.UnpicklingError, EOFError, OSError, ValueError, RuntimeError) as e:
+        raise AdapterError(f"LoRA adapter weights {weights[0]} are unreadable ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200] if str(e) else ''}); the adapter folder is damaged") from None
+
+
+def adapter_load_error(adapter_dir: str | Path, base_ref: str, err: Exception) -> AdapterError:
+    """The `AdapterError` for peft failing to put the adapter on `base_ref` (a size mismatch: trained on
+    another base model)."""
+    lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [""]
+    first = next((x for x in lines if "size mismatch" in x), lines[0])[:240]
+    if "size mismatch" in str(err):
+        return AdapterError(f"LoRA adapter {adapter_dir}: its weights do not fit the base model {base_ref} "
+                            f"({first}); set model.ref to the base it was trained on")
+    return AdapterError(f"LoRA adapter {adapter_dir} cannot be loaded over the base model {base_ref}: "
+                        f"{type(err).__name__}: {first}")
+
+
+def check_model_ref(ref: str, cfg: RunConfig, registry: str | None = None) -> ResolvedModel:
+    """`resolve_model_ref` (adapter folders checked by `check_adapter_dir`) plus the base model's folder
+    (`models.resolve_model`): everything short of loading weights, so scripts can fail before hours of
+    work. An ``s3://`` base is left to load time (checking it would download it). Raises `ModelRefError`,
+    `AdapterError` or `models.ModelNotFoundError`."""
+    from envace_core.models import resolve_model
+
+    model = resolve_model_ref(ref, registry or cfg.store.registry, base_ref=cfg.model.ref)
+    if not model.base_ref.startswith("s3://"):
+        resolve_model(model.base_ref)
+    return model
 
 
 def load_engine(cfg: RunConfig, model: ResolvedModel):
@@ -284,16 +393,46 @@ def _path_key(path: str) -> str:
     return f"{_safe(Path(path).name)}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
 
 
-def _read_jsonl(path: Path) -> list[dict]:
+def _read_jsonl(path: Path, check: Callable[[Any], Any] | None = None) -> list:
+    """The records of a JSONL cache, each passed through `check` (which raises ValueError / TypeError /
+    KeyError on a record of the wrong shape, e.g. a pydantic ValidationError). A line that is not JSON (cut
+    by a kill mid-write) or has the wrong shape is skipped, so that work is redone; one warning per file
+    names it."""
     if not path.is_file():
         return []
-    out = []
+    out, bad = [], 0
     for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:  # a line cut by a kill mid-write: that work is redone
+        if not line.strip():
             continue
+        try:
+            rec = json.loads(line)
+            out.append(check(rec) if check else rec)
+        except (ValueError, TypeError, KeyError, AttributeError):  # JSONDecodeError is a ValueError
+            bad += 1
+    if bad:
+        warnings.warn(f"eval cache {path}: skipped {bad} malformed line(s); recomputing those entries",
+                      RuntimeWarning, stacklevel=2)
     return out
+
+
+def _need(rec: Any, **types: Any) -> dict:
+    """`rec` if it is a dict whose keys `types` hold values of those types, else TypeError/KeyError."""
+    if not isinstance(rec, dict):
+        raise TypeError(f"cache record is a {type(rec).__name__}, not an object")
+    for k, t in types.items():
+        if not isinstance(rec[k], t):
+            raise TypeError(f"cache record field {k!r} is a {type(rec[k]).__name__}")
+    return rec
+
+
+def _vita_record(rec: Any) -> dict:
+    return _need(rec, task_id=str, trial=int, reward=(int, float), termination=str)
+
+
+def _finmcp_record(rec: Any) -> dict:
+    _need(rec, sample=dict, decode=dict)
+    _need(rec["sample"], id=str, tp=int, fp=int, fn=int)
+    return rec
 
 
 def _append_jsonl(path: Path, rec: dict) -> None:
@@ -454,7 +593,7 @@ def _bfcl_multi_turn(ctx: _Ctx, cat: str):
 
     entries = load_bfcl(cat, ctx.opts.limit)
     path = ctx.cache / f"bfcl_{cat}.jsonl"
-    have = {r["id"]: EntryResult.model_validate(r) for r in _read_jsonl(path)}
+    have = {r.id: r for r in _read_jsonl(path, EntryResult.model_validate)}
     todo = [e for e in entries if e.id not in have]
     if todo:
         print(f"[eval] bfcl:{cat} ({len(todo)} entries; rehearsal {ctx.opts.rehearsal}) ...", flush=True)
@@ -489,9 +628,12 @@ def run_bfcl_benches(ctx: _Ctx, categories: list[str]) -> dict:
             continue
         path = ctx.cache / f"bfcl_{cat}_limit-{ctx.opts.limit or 'all'}.json"
         if path.is_file():
-            done[cat] = CategoryResult.model_validate_json(path.read_text())
-            ctx.count(f"bfcl:{cat}", 0, done[cat].n)
-            continue
+            try:
+                done[cat] = CategoryResult.model_validate_json(path.read_text())
+                ctx.count(f"bfcl:{cat}", 0, done[cat].n)
+                continue
+            except ValueError:  # not JSON or not a CategoryResult (pydantic's ValidationError): recompute
+                warnings.warn(f"eval cache {path}: malformed; recomputing bfcl:{cat}", RuntimeWarning)
         print(f"[eval] bfcl:{cat} ...", flush=True)
         rep = evaluate_bfcl(ctx.engine, [cat], ctx.opts.limit, max_new_tokens=ctx.cfg.rollout.max_new_tokens_act,
                             temperature=ctx.cfg.eval.temperature, seed=ctx.opts.seed, batch_size=4)
@@ -531,7 +673,7 @@ def run_vita_bench(ctx: _Ctx, path: str) -> dict:
 
     tasks = load_vitabench(path)[: ctx.opts.limit]
     cache = ctx.cache / f"vita_{_path_key(path)}.jsonl"
-    have = {(r["task_id"], r["trial"]): r for r in _read_jsonl(cache)}
+    have = {(r["task_id"], r["trial"]): r for r in _read_jsonl(cache, _vita_record)}
     results = []
     for task in _progress(tasks, "vita", len(tasks)):
         for trial in range(ctx.opts.trials):
@@ -578,7 +720,7 @@ def run_finmcp_bench(ctx: _Ctx, path: str) -> dict:
 
     samples = finmcp.load_finmcp(path)[: ctx.opts.limit]
     cache = ctx.cache / f"finmcp_{_path_key(path)}.jsonl"
-    have = {r["sample"]["id"]: r for r in _read_jsonl(cache)}
+    have = {r["sample"]["id"]: r for r in _read_jsonl(cache, _finmcp_record)}
     rows = []
     for s in _progress(samples, "finmcp", len(samples)):
         if s.id in have:

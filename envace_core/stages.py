@@ -248,24 +248,28 @@ def load_policy(cfg: RunConfig, adapter_dir: Optional[str] = None):
 
     A per-role policy's adapter directory (act/ and rehearse/, `train.policy_per_role`) loads both
     as named adapters; engines over it then generate each role with its own (`ROLE_ADAPTERS`).
+    Raises `eval_run.AdapterError` (before the base loads) for a missing or damaged adapter folder, and
+    after it when the adapter's weights do not fit the base ``model.ref``.
     """
+    from envace_core.eval_run import adapter_load_error, check_adapter_dir
     from envace_core.models import load_model, load_tokenizer, resolve_model
 
+    dirs = check_adapter_dir(adapter_dir) if adapter_dir else []
     base = resolve_model(cfg.model.ref)
     model, tok = load_model(base), load_tokenizer(base)
     model.to(policy_device(cfg.model.device))
-    if adapter_dir:
+    if dirs:
         from peft import PeftModel
 
-        d = Path(adapter_dir)
-        if (d / "act" / "adapter_config.json").is_file() and (d / "rehearse" / "adapter_config.json").is_file():
-            model = PeftModel.from_pretrained(model, str(d / "act"), adapter_name="act")
-            model.load_adapter(str(d / "rehearse"), adapter_name="rehearse")
-            model.set_adapter("act")
-        elif (d / "adapter_config.json").is_file():
-            model = PeftModel.from_pretrained(model, adapter_dir)
-        else:
-            raise EnvaceError(f"no LoRA adapter in {adapter_dir}: re-run the train stage")
+        try:  # peft's own errors (size mismatch, ...) say nothing about which folder or base
+            if len(dirs) == 2:
+                model = PeftModel.from_pretrained(model, str(dirs[0]), adapter_name="act")
+                model.load_adapter(str(dirs[1]), adapter_name="rehearse")
+                model.set_adapter("act")
+            else:
+                model = PeftModel.from_pretrained(model, str(dirs[0]))
+        except (RuntimeError, ValueError, TypeError, KeyError) as e:
+            raise adapter_load_error(adapter_dir, cfg.model.ref, e) from e
     model.eval()
     return model, tok, base
 

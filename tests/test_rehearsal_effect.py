@@ -32,8 +32,12 @@ def test_conditions_models_benches_and_user():
         with pytest.raises(re_.BenchmarkError, match=msg):
             re_.parse_models(models, trained)
     assert re_.parse_benches(re_.DEFAULT_BENCHES) == ["tau2:airline", "tau2:retail", "bfcl:multi_turn_base"]
-    with pytest.raises(re_.BenchmarkError, match="single-turn BFCL never"):
+    with pytest.raises(re_.BenchmarkError, match="single-turn BFCL never rehearses") as e:
         re_.parse_benches("tau2:airline,bfcl:simple")
+    assert "VitaBench" not in str(e.value)
+    with pytest.raises(re_.BenchmarkError, match=r"vita:/.*VitaBench is not scored by this script") as e:
+        re_.parse_benches("vita:/tmp")
+    assert "single-turn" not in str(e.value)
     with pytest.raises(re_.BenchmarkError, match="unknown tau2 domain"):
         re_.parse_benches("tau2:mars")
     assert re_.parse_user("policy") == {} and re_.parse_user(None) == {}
@@ -48,6 +52,55 @@ def test_bad_arguments_stop_before_any_model_loads(capsys, monkeypatch):
         assert re_.main(argv) == 2
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.fixture
+def broken_adapter(tmp_path):
+    d = tmp_path / "broken"
+    d.mkdir()
+    (d / "adapter_config.json").write_text("[1, 2]")
+    return d
+
+
+def test_bad_model_refs_profile_and_steps_stop_before_any_model_loads(capsys, monkeypatch, tmp_path,
+                                                                      tiny_model_dir, broken_adapter):
+    from envace_core import models
+
+    monkeypatch.setattr(re_, "run", lambda *a, **k: pytest.fail("ran despite bad arguments"))
+    monkeypatch.setattr(models, "load_model", lambda *a: pytest.fail("loaded a model despite bad arguments"))
+    tiny = ["--models", f"tiny={tiny_model_dir}"]
+    for argv, msg in ((["--models", f"base={tmp_path / 'does_not_exist'}"], "model base ("),
+                      (["--models", "foo"], "no such file or folder"),
+                      ([*tiny, "--trained", str(broken_adapter)], "is not a JSON object"),
+                      ([*tiny, "--trained", "registry:nope@v1"], "model trained (registry:nope@v1)"),
+                      ([*tiny, "--user", str(tmp_path / "nouser")], "--user ("),
+                      ([*tiny, "--models", "base=bundled:llama-9000"], "unknown bundled model"),
+                      (["--profile", "nope"], "unknown profile 'nope'"),
+                      (["--max-steps", "0"], "--max-steps must be >= 2")):
+        assert re_.main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1 and ": error: " in err, (argv, err)
+        assert "Traceback" not in err
+
+
+def test_cached_cells_keep_their_earlier_timing(tmp_path):
+    earlier_report = {"models": {"base": {"ref": "/m/a"}}, "cells": [
+        {"model": "base", "bench": "b", "condition": "none", "items": {"1": 1.0, "2": 0.0}, "per_episode_s": 3.0},
+        {"model": "base", "bench": "b", "condition": "parallel:2", "items": {"1": 1.0}, "per_episode_s": None}]}
+    (tmp_path / "rehearsal_effect.json").write_text(json.dumps(earlier_report))
+    earlier = re_.previous_timings(tmp_path / "rehearsal_effect.json")
+    assert earlier == {("/m/a", "b", "none", ("1", "2")): 3.0}
+    cached = {"work": {"b": {"ran": 0, "cached": 2}}, "seconds": {"b": 0.01}}
+    t = re_.cell_timing(cached, "b", "/m/a", "none", {"2": 1.0, "1": 1.0}, earlier)
+    assert t == {"ran": 0, "cached": 2, "per_episode_s": 3.0, "timed": "earlier run"}
+    for ref, cond, items in (("/m/other", "none", {"1": 1, "2": 1}), ("/m/a", "parallel:2", {"1": 1, "2": 1}),
+                             ("/m/a", "none", {"1": 1})):  # another model, condition or item set: not timed
+        assert re_.cell_timing(cached, "b", ref, cond, items, earlier)["per_episode_s"] is None
+    fresh = {"work": {"b": {"ran": 2, "cached": 0}}, "seconds": {"b": 5.0}}
+    assert re_.cell_timing(fresh, "b", "/m/a", "none", {"1": 1, "2": 1}, earlier)["per_episode_s"] == 2.5
+    (tmp_path / "rehearsal_effect.json").write_text("{cut")
+    assert re_.previous_timings(tmp_path / "rehearsal_effect.json") == {}
+    assert re_.previous_timings(tmp_path / "none.json") == {}
 
 
 def test_success_ci_and_paired_difference():
@@ -92,12 +145,22 @@ def test_full_scale_estimate_borrows_across_models_and_names_gaps():
              {"model": "trained", "bench": "b", "condition": "none", "per_episode_s": None},  # all cached
              {"model": "base", "bench": "b", "condition": "parallel:2", "per_episode_s": None}]
     est = re_.full_scale_estimate(cells, {"b": 10})
-    assert est["seconds"] == 40.0 and est["unmeasured_cells"] == ["base/b/parallel:2"]
+    assert est["unmeasured_cells"] == ["base/b/parallel:2"] and est["timed_seconds"] == 40.0
+    assert est["seconds"] is None and est["hours"] is None  # a partial sum would understate
+    text = re_.estimate_text(est)
+    assert "never timed" in text and "base/b/parallel:2" in text and text.endswith("timed cells alone: 40 s")
+    untimed = re_.full_scale_estimate([{**c, "per_episode_s": None} for c in cells], {"b": 10})
+    assert untimed["timed_seconds"] == 0 and " h" not in re_.estimate_text(untimed)
+    timed = re_.full_scale_estimate(cells[:2], {"b": 3600})
+    assert timed["seconds"] == 2 * 2.0 * 3600 and re_.estimate_text(timed) == "4.0 h"
     table = re_.markdown([{"model": "m", "bench": "b", "condition": c, "per_episode_s": 1.5, "rehearsals": 0,
                            "success": {"mean": 0.5, "ci95": [0.0, 1.0], "n": 2},
                            "diff_vs_none": {"mean": 0.0, "ci95": [0.0, 0.0], "n": 2}} for c in ("none", "parallel:2")])
     assert "| m | b | none | 2 | 0.500 [0.000, 1.000] | — | 0 | 1.5 |" in table
     assert "| +0.000 [+0.000, +0.000] |" in table
+    earlier = re_.markdown([{"model": "m", "bench": "b", "condition": "none", "per_episode_s": 2.25,
+                             "timed": "earlier run", "rehearsals": 0, "success": {"mean": 0.5, "ci95": [0.0, 1.0], "n": 2}}])
+    assert "| 2.2 (timed in an earlier run) |" in earlier or "| 2.3 (timed in an earlier run) |" in earlier
 
 
 def test_tiny_model_run_end_to_end_then_resume(tiny_model_dir, tmp_path, capsys):
@@ -128,9 +191,20 @@ def test_tiny_model_run_end_to_end_then_resume(tiny_model_dir, tmp_path, capsys)
     argv[argv.index(str(md))] = str(tmp_path / "other.md")
     assert re_.main(argv + ["--no-append"]) == 0  # everything from run_eval's cache
     again = json.loads((tmp_path / "out" / "rehearsal_effect.json").read_text())
-    assert all(c["ran"] == 0 and c["cached"] == 1 and c["per_episode_s"] is None for c in again["cells"])
+    assert all(c["ran"] == 0 and c["cached"] == 1 and c["timed"] == "earlier run" for c in again["cells"])
+    assert [c["per_episode_s"] for c in again["cells"]] == [c["per_episode_s"] for c in rep["cells"]]
+    assert again["estimate_full_scale"]["seconds"] == pytest.approx(rep["estimate_full_scale"]["seconds"])
     assert [c["items"] for c in again["cells"]] == [c["items"] for c in rep["cells"]]
+    printed = capsys.readouterr().out
+    assert "(timed in an earlier run)" in printed and "cached |" not in printed and "0.0 h" not in printed
     assert not (tmp_path / "other.md").exists()
+
+    (tmp_path / "out" / "rehearsal_effect.json").unlink()  # the timings are gone: say so, no "0.0 h"
+    assert re_.main(argv + ["--no-append"]) == 0
+    third = json.loads((tmp_path / "out" / "rehearsal_effect.json").read_text())
+    assert all(c["per_episode_s"] is None for c in third["cells"]) and third["estimate_full_scale"]["hours"] is None
+    printed = capsys.readouterr().out
+    assert "never timed" in printed and "tiny/bfcl:multi_turn_base/none" in printed and "0.0 h" not in printed
 
 
 @pytest.fixture

@@ -133,14 +133,35 @@ def _bfcl_md(results: dict) -> list[str]:
         return []
     r = bs[0]["report"]
     rows = [[c["category"], c["n"], _f(c["accuracy"]), c["correct"], c["wrong"], c["no_call"], c["decode_errors"],
+             c.get("truncated", 0), _bfcl_rehearsals(c),
              ", ".join(f"{k}: {v}" for k, v in c["decode_reasons"].items()) or "—"] for c in r["categories"].values()]
     groups = [[g, _f(v), _f(r["groups_evaluated"].get(g))] for g, v in r["groups"].items()]
     return ["## BFCL-v4", "", *_table(["category", "n", "accuracy", "correct", "wrong", "no call",
-                                       "decode failures", "decode reasons"], rows), "",
+                                       "decode failures", "truncated turns", "rehearsals", "decode reasons"], rows),
+            "", ("Truncated turns: generations that hit max_new_tokens. Rehearsals: rehearsed trajectories over "
+                 "the category's entries (multi-turn only; — where none ran)."), "",
             *_table(["group", "bfcl (missing = 0)", "evaluated only"], groups), "",
             f"Overall (bfcl weighting: {r['weighting']}): **{_f(r['overall'])}**; over the evaluated categories "
             f"only: {_f(r['overall_evaluated'])}." + ("" if r["complete"] else
                                                        " Partial run: the bfcl overall is a lower bound."), ""]
+
+
+def _bfcl_rehearsals(c: dict) -> int | str:
+    """Rehearsed trajectories over a BFCL category's entries; "—" when no entry rehearsed."""
+    per = [e["rehearsal"].get("rehearsals", 0) for e in c.get("entries", []) if e.get("rehearsal")]
+    return sum(per) if per else "—"
+
+
+def not_rehearsed(results: dict) -> list[str]:
+    """Bench labels of this run that asked for Private Rehearsal but never rehearse: single-turn BFCL
+    categories (one generation per entry, nothing to imagine) and FinMCP. Empty when the mode is none."""
+    from envace_core.evaluation.bfcl import MULTI_TURN_CATEGORIES
+
+    if results["settings"]["rehearsal"]["mode"] == "none":
+        return []
+    out = [f"bfcl:{c}" for b in _by(results, "bfcl") for c in b["report"]["categories"]
+           if c not in MULTI_TURN_CATEGORIES]
+    return out + [f"finmcp:{Path(b['name']).name}" for b in _by(results, "finmcp")]
 
 
 def _vita_md(results: dict) -> list[str]:
@@ -198,6 +219,8 @@ def markdown(results: dict, plots: list[str]) -> str:
              + (f" (registry version {m['registry_version']})" if m.get("registry_version") else ""),
              f"- Private Rehearsal: {reh['mode']}" + (f", N = {reh['n']}" if reh["mode"] != "none" else "")
              + f" ({reh.get('applies_to', 'tau2 and VitaBench only')})",
+             *([(f"- no rehearsal ran for {', '.join(not_rehearsed(results))} in this run (single-turn BFCL and "
+                 "FinMCP never rehearse)")] if not_rehearsed(results) else []),
              f"- user simulator (tau2): {results['user_simulator']}",
              f"- trials k = {s['trials']}; split {s['split']}; limit {s['limit'] or 'none'} per bench; "
              f"tau2 max steps {s['max_steps']}; seed {s['seed']}",
@@ -327,5 +350,7 @@ def print_summary(results: dict, console=None) -> None:
         p.add_row(f"{name} (published)", *[str(v[col]) for col in HEADLINE_COLUMNS])
     p.add_row("ours (this run)", *[_pct(h[col]) for col in HEADLINE_COLUMNS])
     c.print(p)
+    if not_rehearsed(results):
+        c.print(f"no rehearsal ran for {', '.join(not_rehearsed(results))} (they never rehearse)")
     c.print(f"user simulator: {results['user_simulator']}; work: "
             + ", ".join(f"{b} {w['ran']} ran / {w['cached']} cached" for b, w in results["work"].items()))

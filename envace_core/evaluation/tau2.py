@@ -38,6 +38,7 @@ import json
 import traceback
 import urllib.request
 import uuid
+import warnings
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -427,14 +428,40 @@ def summarize(results: list[dict], trials: int) -> dict:
     return report
 
 
+_CACHE_FIELDS = {"domain": str, "task_id": str, "trial": int, "termination_reason": str}
+
+
+def _cache_record(r: Any) -> bool:
+    """Whether a cache line holds a record `summarize` can use (the fields it reads, with their types)."""
+    num = (int, float)
+    return (isinstance(r, dict) and all(isinstance(r.get(k), t) for k, t in _CACHE_FIELDS.items())
+            and (r.get("reward") is None or isinstance(r["reward"], num))
+            and isinstance(r.get("reward_breakdown"), dict)
+            and all(isinstance(v, num) for v in r["reward_breakdown"].values())
+            and isinstance(r.get("agent_stats", {}), dict))
+
+
 def _load_cache(path: Path | None) -> dict[tuple, dict]:
+    """{(domain, task_id, trial): record} from a `run_tau2` cache. A line that is not JSON (cut by a kill
+    mid-write) or not a record (`_cache_record`) is skipped, so that (task, trial) runs again; one
+    warning per file names it."""
     if path is None or not path.exists():
         return {}
-    out = {}
+    out, bad = {}, 0
     for line in path.read_text().splitlines():
-        if line.strip():
+        if not line.strip():
+            continue
+        try:
             r = json.loads(line)
+        except json.JSONDecodeError:
+            r = None
+        if _cache_record(r):
             out[(r["domain"], r["task_id"], r["trial"])] = r
+        else:
+            bad += 1
+    if bad:
+        warnings.warn(f"tau2 cache {path}: skipped {bad} malformed line(s); rerunning those tasks",
+                      RuntimeWarning, stacklevel=2)
     return out
 
 
