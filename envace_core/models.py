@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 from pathlib import Path
 
 from envace_core import EnvaceError
@@ -138,3 +139,101 @@ def load_model(path: str | Path):
         return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     except (OSError, ValueError) as e:
         raise ModelNotFoundError(f"cannot load model weights from {path}: {e}") from e
+
+
+# ------------------------------------------------------------------------- LoRA adapter folders
+class ModelRefError(EnvaceError):
+    """A `--model` reference that cannot be resolved (unknown form, unregistered, or failing verification)."""
+
+
+class AdapterError(ModelRefError):
+    """A LoRA adapter folder that cannot be loaded: missing, no/half a per-role pair, ``adapter_config.json``
+    not a JSON object, weights missing or unreadable, or weights that do not fit the base model."""
+
+
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # peft's SAFETENSORS_/WEIGHTS_NAME
+ROLES = ("act", "rehearse")
+
+
+def _check_partial_roles(path: Path) -> None:
+    """Raise `AdapterError` when `path` holds one per-role adapter (act/ or rehearse/) but not the other."""
+    have = [r for r in ROLES if (path / r / "adapter_config.json").is_file()]
+    if len(have) == 1:
+        miss = next(r for r in ROLES if r not in have)
+        raise AdapterError(f"per-role LoRA adapter folder {path}: has {have[0]}/ but {miss}/ (with its "
+                           f"adapter_config.json) is missing; a per-role policy needs both act/ and rehearse/")
+
+
+def check_adapter_dir(path: str | Path) -> list[Path]:
+    """The adapter folders to load from `path`: ``[path]``, or ``[path/act, path/rehearse]`` for a per-role
+    policy (`train.policy_per_role`). Reads only the configs and the safetensors headers, no weights.
+
+    Raises `AdapterError` naming the folder: it does not exist, has no ``adapter_config.json`` (or only one
+    of act/ and rehearse/), the config is not JSON / not a JSON object / has no ``peft_type``, or the
+    weights (`ADAPTER_WEIGHTS`) are missing or unreadable.
+    """
+    d = Path(path).expanduser()
+    if not d.is_dir():
+        raise AdapterError(f"LoRA adapter folder {d} does not exist" if not d.exists()
+                           else f"LoRA adapter {d} is a file, not a folder")
+    _check_partial_roles(d)
+    dirs = [d / r for r in ROLES] if all((d / r / "adapter_config.json").is_file() for r in ROLES) else [d]
+    for one in dirs:
+        _check_one_adapter(one)
+    return dirs
+
+
+def _check_one_adapter(d: Path) -> None:
+    cfg_path = d / "adapter_config.json"
+    if not cfg_path.is_file():
+        raise AdapterError(f"{d} has no adapter_config.json (nor per-role act/ and rehearse/ ones): not a LoRA "
+                           "adapter folder; give the folder the train stage saved (or re-run it)")
+    try:
+        conf = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{cfg_path} is not JSON ({e}); the adapter folder is damaged") from None
+    if not isinstance(conf, dict):
+        raise AdapterError(f"{cfg_path} is not a JSON object (got a {type(conf).__name__}); "
+                           "the adapter folder is damaged")
+    if "peft_type" not in conf:
+        raise AdapterError(f"{cfg_path} has no peft_type: not a peft adapter config")
+    weights = [d / w for w in ADAPTER_WEIGHTS if (d / w).is_file()]
+    if not weights:
+        raise AdapterError(f"LoRA adapter {d}: weights missing (no {' or '.join(ADAPTER_WEIGHTS)} beside "
+                           "adapter_config.json)")
+    import pickle
+
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        if weights[0].suffix == ".safetensors":
+            with safe_open(str(weights[0]), framework="pt") as f:
+                list(f.keys())
+        else:
+            import torch
+
+            torch.load(weights[0], map_location="cpu", weights_only=True)
+    except (SafetensorError, pickle.UnpicklingError, EOFError, OSError, ValueError, RuntimeError) as e:
+        raise AdapterError(f"LoRA adapter weights {weights[0]} are unreadable ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200] if str(e) else ''}); the adapter folder is damaged") from None
+
+
+def adapter_load_error(adapter_dir: str | Path, base_ref: str, err: Exception) -> AdapterError:
+    """The `AdapterError` for peft failing to put the adapter on `base_ref` (a size mismatch: trained on
+    another base model)."""
+    lines = [x.strip() for x in str(err).splitlines() if x.strip()] or [""]
+    first = next((x for x in lines if "size mismatch" in x), lines[0])[:240]
+    if "size mismatch" in str(err):
+        return AdapterError(f"LoRA adapter {adapter_dir}: its weights do not fit the base model {base_ref} "
+                            f"({first}); set model.ref to the base it was trained on")
+    return AdapterError(f"LoRA adapter {adapter_dir} cannot be loaded over the base model {base_ref}: "
+                        f"{type(err).__name__}: {first}")
+
+
+def is_adapter_dir(path: Path) -> bool:
+    """A LoRA adapter folder (``adapter_config.json``, or per-role ``act/`` and ``rehearse/`` ones) that
+    is not a full model (no ``config.json``)."""
+    if not path.is_dir() or (path / "config.json").is_file():
+        return False
+    per_role = all((path / r / "adapter_config.json").is_file() for r in ("act", "rehearse"))
+    return (path / "adapter_config.json").is_file() or per_role

@@ -248,11 +248,16 @@ def load_policy(cfg: RunConfig, adapter_dir: Optional[str] = None):
 
     A per-role policy's adapter directory (act/ and rehearse/, `train.policy_per_role`) loads both
     as named adapters; engines over it then generate each role with its own (`ROLE_ADAPTERS`).
-    Raises `eval_run.AdapterError` (before the base loads) for a missing or damaged adapter folder, and
+    Raises `models.AdapterError` (before the base loads) for a missing or damaged adapter folder, and
     after it when the adapter's weights do not fit the base ``model.ref``.
     """
-    from envace_core.eval_run import adapter_load_error, check_adapter_dir
-    from envace_core.models import load_model, load_tokenizer, resolve_model
+    from envace_core.models import (
+        adapter_load_error,
+        check_adapter_dir,
+        load_model,
+        load_tokenizer,
+        resolve_model,
+    )
 
     dirs = check_adapter_dir(adapter_dir) if adapter_dir else []
     base = resolve_model(cfg.model.ref)
