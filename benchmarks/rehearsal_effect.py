@@ -41,6 +41,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
 from envace_core.stats import mean_ci
+from envace_core.storage import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONDITIONS = "none,parallel:2,parallel:4,parallel:8,sequential:2,sequential:4"
@@ -364,16 +365,11 @@ def results_section(report: dict[str, Any]) -> str:
 def _append(path: Path, text: str) -> None:
     """Append `text` to `path` atomically (write the whole new file, then rename)."""
     old = path.read_text() if path.is_file() else ""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(old.rstrip("\n") + "\n\n" + text)
-    tmp.replace(path)
+    atomic_write_text(path, old.rstrip("\n") + "\n\n" + text)
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
-    tmp.replace(path)
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str))
 
 
 def build_parser() -> argparse.ArgumentParser:

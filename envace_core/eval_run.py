@@ -57,6 +57,7 @@ from envace_core.models import (  # noqa: F401  (re-exported: eval_run's public 
     check_adapter_dir,
     is_adapter_dir,
 )
+from envace_core.storage import atomic_write_text
 
 BENCHES = ("tau2", "bfcl", "vita", "finmcp")
 TAU2_DOMAINS = ("airline", "retail", "telecom", "mock")
@@ -355,13 +356,6 @@ def _append_jsonl(path: Path, rec: dict) -> None:
         f.write(json.dumps(rec, sort_keys=True, default=str) + "\n")
 
 
-def _write_json_atomic(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, sort_keys=True, default=str))
-    tmp.replace(path)
-
-
 def _tau2_split(domain: str, split: str) -> str:
     if domain == "mock":
         return "base"
@@ -553,10 +547,7 @@ def run_bfcl_benches(ctx: _Ctx, categories: list[str]) -> dict:
                             temperature=ctx.cfg.eval.temperature, seed=ctx.opts.seed, batch_size=4)
         done[cat] = rep.categories[cat]
         ctx.count(f"bfcl:{cat}", done[cat].n, 0)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(done[cat].model_dump_json())
-        tmp.replace(path)
+        atomic_write_text(path, done[cat].model_dump_json())
         print(f"[eval] bfcl:{cat}: accuracy {done[cat].accuracy:.3f} over {done[cat].n} "
               f"({done[cat].decode_errors} decode errors)", flush=True)
     return {"bench": "bfcl", "name": "bfcl", "report": _bfcl_report(done, ctx.opts.limit).model_dump()}

@@ -82,6 +82,17 @@ def dir_checksums(directory: str | Path) -> dict[str, str]:
             for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary sibling renamed into place (parent folders made):
+    a reader sees the old file or the new one, never half of it. Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
 def atomic_dir(final: str | Path, build: Callable[[Path], None], exists: str = "replace") -> Path:
     """Build a directory with `build(tmp)` in a temporary sibling of `final`, then rename it into place.
 

@@ -20,6 +20,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from envace_core.storage import atomic_write_text
+
 PAPER = "EnvACE paper (Xu et al., arXiv:2608.06197), main results"
 PUBLISHED: dict[str, dict[str, float]] = {
     "EnvACE-8B": {"BFCL-v4": 46.04, "tau2-bench": 36.7, "VitaBench": 16.0, "Overall": 32.91},
@@ -310,22 +312,16 @@ def render_html(results: dict, out_dir: str | Path) -> str:
 
 
 # --------------------------------------------------------------------------------------------- write
-def _write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)  # atomic: a reader sees the old file or the new one
-
-
 def write_report(results: dict, out_dir: str | Path) -> dict[str, str]:
     """Write ``results.json``, the PNGs, ``report.md`` and ``report.html`` into `out_dir`; return their paths."""
     out = Path(out_dir).expanduser()
     out.mkdir(parents=True, exist_ok=True)
     results = json.loads(json.dumps(results, default=str))  # what is rendered is what is stored
     results["headline"] = headline(results)
-    _write_text(out / "results.json", json.dumps(results, indent=2, sort_keys=True))
+    atomic_write_text(out / "results.json", json.dumps(results, indent=2, sort_keys=True))
     pngs = plot(results, out)
-    _write_text(out / "report.md", markdown(results, [str(p) for p in pngs]))
-    _write_text(out / "report.html", render_html(results, out))
+    atomic_write_text(out / "report.md", markdown(results, [str(p) for p in pngs]))
+    atomic_write_text(out / "report.html", render_html(results, out))
     return {"results": str(out / "results.json"), "report": str(out / "report.md"),
             "html": str(out / "report.html"), "plots": [str(p) for p in pngs]}
 
