@@ -56,6 +56,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
 from envace_core.stats import bootstrap_ci
+from envace_core.storage import atomic_write_text
 
 CONDITIONS: dict[str, dict[str, Any] | None] = {
     "base": None,
@@ -242,6 +243,11 @@ def measure(cfg, dataset: dict[str, Any], adapter_dir: str | None, held: list,
             "fidelity": [r["fidelity"] for r in fid], "json_validity": [r["json_valid"] for r in fid]}
 
 
+def preset_key(preset: dict[str, Any]) -> dict[str, Any]:
+    """The preset settings that decide a report's runs (not the seed list, which only selects runs)."""
+    return json.loads(json.dumps({k: v for k, v in preset.items() if k not in ("synthesize", "seeds")}))
+
+
 def warm_key(sft_opts: dict[str, Any] | None, train: list, model_ref: str) -> dict[str, Any] | None:
     """What decides the warm start's weights: SFT options, train task ids, base model (None: no SFT)."""
     if not sft_opts:
@@ -295,7 +301,7 @@ def warm_start(cfg, train: list, out: Path, sft_opts: dict[str, Any],
     atomic_dir(str(per_role), both_roles)
     meta = {"key": key, "adapter": str(adapter), "per_role": str(per_role), "examples": len(examples),
             "losses": [round(x, 4) for x in losses], "seconds": round(time.perf_counter() - t0, 1)}
-    meta_file.write_text(json.dumps(meta, indent=1))
+    atomic_write_text(meta_file, json.dumps(meta, indent=1))
     log(f"[learning] warm start: {sft_opts['steps']} SFT steps on {len(examples)} gold ACT turns, loss "
         f"{losses[0]:.3f} -> {losses[-1]:.3f}, {meta['seconds']:.0f}s")
     return meta
@@ -388,11 +394,12 @@ def plot_curve(runs: dict[str, dict[int, dict]], path: Path) -> None:
     plt.close(fig)
 
 
-def _fmt(s: dict[str, Any] | None, key: str = "ci") -> str:
+def _fmt(s: dict[str, Any] | None, signed: bool = False) -> str:
+    """``mean [lo, hi]`` of a summary or paired difference ("—" without data); `signed` for differences."""
     if not s or s.get("mean") is None:
         return "—"
-    lo, hi = s[key] if s.get(key) else s["ci"]
-    return f"{s['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}]" if key == "diff" else f"{s['mean']:.3f} [{lo:.3f}, {hi:.3f}]"
+    f = "+.3f" if signed else ".3f"
+    return f"{s['mean']:{f}} [{s['ci'][0]:{f}}, {s['ci'][1]:{f}}]"
 
 
 def _seed_ci(s: dict[str, Any]) -> str:
@@ -416,7 +423,7 @@ def markdown(report: dict[str, Any]) -> str:
         rows += ["", "| condition | difference (same held-out items, 95% bootstrap CI) | mean [CI] | n |",
                  "|---|---|---|---|"]
         rows += [f"| {cond} | {k.replace('_vs_', ' − ')} | "
-                 f"{_fmt({**v, 'diff': v['ci']}, 'diff') if v['mean'] is not None else '—'} | {v['n']} |"
+                 f"{_fmt(v, signed=True)} | {v['n']} |"
                  for cond, k, v in diffs]
     return "\n".join(rows)
 
@@ -445,12 +452,11 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
     log(f"[learning] curriculum: {len(train)} train / {len(held)} held-out synthesized tasks "
         f"(levels {preset['levels']}), dataset {dataset['version']}")
     runs: dict[str, dict[int, dict]] = {}
-    warm = None
+    warm, base_cfg = None, load_config("cpu-smoke", over)
     if preset.get("sft") and any(CONDITIONS[c] is not None for c in conditions):
-        warm = warm_start(load_config("cpu-smoke", over), train, out, preset["sft"], log)
-    report_key = {"preset": {k: v for k, v in preset.items() if k not in ("synthesize", "seeds")},
-                  "dataset": dataset["version"],  # a base-only run has the same key as a full one
-                  "warm_start": warm_key(preset.get("sft"), train, load_config("cpu-smoke", over).model.ref)}
+        warm = warm_start(base_cfg, train, out, preset["sft"], log)
+    report_key = {"preset": preset_key(preset), "dataset": dataset["version"],  # base-only runs share it
+                  "warm_start": warm_key(preset.get("sft"), train, base_cfg.model.ref)}
     done = _finished_runs(out, report_key)  # a killed benchmark resumes: finished (condition, seed) runs are kept
     for other in merge:
         theirs = _finished_runs(Path(other), report_key)
@@ -458,10 +464,10 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
             raise BenchmarkError(f"--merge {other}: no learning.json there with this preset, dataset and warm start")
         for cond, seeds in theirs.items():
             done.setdefault(cond, {}).update(seeds)
-    # seed-major: every condition of the first seed finishes before the next seed starts
     for cond, seeds in done.items():  # conditions not asked for this time stay in the report
         if cond not in conditions and cond in CONDITIONS:
             runs[cond] = dict(seeds)
+    # seed-major: every condition of the first seed finishes before the next seed starts
     for seed in preset["seeds"]:
         for cond in conditions:
             spec = CONDITIONS[cond]
@@ -514,21 +520,17 @@ def _finished_runs(out: Path, key: dict[str, Any]) -> dict[str, dict[str, dict]]
 
 def _write_report(out: Path, report: dict[str, Any]) -> None:
     """learning.json (atomically: temp file + rename) and learning_curve.png."""
-    out.mkdir(parents=True, exist_ok=True)
-    tmp = out / "learning.json.tmp"
-    tmp.write_text(json.dumps(report, indent=1, default=str))
-    os.replace(tmp, out / "learning.json")
+    atomic_write_text(out / "learning.json", json.dumps(report, indent=1, default=str))
     plot_curve(report["runs"], out / "learning_curve.png")
 
 
 def _report(preset, dataset, warm, train, held, runs, key, wall: float, complete: bool) -> dict[str, Any]:
     """The JSON-able report of the runs so far: summaries per condition and paired differences."""
+    runs = {c: runs[c] for c in CONDITIONS if c in runs}  # table order
     report = {"key": key, "complete": complete,
               "preset": {k: v for k, v in preset.items() if k != "synthesize"}, "dataset": dataset,
               "warm_start": warm, "held_out_ids": [t.id for t in held], "train_ids": [t.id for t in train],
               "summary": {}, "runs": runs, "wall_seconds": wall}
-    runs = {c: runs[c] for c in CONDITIONS if c in runs}  # table order
-    report["runs"] = runs
     for cond, seeds in runs.items():
         finals = {s: r["final"] for s, r in seeds.items()}
         hist = [h for r in seeds.values() for h in r["history"]]
@@ -612,8 +614,7 @@ def main() -> int:
             other = json.loads(f.read_text())
         except (OSError, ValueError) as e:
             ap.error(f"--merge {m}: cannot read {f} ({e})")
-        want = {k: v for k, v in preset.items() if k not in ("synthesize", "seeds")}
-        if other.get("key", {}).get("preset") != json.loads(json.dumps(want)):
+        if other.get("key", {}).get("preset") != preset_key(preset):
             ap.error(f"--merge {m}: its report was made with another preset than --preset {args.preset}")
     try:
         report = run(preset, Path(args.out), conds, merge=[Path(m) for m in args.merge])
