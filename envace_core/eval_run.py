@@ -57,7 +57,7 @@ from envace_core.models import (  # noqa: F401  (re-exported: eval_run's public 
     check_adapter_dir,
     is_adapter_dir,
 )
-from envace_core.storage import atomic_write_text
+from envace_core.storage import atomic_write_text, read_jsonl
 
 BENCHES = ("tau2", "bfcl", "vita", "finmcp")
 TAU2_DOMAINS = ("airline", "retail", "telecom", "mock")
@@ -308,28 +308,6 @@ def _path_key(path: str) -> str:
     return f"{_safe(Path(path).name)}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
 
 
-def _read_jsonl(path: Path, check: Callable[[Any], Any] | None = None) -> list:
-    """The records of a JSONL cache, each passed through `check` (which raises ValueError / TypeError /
-    KeyError on a record of the wrong shape, e.g. a pydantic ValidationError). A line that is not JSON (cut
-    by a kill mid-write) or has the wrong shape is skipped, so that work is redone; one warning per file
-    names it."""
-    if not path.is_file():
-        return []
-    out, bad = [], 0
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            out.append(check(rec) if check else rec)
-        except (ValueError, TypeError, KeyError, AttributeError):  # JSONDecodeError is a ValueError
-            bad += 1
-    if bad:
-        warnings.warn(f"eval cache {path}: skipped {bad} malformed line(s); recomputing those entries",
-                      RuntimeWarning, stacklevel=2)
-    return out
-
-
 def _need(rec: Any, **types: Any) -> dict:
     """`rec` if it is a dict whose keys `types` hold values of those types, else TypeError/KeyError."""
     if not isinstance(rec, dict):
@@ -501,7 +479,7 @@ def _bfcl_multi_turn(ctx: _Ctx, cat: str):
 
     entries = load_bfcl(cat, ctx.opts.limit)
     path = ctx.cache / f"bfcl_{cat}.jsonl"
-    have = {r.id: r for r in _read_jsonl(path, EntryResult.model_validate)}
+    have = {r.id: r for r in read_jsonl(path, EntryResult.model_validate)}
     todo = [e for e in entries if e.id not in have]
     if todo:
         print(f"[eval] bfcl:{cat} ({len(todo)} entries; rehearsal {ctx.opts.rehearsal}) ...", flush=True)
@@ -578,7 +556,7 @@ def run_vita_bench(ctx: _Ctx, path: str) -> dict:
 
     tasks = load_vitabench(path)[: ctx.opts.limit]
     cache = ctx.cache / f"vita_{_path_key(path)}.jsonl"
-    have = {(r["task_id"], r["trial"]): r for r in _read_jsonl(cache, _vita_record)}
+    have = {(r["task_id"], r["trial"]): r for r in read_jsonl(cache, _vita_record)}
     results = []
     for task in _progress(tasks, "vita", len(tasks)):
         for trial in range(ctx.opts.trials):
@@ -625,7 +603,7 @@ def run_finmcp_bench(ctx: _Ctx, path: str) -> dict:
 
     samples = finmcp.load_finmcp(path)[: ctx.opts.limit]
     cache = ctx.cache / f"finmcp_{_path_key(path)}.jsonl"
-    have = {r["sample"]["id"]: r for r in _read_jsonl(cache, _finmcp_record)}
+    have = {r["sample"]["id"]: r for r in read_jsonl(cache, _finmcp_record)}
     rows = []
     for s in _progress(samples, "finmcp", len(samples)):
         if s.id in have:

@@ -51,6 +51,7 @@ import logging
 import os
 import shutil
 import tempfile
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
@@ -91,6 +92,28 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     tmp.write_text(text)
     tmp.replace(path)
     return path
+
+
+def read_jsonl(path: Path, check: Callable[[Any], Any] | None = None) -> list:
+    """The records of a JSONL cache, each passed through `check` (which raises ValueError / TypeError /
+    KeyError on a record of the wrong shape, e.g. a pydantic ValidationError). A line that is not JSON (cut
+    by a kill mid-write) or has the wrong shape is skipped, so that work is redone; one warning per file
+    names it (eval_run and evaluation.tau2 resume caches)."""
+    if not path.is_file():
+        return []
+    out, bad = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            out.append(check(rec) if check else rec)
+        except (ValueError, TypeError, KeyError, AttributeError):  # JSONDecodeError is a ValueError
+            bad += 1
+    if bad:
+        warnings.warn(f"eval cache {path}: skipped {bad} malformed line(s); recomputing those entries",
+                      RuntimeWarning, stacklevel=2)
+    return out
 
 
 def atomic_dir(final: str | Path, build: Callable[[Path], None], exists: str = "replace") -> Path:

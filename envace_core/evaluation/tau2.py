@@ -38,7 +38,6 @@ import json
 import traceback
 import urllib.request
 import uuid
-import warnings
 from collections import Counter, defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -51,6 +50,7 @@ from envace_core import EnvaceError, roles
 from envace_core.engines.base import Engine, SamplingParams
 from envace_core.envs import tau2 as tau2_env
 from envace_core.rehearsal import RehearsalAgent, RehearsalRound
+from envace_core.storage import read_jsonl
 from envace_core.types import (
     Message,
     Observation,
@@ -431,38 +431,26 @@ def summarize(results: list[dict], trials: int) -> dict:
 _CACHE_FIELDS = {"domain": str, "task_id": str, "trial": int, "termination_reason": str}
 
 
-def _cache_record(r: Any) -> bool:
-    """Whether a cache line holds a record `summarize` can use (the fields it reads, with their types)."""
+def _cache_record(r: Any) -> dict:
+    """`r` if a cache line holds a record `summarize` can use (the fields it reads, with their types),
+    else TypeError (`storage.read_jsonl` then skips it)."""
     num = (int, float)
-    return (isinstance(r, dict) and all(isinstance(r.get(k), t) for k, t in _CACHE_FIELDS.items())
+    if not (isinstance(r, dict) and all(isinstance(r.get(k), t) for k, t in _CACHE_FIELDS.items())
             and (r.get("reward") is None or isinstance(r["reward"], num))
             and isinstance(r.get("reward_breakdown"), dict)
             and all(isinstance(v, num) for v in r["reward_breakdown"].values())
-            and isinstance(r.get("agent_stats", {}), dict))
+            and isinstance(r.get("agent_stats", {}), dict)):
+        raise TypeError("not a tau2 cache record")
+    return r
 
 
 def _load_cache(path: Path | None) -> dict[tuple, dict]:
     """{(domain, task_id, trial): record} from a `run_tau2` cache. A line that is not JSON (cut by a kill
     mid-write) or not a record (`_cache_record`) is skipped, so that (task, trial) runs again; one
-    warning per file names it."""
-    if path is None or not path.exists():
+    warning per file names it (`storage.read_jsonl`)."""
+    if path is None:
         return {}
-    out, bad = {}, 0
-    for line in path.read_text().splitlines():
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-        except json.JSONDecodeError:
-            r = None
-        if _cache_record(r):
-            out[(r["domain"], r["task_id"], r["trial"])] = r
-        else:
-            bad += 1
-    if bad:
-        warnings.warn(f"tau2 cache {path}: skipped {bad} malformed line(s); rerunning those tasks",
-                      RuntimeWarning, stacklevel=2)
-    return out
+    return {(r["domain"], r["task_id"], r["trial"]): r for r in read_jsonl(path, _cache_record)}
 
 
 def run_tau2(engine: Engine, domain: str, task_ids: Sequence[str] | None = None, split: str = "test",
