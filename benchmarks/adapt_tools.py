@@ -71,10 +71,10 @@ def parent_overrides(args) -> dict[str, Any]:
 
 def check_parent_never_saw(dataset: dict[str, Any]) -> dict[str, int]:
     """Counts proving the hold-out; BenchmarkError if a train task calls the tool or shows it."""
-    from envace_core import stages
-    from envace_core.envs.tau2 import task_context
+    from envace_core.envs.tau2.tasks import task_context
+    from envace_core.stages.dataset import load_dataset
 
-    train, test = stages.load_dataset(dataset, "train"), stages.load_dataset(dataset, "test")
+    train, test = load_dataset(dataset, "train"), load_dataset(dataset, "test")
     calls = [t.id for t in train if any(a.name == TOOL for a in t.gold_actions)]
     shown = [t.id for t in train + test if TOOL in {s.name for s in task_context(t).tools}]
     if calls or shown:
@@ -91,14 +91,18 @@ def example_users_in(held: list, examples: list) -> list[str]:
 
 def train_parent(cfg) -> dict[str, Any]:
     """The main job on `cfg` (as `envace train`); returns the registry entry plus the dataset."""
-    from envace_core import stages
+    from envace_core.stages.curate import curate
+    from envace_core.stages.evaluate import evaluate
+    from envace_core.stages.register import register
+    from envace_core.stages.train import rollout_and_train
+    from envace_core.stages.validate import validate
 
-    ds = stages.curate(cfg)
+    ds = curate(cfg)
     counts = check_parent_never_saw(ds)
-    tr = stages.rollout_and_train(cfg, ds)
-    val = stages.validate(cfg, ds, tr)
-    ev = stages.evaluate(cfg, ds, tr)
-    reg = stages.register(cfg, ds, tr, val, ev, execution_id="benchmarks/adapt_tools.py")
+    tr = rollout_and_train(cfg, ds)
+    val = validate(cfg, ds, tr)
+    ev = evaluate(cfg, ds, tr)
+    reg = register(cfg, ds, tr, val, ev, execution_id="benchmarks/adapt_tools.py")
     return {**reg, "ref": f"registry:{reg['name']}@{reg['version']}", "dataset": ds["version"],
             "counts": counts, "training": tr["history"]}
 
@@ -139,14 +143,17 @@ def markdown(report: dict[str, Any]) -> str:
 
 def run(args) -> dict[str, Any]:
     """Parent, adaptation per seed, measurement; the JSON-able report (also written under --out)."""
-    from envace_core import stages
-    from envace_core import tool_learning as tl
     from envace_core.config import load_config
+    from envace_core.stages.dataset import load_dataset
+    from envace_core.tool_learning.adapt import adapt
+    from envace_core.tool_learning.inputs import load_examples, load_tools
+    from envace_core.tool_learning.measure import measure
+    from envace_core.tool_learning.tasks import HELD_OUT_SPLIT
 
     t0 = time.perf_counter()
     args.out.mkdir(parents=True, exist_ok=True)
-    tools = tl.load_tools(EXAMPLES_DIR / "tools.json")
-    examples = tl.load_examples(EXAMPLES_DIR / "examples.jsonl", tools)
+    tools = load_tools(EXAMPLES_DIR / "tools.json")
+    examples = load_examples(EXAMPLES_DIR / "examples.jsonl", tools)
     base = parent_overrides(args)
     parent = train_parent(load_config(args.profile, base))
     print(f"[adapt_tools] parent {parent['ref']}: {parent['counts']['train']} train / "
@@ -155,16 +162,16 @@ def run(args) -> dict[str, Any]:
     runs = []
     for seed in args.seeds:
         cfg = load_config(args.profile, {**adapt_over, "train": {"iterations": args.iterations, "seed": seed}})
-        res = tl.adapt(cfg, parent["ref"], tools, examples, domain=DOMAIN, n_tasks=args.tasks,
+        res = adapt(cfg, parent["ref"], tools, examples, domain=DOMAIN, n_tasks=args.tasks,
                        name=f"{parent['name']}-tools")
         if res["real_calls_to_new_tools"] != 0:
             raise BenchmarkError(f"seed {seed}: {res['real_calls_to_new_tools']} real calls to {TOOL} in training")
-        held = stages.load_dataset(res["dataset"], tl.HELD_OUT_SPLIT)  # drawn with train.seed: one per seed
+        held = load_dataset(res["dataset"], HELD_OUT_SPLIT)  # drawn with train.seed: one per seed
         if not held:
             raise BenchmarkError(f"seed {seed}: no held-out task needs {TOOL}; raise --tasks")
         ref = f"registry:{res['name']}@{res['version']}"
-        before = tl.measure(cfg, parent["ref"], held, tools=[TOOL], trials=args.trials, seed=seed)
-        after = tl.measure(cfg, ref, held, tools=[TOOL], trials=args.trials, seed=seed)
+        before = measure(cfg, parent["ref"], held, tools=[TOOL], trials=args.trials, seed=seed)
+        after = measure(cfg, ref, held, tools=[TOOL], trials=args.trials, seed=seed)
         runs.append({"seed": seed, "ref": ref, "held_out_ids": [t.id for t in held], "before": before,
                      "after": after, "result": res, "example_users_held_out": example_users_in(held, examples)})
         print(f"[adapt_tools] seed {seed}: {ref}, {len(held)} held-out tasks, success "

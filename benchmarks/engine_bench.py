@@ -164,7 +164,8 @@ def our_step(model_dir, tok, prompts, args, dtype: str, kl_beta: float = 0.0) ->
     from envace_core.engines.base import SamplingParams
     from envace_core.engines.hf import HFEngine
     from envace_core.models import load_model
-    from envace_core.trainer import PolicyTrainer, TrainingRow
+    from envace_core.training.rows import TrainingRow
+    from envace_core.training.trainer import PolicyTrainer
 
     trainer = PolicyTrainer(load_model(model_dir), tok, _train_cfg(4, kl_beta), compute_dtype=dtype)
     eng = HFEngine(trainer.model, tok, compute_dtype=dtype, max_batch_size=16)

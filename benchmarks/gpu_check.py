@@ -34,7 +34,8 @@ from envace_core.config import TrainConfig
 from envace_core.engines.base import SamplingParams
 from envace_core.engines.vllm import PolicyVLLMEngine, VLLMEngine, export_merged
 from envace_core.models import load_model, load_tokenizer
-from envace_core.trainer import PolicyTrainer, TrainingRow
+from envace_core.training.rows import TrainingRow
+from envace_core.training.trainer import PolicyTrainer
 
 
 def main():

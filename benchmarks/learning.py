@@ -55,8 +55,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
-from envace_core.stats import bootstrap_ci
-from envace_core.storage import atomic_write_text
+from envace_core.evaluation.stats import bootstrap_ci
+from envace_core.store.files import atomic_write_text
 
 CONDITIONS: dict[str, dict[str, Any] | None] = {
     "base": None,
@@ -114,7 +114,7 @@ def split_tasks(tasks: list, mod: int) -> tuple[list, list]:
 def curriculum(domains: list[str], levels: list[int], per_level: int, seed: int, mod: int,
                synthesize: Callable | None = None) -> tuple[list, list]:
     """Synthesized tasks (`per_level` per level and domain) split into (train, held_out)."""
-    from envace_core.synth import synthesize as synth
+    from envace_core.envs.tau2.synth import synthesize as synth
 
     synthesize = synthesize or synth
     tasks = [t for d in domains for t in synthesize(d, per_level * len(levels), levels, seed)]
@@ -127,13 +127,14 @@ def write_dataset(store_root: str, train: list, held: list, domains: list[str]) 
     Returns the dict `stages.load_dataset` / `rollout_and_train` / `evaluate` take."""
     import pandas as pd
 
-    from envace_core import stages
-    from envace_core.envs.tau2 import load_tasks
-    from envace_core.gates import dataset_gate
-    from envace_core.storage import open_store, sha256_bytes
+    from envace_core.envs.tau2.tasks import load_tasks
+    from envace_core.stages.dataset import task_record
+    from envace_core.stages.gates import dataset_gate
+    from envace_core.store.files import sha256_bytes
+    from envace_core.store.uri import open_store
 
     held = [t.model_copy(update={"split": "test"}) for t in held]
-    records = [stages._task_record(t) for t in train + held]
+    records = [task_record(t) for t in train + held]
     real_test = {t.id for d in domains for t in load_tasks(d, "test")}
     gate = dataset_gate(pd.DataFrame(records), real_test | {t.id for t in held}, 2,
                         domains=domains)
@@ -208,24 +209,27 @@ def iteration_tokens(rec: dict[str, Any]) -> int:
 
 def rehearse_fidelity(cfg, adapter_dir: str | None, held: list, limit: int) -> list[dict[str, Any]]:
     """Per-transition REHEARSE rows on held-out real transitions, scored as `stages.validate` does."""
-    from envace_core import roles, stages
     from envace_core.engines.base import SamplingParams
     from envace_core.engines.hf import HFEngine
-    from envace_core.envs.tau2 import task_context
-    from envace_core.rewards import fidelity
+    from envace_core.envs.tau2.tasks import task_context
+    from envace_core.roles.errors import ParseError
+    from envace_core.roles.rehearse import parse_rehearse, rehearse_prompt_ids
+    from envace_core.stages.validate import held_out_transitions
+    from envace_core.training.policy import load_policy
+    from envace_core.training.rewards import fidelity
 
-    trans = stages.held_out_transitions(held, limit)
-    model, tok, _ = stages.load_policy(cfg, adapter_dir)
+    trans = held_out_transitions(held, limit)
+    model, tok, _ = load_policy(cfg, adapter_dir)
     engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype)
-    prompts = [roles.rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c)
+    prompts = [rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c)
                for t, h, c, _ in trans]
     sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0, role="rehearse")
     rows = []
     for (task, _, call, real), outs in zip(trans, engine.generate(prompts, sp)):
         try:
-            pred = roles.parse_rehearse(tok.decode(outs[0].token_ids, skip_special_tokens=True))
+            pred = parse_rehearse(tok.decode(outs[0].token_ids, skip_special_tokens=True))
             rows.append({"id": f"{task.id}#{call.id}", "json_valid": 1.0, "fidelity": fidelity(pred, real)})
-        except roles.ParseError:
+        except ParseError:
             rows.append({"id": f"{task.id}#{call.id}", "json_valid": 0.0, "fidelity": 0.0})
     return rows
 
@@ -233,9 +237,9 @@ def rehearse_fidelity(cfg, adapter_dir: str | None, held: list, limit: int) -> l
 def measure(cfg, dataset: dict[str, Any], adapter_dir: str | None, held: list,
             max_transitions: int) -> dict[str, Any]:
     """Held-out ACT success per task (`stages.evaluate`, no rehearsal) and fidelity per transition."""
-    from envace_core import stages
+    from envace_core.stages.evaluate import evaluate
 
-    ev = stages.evaluate(cfg, dataset, {"adapter_dir": adapter_dir})
+    ev = evaluate(cfg, dataset, {"adapter_dir": adapter_dir})
     res = [r for r in ev["results"] if r["condition"] == "no_rehearsal"]
     fid = rehearse_fidelity(cfg, adapter_dir, held, max_transitions)
     return {"success": [r["success"] for r in res], "task_ids": [r["task_id"] for r in res],
@@ -271,9 +275,10 @@ def warm_start(cfg, train: list, out: Path, sft_opts: dict[str, Any],
 
     import torch
 
-    from envace_core import sft, stages
-    from envace_core.storage import atomic_dir
-    from envace_core.trainer import PolicyTrainer
+    from envace_core.store.files import atomic_dir
+    from envace_core.training.policy import load_policy
+    from envace_core.training.sft import act_examples, sft_warmup
+    from envace_core.training.trainer import PolicyTrainer
 
     root = out / "warm_start"
     meta_file, key = root / "warm_start.json", warm_key(sft_opts, train, cfg.model.ref)
@@ -284,13 +289,13 @@ def warm_start(cfg, train: list, out: Path, sft_opts: dict[str, Any],
             return meta
     t0 = time.perf_counter()
     torch.manual_seed(sft_opts["seed"])
-    model, tok, _ = stages.load_policy(cfg)
+    model, tok, _ = load_policy(cfg)
     trainer = PolicyTrainer(model, tok, cfg.train, compute_dtype=cfg.model.compute_dtype)
-    examples = sft.act_examples(train, tok, cfg.data.policy_max_chars, max_turns=cfg.rollout.max_turns,
+    examples = act_examples(train, tok, cfg.data.policy_max_chars, max_turns=cfg.rollout.max_turns,
                                 max_tokens=cfg.train.sft_max_tokens)
     if not examples:
         raise BenchmarkError("the train split has no gold ACT turn to warm up on")
-    losses = sft.sft_warmup(trainer, examples, sft_opts["steps"], sft_opts["learning_rate"],
+    losses = sft_warmup(trainer, examples, sft_opts["steps"], sft_opts["learning_rate"],
                             sft_opts["batch_rows"], seed=sft_opts["seed"])
     adapter, per_role = root / "adapter", root / "per_role"
     trainer.save_adapter(str(adapter))
@@ -316,8 +321,9 @@ def train_to_budget(cfg, dataset: dict[str, Any], budget: int, max_iterations: i
     previous chunk's checkpoint is copied to the next chunk's run id so the stage resumes it exactly.
     Returns {"history", "adapter_dir", "tokens", "iterations", "overshoot_iterations", "curve_heldout"}.
     """
-    from envace_core import stages
-    from envace_core.storage import open_store
+    from envace_core.stages.train import rollout_and_train
+    from envace_core.store.uri import open_store
+    from envace_core.training.loop import training_run_id
 
     if cfg.train.lr_scheduler != "constant" or cfg.train.warmup_iterations:
         raise BenchmarkError("train_to_budget resumes across chunks with a constant LR only: set "
@@ -331,10 +337,10 @@ def train_to_budget(cfg, dataset: dict[str, Any], budget: int, max_iterations: i
         k = max(1, min(room, eval_every or room, max_iterations - len(history)))
         c = cfg.model_copy(deep=True)
         c.train.iterations = len(history) + k
-        key = f"runs/{stages._run_id(c, dataset)}/checkpoint"
+        key = f"runs/{training_run_id(c, dataset)}/checkpoint"
         if prev and not store.exists(f"{key}/state.json"):
             _copy_checkpoint(store, prev, key)
-        trained = stages.rollout_and_train(c, dataset)
+        trained = rollout_and_train(c, dataset)
         history, prev = trained["history"], key
         if on_eval and eval_every and len(history) % eval_every == 0:
             curve.append({"iteration": len(history), "tokens": sum(iteration_tokens(h) for h in history),
@@ -354,7 +360,7 @@ def _copy_checkpoint(store, src: str, dst: str) -> None:
     """Copy a checkpoint to another key; put_dir writes a fresh CHECKSUMS.json for the copy."""
     import shutil
 
-    from envace_core.storage import CHECKSUMS
+    from envace_core.store.files import CHECKSUMS
 
     with tempfile.TemporaryDirectory() as tmp:
         shutil.copytree(store.get_dir(src), Path(tmp) / "ckpt", ignore=shutil.ignore_patterns(CHECKSUMS))
@@ -557,20 +563,20 @@ def _merge(base: dict, extra: dict) -> dict:
 def probe(n_tasks: int, group: int, overrides: dict[str, Any]) -> dict[str, Any]:
     """Base model on level-1 synthesized tasks, real env, T=1: share of ACT outputs that parse as a
     tool call and trajectory success rate (the learning signal GRPO can get at all)."""
-    from envace_core import stages
     from envace_core.config import load_config
     from envace_core.engines.hf import HFEngine
-    from envace_core.rollout import training_group
-    from envace_core.synth import synthesize
+    from envace_core.envs.tau2.synth import synthesize
+    from envace_core.training.policy import load_policy, rollout_params
+    from envace_core.training.rollout import training_group
     from envace_core.types import Role
 
     tasks = synthesize("airline", n_tasks, [1], 0) + synthesize("retail", n_tasks, [1], 0)
     cfg = load_config("cpu-smoke", _merge(overrides, {"rollout": {"source": "real", "group_size": group}}))
-    model, tok, _ = stages.load_policy(cfg)
+    model, tok, _ = load_policy(cfg)
     engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype)
     acts, calls, wins = 0, 0, []
     for i, t in enumerate(tasks):
-        for tr in training_group(engine, t, cfg, stages.rollout_params(cfg), seed=i):
+        for tr in training_group(engine, t, cfg, rollout_params(cfg), seed=i):
             wins.append(float((tr.reward or 0) >= 1.0))
             for g in tr.generations:
                 if g.role == Role.ACT:

@@ -39,19 +39,20 @@ def main() -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from envace_core import rehearse_run, stages
     from envace_core.config import load_config
     from envace_core.engines.hf import HFEngine
+    from envace_core.rehearsal.inspect import rehearse_task
+    from envace_core.training.policy import load_policy
 
     cfg = load_config(args.profile, args.overrides)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()]
-    model, tok, _ = stages.load_policy(cfg)
+    model, tok, _ = load_policy(cfg)
     engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype)
     print(f"model {cfg.model.ref} ({cfg.model.compute_dtype}), torch threads {torch.get_num_threads()}, "
           f"max_turns {cfg.eval.max_turns}, commit temperature {cfg.eval.temperature}, "
           f"rehearsal temperature {cfg.rehearsal.temperature}, verifier {cfg.rehearsal.verifier}, "
           f"load average {os.getloadavg()[0]:.2f}")
-    rehearse_run.rehearse_task(cfg, tasks[0], "parallel", 2, engine=engine)  # warm-up, untimed
+    rehearse_task(cfg, tasks[0], "parallel", 2, engine=engine)  # warm-up, untimed
 
     secs: dict[str, dict[str, float]] = {}
     info: dict[str, dict[str, str]] = {}
@@ -60,7 +61,7 @@ def main() -> int:
     for rep in range(args.repeats):
         for tid in tasks:
             for name, mode, n in CONDITIONS:
-                r = rehearse_run.rehearse_task(cfg, tid, mode, n, engine=engine)
+                r = rehearse_task(cfg, tid, mode, n, engine=engine)
                 t = r["seconds"]["rehearse_and_commit"]
                 secs.setdefault(name, {})[tid] = min(t, secs.get(name, {}).get(tid, float("inf")))
                 calls = sum("call" in s for s in r["committed"]["steps"])

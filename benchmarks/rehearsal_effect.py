@@ -40,8 +40,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
-from envace_core.stats import mean_ci
-from envace_core.storage import atomic_write_text
+from envace_core.evaluation.stats import mean_ci
+from envace_core.store.files import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_CONDITIONS = "none,parallel:2,parallel:4,parallel:8,sequential:2,sequential:4"
@@ -57,7 +57,7 @@ class BenchmarkError(EnvaceError):
 def parse_conditions(text: str) -> list[str]:
     """``none,parallel:2,...`` -> canonical condition names (`eval_run.parse_rehearsal` syntax), ``none``
     first. Raises `BenchmarkError` for a bad item, a duplicate, or no ``none`` (the paired baseline)."""
-    from envace_core.eval_run import parse_rehearsal
+    from envace_core.evaluation.options import parse_rehearsal
 
     out: list[str] = []
     for item in [s.strip() for s in (text or "").split(",") if s.strip()]:
@@ -98,8 +98,8 @@ def parse_models(models: str, trained: str | None) -> list[tuple[str, str]]:
 def parse_benches(text: str) -> list[str]:
     """Bench labels via `eval_run.parse_benches`; only tau2 domains and BFCL multi-turn categories (the
     ones Private Rehearsal acts on). Raises `BenchmarkError`."""
-    from envace_core.eval_run import parse_benches as parse
     from envace_core.evaluation.bfcl import MULTI_TURN_CATEGORIES
+    from envace_core.evaluation.options import parse_benches as parse
 
     try:
         specs = parse(text)
@@ -275,7 +275,7 @@ def cell_timing(res: dict[str, Any], bench: str, ref: str, cond: str, items: dic
 
 def full_items(benches: list[str]) -> dict[str, int]:
     """Items per bench at full scale: tau2's test split size, the BFCL category's entry count."""
-    from envace_core.envs.tau2 import load_tasks
+    from envace_core.envs.tau2.tasks import load_tasks
     from envace_core.evaluation.bfcl import load_bfcl
 
     return {b: len(load_tasks(b.split(":", 1)[1], "test")) if b.startswith("tau2:") else len(load_bfcl(b.split(":", 1)[1]))
@@ -286,12 +286,10 @@ def full_items(benches: list[str]) -> dict[str, int]:
 def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Every model × condition through `run_eval` (module docstring); returns the JSON report."""
     from envace_core.config import load_config
-    from envace_core.eval_run import (
-        EvalOptions,
-        load_engine,
-        resolve_model_ref,
-        run_eval,
-    )
+    from envace_core.evaluation.harness import run_eval
+    from envace_core.evaluation.options import EvalOptions
+    from envace_core.models import resolve_model_ref
+    from envace_core.training.policy import load_engine
 
     conditions, benches = parse_conditions(args.conditions), parse_benches(args.benches)
     models, user = parse_models(args.models, args.trained), parse_user(args.user)
@@ -400,7 +398,8 @@ def check_args(args: argparse.Namespace) -> None:
     checked, base model folders found). Raises `EnvaceError` (`BenchmarkError`, `config.ConfigError`,
     `eval_run.ModelRefError`, `models.ModelNotFoundError`)."""
     from envace_core.config import load_config
-    from envace_core.eval_run import EvalOptions, check_model_ref
+    from envace_core.evaluation.options import EvalOptions
+    from envace_core.models import check_model_ref
 
     if args.limit is not None and args.limit < 1:
         raise BenchmarkError(f"--limit must be >= 1, got {args.limit}")

@@ -26,14 +26,18 @@ from envace_core.config import PROFILES, load_config
 
 
 def _train(args) -> int:
-    from envace_core import stages
+    from envace_core.stages.curate import curate
+    from envace_core.stages.evaluate import evaluate
+    from envace_core.stages.register import register
+    from envace_core.stages.train import rollout_and_train
+    from envace_core.stages.validate import validate
 
     cfg = load_config(args.profile, args.overrides)
-    ds = stages.curate(cfg)
-    tr = stages.rollout_and_train(cfg, ds)
-    val = stages.validate(cfg, ds, tr)
-    ev = stages.evaluate(cfg, ds, tr)
-    stages.register(cfg, ds, tr, val, ev, execution_id="cli")
+    ds = curate(cfg)
+    tr = rollout_and_train(cfg, ds)
+    val = validate(cfg, ds, tr)
+    ev = evaluate(cfg, ds, tr)
+    register(cfg, ds, tr, val, ev, execution_id="cli")
     return 0
 
 
@@ -41,7 +45,7 @@ def _config(args) -> int:
     """Print the resolved config; with --check, also resolve the model and open the stores."""
     cfg = load_config(args.profile, args.overrides)
     if args.check:
-        from envace_core.stages import preflight
+        from envace_core.stages.preflight import preflight
 
         preflight(cfg, resolve_remote=True)
     print(json.dumps(cfg.to_dict(), indent=2))
@@ -49,7 +53,7 @@ def _config(args) -> int:
 
 
 def _registry(args) -> int:
-    from envace_core.lineage import Registry
+    from envace_core.store.registry import Registry
 
     reg = Registry(load_config(args.profile, args.overrides).store.registry)
     if args.action == "list":
@@ -77,20 +81,26 @@ def _registry(args) -> int:
 
 def _rehearse(args) -> int:
     """Private Rehearsal on one tau2 task, shown step by step (`envace_core.rehearse_run`)."""
-    from envace_core import rehearse_run
+    from envace_core.rehearsal.inspect import (
+        LIST_HINT,
+        find_task,
+        print_result,
+        rehearse_task,
+        task_ids,
+    )
 
     if args.list is not None:
-        from envace_core.envs.tau2 import DOMAINS
+        from envace_core.envs.tau2.tasks import DOMAINS
 
         domains = [args.list] if args.list else [d for d in DOMAINS if d != "mock"]
         for dom in domains:
             if dom not in DOMAINS:
                 raise EnvaceError(f"unknown tau2 domain {dom!r}; choose one of {', '.join(DOMAINS)}")
-            for split, ids in rehearse_run.task_ids(dom).items():
+            for split, ids in task_ids(dom).items():
                 print(f"{dom} {split} ({len(ids)}): {' '.join(ids)}")
         return 0
     if not args.task:
-        raise EnvaceError(f"give the task as --task DOMAIN/ID (e.g. airline/3); {rehearse_run.LIST_HINT}")
+        raise EnvaceError(f"give the task as --task DOMAIN/ID (e.g. airline/3); {LIST_HINT}")
     if args.n is not None and args.n < 1:
         raise EnvaceError(f"--n must be >= 1, got {args.n}")
     if args.max_turns is not None and args.max_turns < 1:
@@ -98,26 +108,27 @@ def _rehearse(args) -> int:
     cfg = load_config(args.profile, args.overrides)
     if args.model:
         cfg.model.ref = args.model
-    rehearse_run.find_task(args.task)  # an unknown id fails before the model loads
-    res = rehearse_run.rehearse_task(cfg, args.task, args.mode, args.n, adapter_dir=args.adapter,
+    find_task(args.task)  # an unknown id fails before the model loads
+    res = rehearse_task(cfg, args.task, args.mode, args.n, adapter_dir=args.adapter,
                                      reenter=True if args.reenter else None,
                                      verifier=False if args.no_verifier else None,
                                      max_turns=args.max_turns)
-    rehearse_run.print_result(res)
+    print_result(res)
     return 0
 
 
 def _eval(args) -> int:
     """Benchmark evaluation (`envace_core.eval_run`), then the report (`evaluation.report`)."""
-    from envace_core import eval_run
     from envace_core.evaluation import report
+    from envace_core.evaluation.harness import run_eval
+    from envace_core.evaluation.options import EvalOptions
 
-    opts = eval_run.EvalOptions(
+    opts = EvalOptions(
         model=args.model, benches=args.bench, out=args.out, rehearsal=args.rehearsal, user_model=args.user_model,
         user_url=args.user_url, user_url_model=args.user_url_model, judge_model=args.judge_model,
         judge_url=args.judge_url, trials=args.trials, split=args.split, limit=args.limit, max_steps=args.max_steps,
         seed=args.seed, profile=args.profile, overrides=args.overrides)
-    res = eval_run.run_eval(opts)
+    res = run_eval(opts)
     paths = report.write_report(res, args.out)
     report.print_summary(res)
     print(f"report: {paths['report']}\nresults: {paths['results']}\nplots: {', '.join(paths['plots'])}")
@@ -128,13 +139,13 @@ def merged_overrides(overrides: str, sets: list[str] | None) -> dict:
     """`--overrides` then each `--set KEY=VALUE` in order, merged into one override mapping.
 
     Raises ConfigError for a `--set` without "=" or an unparseable value."""
-    from envace_core.config import ConfigError, _deep_merge, _parse_overrides
+    from envace_core.config import ConfigError, deep_merge, parse_overrides
 
-    out = _parse_overrides(overrides)
+    out = parse_overrides(overrides)
     for s in sets or []:
         if "=" not in s or not s.partition("=")[0].strip():
             raise ConfigError(f"--set {s!r}: write KEY=VALUE, e.g. --set train.iterations=1")
-        out = _deep_merge(out, _parse_overrides(s))
+        out = deep_merge(out, parse_overrides(s))
     return out
 
 
@@ -161,9 +172,12 @@ def measurement_table(before: dict, after: dict) -> str:
 
 def _adapt_tools(args) -> int:
     """Tool learning (`envace_core.tool_learning`): validate the inputs, adapt, register, measure."""
-    from envace_core import stages
-    from envace_core import tool_learning as tl
-    from envace_core.lineage import Registry
+    from envace_core.stages.dataset import load_dataset
+    from envace_core.store.registry import Registry
+    from envace_core.tool_learning.adapt import adapt
+    from envace_core.tool_learning.inputs import load_examples, load_tools
+    from envace_core.tool_learning.measure import measure
+    from envace_core.tool_learning.tasks import HELD_OUT_SPLIT
 
     if args.tasks < 2:
         raise EnvaceError(f"--tasks must be >= 2 (adaptation needs at least 2 tasks), got {args.tasks}")
@@ -175,9 +189,9 @@ def _adapt_tools(args) -> int:
     cfg = load_config(args.config or args.profile, over)
     if args.registry:
         cfg.store.registry = args.registry
-    tools = tl.load_tools(args.tools)  # a bad schema stops here, before any model loads
-    examples = tl.load_examples(args.examples, tools) if args.examples else []
-    res = tl.adapt(cfg, args.model, tools, examples, domain=args.domain, n_tasks=args.tasks,
+    tools = load_tools(args.tools)  # a bad schema stops here, before any model loads
+    examples = load_examples(args.examples, tools) if args.examples else []
+    res = adapt(cfg, args.model, tools, examples, domain=args.domain, n_tasks=args.tasks,
                    registry=cfg.store.registry, name=args.name)
     new_ref = f"registry:{res['name']}@{res['version']}"
     manifest = Registry(cfg.store.registry).show(res["name"], res["version"])
@@ -187,13 +201,13 @@ def _adapt_tools(args) -> int:
           f"real calls to the new tools during training: {res['real_calls_to_new_tools']}")
     if args.measure:
         names = [t.spec.name for t in tools]
-        held = stages.load_dataset(res["dataset"], tl.HELD_OUT_SPLIT)
+        held = load_dataset(res["dataset"], HELD_OUT_SPLIT)
         if not held:
             print(f"\nno held-out tasks to measure on: no new tool is a {args.domain} tool or has an "
                   "\"implementation\" and 2+ examples, so no task that needs one can be scored for real")
             return 0
-        before = tl.measure(cfg, args.model, held, tools=names, trials=args.trials, seed=args.seed)
-        after = tl.measure(cfg, new_ref, held, tools=names, trials=args.trials, seed=args.seed)
+        before = measure(cfg, args.model, held, tools=names, trials=args.trials, seed=args.seed)
+        after = measure(cfg, new_ref, held, tools=names, trials=args.trials, seed=args.seed)
         print(f"\nheld-out tasks that need the new tools: {len(held)}\n{measurement_table(before, after)}")
     return 0
 

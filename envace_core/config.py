@@ -11,7 +11,14 @@ from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from envace_core import EnvaceError
 
@@ -55,7 +62,7 @@ class DataConfig(_Strict):
         None, ge=1, description="dataset gate: most tasks (train + test); None = no upper bound")
     synthetic_tasks_per_domain: int = Field(
         0, ge=0, description="extra train tasks synthesized per domain from its database and verified by "
-        "gold replay (envace_core/synth.py; airline and retail); 0 = none")
+        "gold replay (envace_core/envs/tau2/synth.py; airline and retail); 0 = none")
     synthetic_levels: list[Literal[1, 2, 3]] = Field(
         default_factory=lambda: [1, 2, 3], min_length=1,
         description="difficulty levels of synthesized tasks, split evenly: 1 = one look-up to report, "
@@ -111,9 +118,9 @@ class DataConfig(_Strict):
 def _check_hidden_tools(hidden: list[str], domains: list[str]) -> None:
     """ValueError listing each configured domain's tools unless every hidden name is one of them.
     Reads the domains' tool lists from tau2 (a few seconds, only when data.hidden_tools is set)."""
-    from envace_core.envs.tau2 import _domain_static
+    from envace_core.envs.tau2.tasks import domain_static
 
-    names = {d: sorted(t.name for t in _domain_static(d)[0]) for d in domains}
+    names = {d: sorted(t.name for t in domain_static(d)[0]) for d in domains}
     unknown = sorted(set(hidden) - {n for ns in names.values() for n in ns})
     if unknown:
         listing = "; ".join(f"{d}: {', '.join(ns)}" for d, ns in names.items())
@@ -180,7 +187,7 @@ class RewardConfig(_Strict):
     @field_validator("name")
     @classmethod
     def _registered(cls, v: str) -> str:
-        from envace_core.rewards import REWARDS  # light import: no tau2
+        from envace_core.training.rewards import REWARDS  # light import: no tau2
 
         if v not in REWARDS:
             raise ValueError(f"unknown reward {v!r}; choose one of {sorted(REWARDS)}")
@@ -218,7 +225,7 @@ class TrainConfig(_Strict):
     format_penalty: float = Field(0.0, le=0, description="reward for an unparseable trajectory")
     sft_warmup_steps: int = Field(
         0, ge=0, description="supervised ACT warm-up steps on the gold calls of train tasks before "
-        "iteration 1 of a fresh run (envace_core/sft.py); 0 = none")
+        "iteration 1 of a fresh run (envace_core/training/sft.py); 0 = none")
     sft_learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the SFT warm-up")
     sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
     sft_max_tokens: int = Field(
@@ -327,10 +334,10 @@ PROFILES: dict[str, dict[str, Any]] = {
 }
 
 
-def _deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for k, v in over.items():
-        out[k] = _deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
 
@@ -355,7 +362,7 @@ def _split_top_level(text: str) -> list[str]:
     return [p for p in parts if p.strip()]
 
 
-def _parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
+def parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
     """Overrides: a dict, a JSON/YAML string, a path to a YAML/JSON file, or 'a.b=v' pairs."""
     if overrides is None or overrides == "":
         return {}
@@ -400,7 +407,7 @@ def load_config(profile: str = "cpu-smoke", overrides: str | dict[str, Any] | No
     """
     if profile not in PROFILES:
         raise ConfigError(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
-    merged = _deep_merge({"profile": profile, **PROFILES[profile]}, _parse_overrides(overrides))
+    merged = deep_merge({"profile": profile, **PROFILES[profile]}, parse_overrides(overrides))
     try:
         return RunConfig.model_validate(merged)
     except ValidationError as e:

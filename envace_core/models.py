@@ -15,10 +15,15 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from envace_core import EnvaceError
-from envace_core.storage import atomic_dir, cache_root, sha256_path
+from envace_core.store.files import atomic_dir, cache_root, sha256_path
+
+if TYPE_CHECKING:
+    from envace_core.config import RunConfig
 
 BUNDLED = "bundled:smollm2-135m-instruct"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -155,7 +160,7 @@ ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")  # peft's S
 ROLES = ("act", "rehearse")
 
 
-def _check_partial_roles(path: Path) -> None:
+def check_partial_roles(path: Path) -> None:
     """Raise `AdapterError` when `path` holds one per-role adapter (act/ or rehearse/) but not the other."""
     have = [r for r in ROLES if (path / r / "adapter_config.json").is_file()]
     if len(have) == 1:
@@ -176,7 +181,7 @@ def check_adapter_dir(path: str | Path) -> list[Path]:
     if not d.is_dir():
         raise AdapterError(f"LoRA adapter folder {d} does not exist" if not d.exists()
                            else f"LoRA adapter {d} is a file, not a folder")
-    _check_partial_roles(d)
+    check_partial_roles(d)
     dirs = [d / r for r in ROLES] if all((d / r / "adapter_config.json").is_file() for r in ROLES) else [d]
     for one in dirs:
         _check_one_adapter(one)
@@ -237,3 +242,87 @@ def is_adapter_dir(path: Path) -> bool:
         return False
     per_role = all((path / r / "adapter_config.json").is_file() for r in ("act", "rehearse"))
     return (path / "adapter_config.json").is_file() or per_role
+
+
+
+# ------------------------------------------------------------------------------------------ models
+@dataclass
+class ResolvedModel:
+    """A `--model` reference resolved: the base model reference (for `models.resolve_model`), an optional
+    LoRA adapter folder, and the registry manifest when it came from the registry."""
+
+    ref: str
+    base_ref: str
+    adapter_dir: str | None = None
+    manifest: dict | None = field(default=None, repr=False)
+
+    @property
+    def label(self) -> str:
+        if self.manifest is not None:
+            return f"{self.ref} (base {self.base_ref} + LoRA adapter)"
+        if self.adapter_dir is not None:
+            return f"{self.ref} (LoRA adapter over {self.base_ref})"
+        return self.ref
+
+
+def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smollm2-135m-instruct") -> ResolvedModel:
+    """A local path, ``s3://…``, ``bundled:…`` or ``registry:NAME@VERSION`` as a `ResolvedModel`.
+
+    A registry model is verified first (`lineage.Registry.verify`: every artifact's sha256, and the manifest
+    signature when $ENVACE_REGISTRY_HMAC_KEY is set); its base model is the manifest's ``base_model.ref`` and
+    its adapter ``artifacts/adapter``. Raises `ModelRefError` (unregistered, tampered, no adapter).
+    A local LoRA adapter folder (`is_adapter_dir`) is checked (`check_adapter_dir`, raises `AdapterError`)
+    and loaded over `base_ref` (`run_eval` passes the profile's ``model.ref``); a base whose shapes do not
+    fit fails at load (`AdapterError`). Another local path must be a folder with ``config.json``, else
+    `ModelRefError` (or `AdapterError` for half a per-role adapter); ``bundled:``/``s3://`` are checked
+    when loaded (`models.resolve_model`).
+    """
+    if not ref.startswith("registry:"):
+        local = Path(ref).expanduser()
+        if "://" in ref or ref.startswith("bundled:"):
+            return ResolvedModel(ref=ref, base_ref=ref)
+        if is_adapter_dir(local):
+            check_adapter_dir(local)  # a broken adapter fails here, before any model loads
+            return ResolvedModel(ref=ref, base_ref=base_ref, adapter_dir=str(local.resolve()))
+        if not (local / "config.json").is_file():
+            check_partial_roles(local)
+            what = ("no such file or folder" if not local.exists() else "neither a model folder (config.json) "
+                    "nor a LoRA adapter folder (adapter_config.json, or per-role act/ and rehearse/)")
+            hint = f" (a registry version is written registry:{ref})" if "@" in ref and not local.exists() else ""
+            raise ModelRefError(f"--model {ref!r}: {what}; give bundled:smollm2-135m-instruct, a local HF model "
+                                f"folder, a LoRA adapter folder, s3://... or registry:NAME@VERSION{hint}")
+        return ResolvedModel(ref=ref, base_ref=ref)
+    from envace_core.store.registry import Registry, RegistryError
+
+    name, sep, version = ref[len("registry:"):].partition("@")
+    if not sep or not name or not version:
+        raise ModelRefError(f"--model {ref!r}: write registry:NAME@VERSION (see `envace registry list`)")
+    reg = Registry(registry_root)
+    try:
+        manifest = reg.show(name, version)
+        bad = reg.verify(name, version)
+    except RegistryError as e:
+        raise ModelRefError(f"--model {ref!r}: {e}") from e
+    if bad:
+        raise ModelRefError(f"--model {ref!r} fails verification, refusing to use it; artifacts that differ "
+                            f"from the manifest: {', '.join(bad)}")
+    adapter = reg.version_dir(name, version) / "artifacts" / "adapter"
+    if not (adapter / "adapter_config.json").is_file():
+        raise ModelRefError(f"--model {ref!r}: no LoRA adapter at {adapter}")
+    base = (manifest.get("base_model") or {}).get("ref")
+    if not base:
+        raise ModelRefError(f"--model {ref!r}: the manifest names no base_model.ref")
+    return ResolvedModel(ref=ref, base_ref=base, adapter_dir=str(adapter), manifest=manifest)
+
+
+def check_model_ref(ref: str, cfg: RunConfig, registry: str | None = None) -> ResolvedModel:
+    """`resolve_model_ref` (adapter folders checked by `check_adapter_dir`) plus the base model's folder
+    (`models.resolve_model`): everything short of loading weights, so scripts can fail before hours of
+    work. An ``s3://`` base is left to load time (checking it would download it). Raises `ModelRefError`,
+    `AdapterError` or `models.ModelNotFoundError`."""
+    
+
+    model = resolve_model_ref(ref, registry or cfg.store.registry, base_ref=cfg.model.ref)
+    if not model.base_ref.startswith("s3://"):
+        resolve_model(model.base_ref)
+    return model

@@ -23,19 +23,23 @@ None of the three is cached (tasks/settings.py, stages "check_tool_inputs", "ada
 import json
 from typing import NamedTuple, Optional
 
-import envace_core  # noqa: F401  (offline environment before anything imports tau2)
 from flytekit import Deck
 from flytekit.types.file import FlyteFile
 
-from envace_core import stages, tool_learning
+import envace_core  # noqa: F401  (offline environment before anything imports tau2)
 from envace_core.cli import measurement_table
 from envace_core.config import config_from_json
+from envace_core.stages.dataset import load_dataset
+from envace_core.tool_learning.adapt import adapt
+from envace_core.tool_learning.inputs import load_examples, load_tools
+from envace_core.tool_learning.measure import measure
+from envace_core.tool_learning.tasks import HELD_OUT_SPLIT
 from tasks.settings import stage_task
 
 
 def _inputs(tools_file: FlyteFile, examples_file: Optional[FlyteFile]):
-    tools = tool_learning.load_tools(tools_file.download())
-    examples = tool_learning.load_examples(examples_file.download(), tools) if examples_file else []
+    tools = load_tools(tools_file.download())
+    examples = load_examples(examples_file.download(), tools) if examples_file else []
     return tools, examples
 
 
@@ -61,7 +65,7 @@ def adapt_tools_task(config: str, model: str, tools_file: FlyteFile, examples_fi
     del checked
     cfg = config_from_json(config)
     tools, examples = _inputs(tools_file, examples_file)
-    out = tool_learning.adapt(cfg, model, tools, examples, domain=domain, n_tasks=n_tasks,
+    out = adapt(cfg, model, tools, examples, domain=domain, n_tasks=n_tasks,
                               registry=cfg.store.registry, name=name or None)
     return Adapted(model=f"registry:{out['name']}@{out['version']}", result=json.dumps(out, default=str))
 
@@ -71,10 +75,10 @@ def measure_tools(config: str, model: str, adapted: str, checked: str, trials: i
     """Parent `model` vs the adapted version on the held-out tasks: {"parent", "adapted", "n_tasks",
     "table"} as JSON, the table also in the Deck."""
     cfg, res = config_from_json(config), json.loads(adapted)
-    tools, held = json.loads(checked)["tools"], stages.load_dataset(res["dataset"], tool_learning.HELD_OUT_SPLIT)
+    tools, held = json.loads(checked)["tools"], load_dataset(res["dataset"], HELD_OUT_SPLIT)
     new_ref = f"registry:{res['name']}@{res['version']}"
-    before = tool_learning.measure(cfg, model, held, tools=tools, trials=trials, seed=seed)
-    after = tool_learning.measure(cfg, new_ref, held, tools=tools, trials=trials, seed=seed)
+    before = measure(cfg, model, held, tools=tools, trials=trials, seed=seed)
+    after = measure(cfg, new_ref, held, tools=tools, trials=trials, seed=seed)
     table = measurement_table(before, after)
     Deck("Tool learning: parent vs adapted", _html(f"{model} → {new_ref}, {len(held)} held-out tasks\n\n{table}"))
     return json.dumps({"parent": before, "adapted": after, "parent_ref": model, "adapted_ref": new_ref,
@@ -82,6 +86,8 @@ def measure_tools(config: str, model: str, adapted: str, checked: str, trials: i
 
 
 def _html(markdown: str) -> str:
-    from markdown_it import MarkdownIt  # flytekit's own markdown renderer; tables need enabling
+    from markdown_it import (
+        MarkdownIt,  # flytekit's own markdown renderer; tables need enabling
+    )
 
     return MarkdownIt("commonmark").enable("table").render(markdown)

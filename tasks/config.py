@@ -1,9 +1,8 @@
 """Flyte task: resolve the run configuration once, so every stage reads the same resolved config."""
 
 import envace_core  # noqa: F401  (offline environment before anything imports tau2)
-
 from envace_core.config import load_config
-from envace_core.stages import preflight
+from envace_core.stages.preflight import preflight
 from tasks.settings import stage_task
 
 

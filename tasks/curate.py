@@ -3,8 +3,7 @@
 import json
 
 import envace_core  # noqa: F401
-
-from envace_core import stages
+import envace_core.stages.curate as curate_mod
 from envace_core.config import config_from_json
 from tasks.settings import stage_task
 
@@ -12,4 +11,4 @@ from tasks.settings import stage_task
 @stage_task("curate")
 def curate(config: str) -> str:
     """The curated dataset's location and version (JSON). Cached: same config + same code → same data."""
-    return json.dumps(stages.curate(config_from_json(config)))
+    return json.dumps(curate_mod.curate(config_from_json(config)))

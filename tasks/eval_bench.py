@@ -6,11 +6,12 @@ cache there), returns the results as JSON and shows the report as HTML in the ta
 
 import json
 
-import envace_core  # noqa: F401  (offline environment before anything imports tau2)
 from flytekit import Deck
 
-from envace_core import eval_run
+import envace_core  # noqa: F401  (offline environment before anything imports tau2)
 from envace_core.evaluation import report
+from envace_core.evaluation.harness import run_eval
+from envace_core.evaluation.options import EvalOptions
 from tasks.settings import stage_task
 
 
@@ -18,10 +19,10 @@ from tasks.settings import stage_task
 def eval_bench(model: str, bench: str, rehearsal: str, trials: int, split: str, limit: int, user_model: str,
                user_url: str, max_steps: int, out: str, profile: str, overrides: str) -> str:
     # Flyte inputs cannot be None: limit 0 means "all", an empty user_model/user_url means "the policy".
-    opts = eval_run.EvalOptions(model=model, benches=bench, out=out, rehearsal=rehearsal, trials=trials, split=split,
+    opts = EvalOptions(model=model, benches=bench, out=out, rehearsal=rehearsal, trials=trials, split=split,
                                 limit=limit or None, user_model=user_model or None, user_url=user_url or None,
                                 max_steps=max_steps, profile=profile, overrides=overrides)
-    res = eval_run.run_eval(opts)
+    res = run_eval(opts)
     paths = report.write_report(res, out)
     Deck("Benchmark evaluation", report.render_html(res, out))
     return json.dumps({**json.loads(json.dumps(res, default=str)), "report_paths": paths})

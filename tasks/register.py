@@ -2,10 +2,10 @@
 
 import json
 
-import envace_core  # noqa: F401
 from flytekit import current_context
 
-from envace_core import stages
+import envace_core  # noqa: F401
+import envace_core.stages.register as register_mod
 from envace_core.config import config_from_json
 from tasks.settings import fetch_inputs, stage_task
 
@@ -24,6 +24,6 @@ def register(config: str, dataset: str, trained: str, validation: str, evaluatio
     except Exception:  # outside a Flyte execution context
         execution_id = "local"
     cfg, ds = config_from_json(config), json.loads(dataset)
-    out = stages.register(cfg, ds, fetch_inputs(cfg, ds, json.loads(trained)), json.loads(validation),
+    out = register_mod.register(cfg, ds, fetch_inputs(cfg, ds, json.loads(trained)), json.loads(validation),
                           json.loads(evaluation), execution_id=execution_id)
     return json.dumps(out)

@@ -6,11 +6,12 @@ as HTML in the task's Flyte Deck.
 
 import json
 
-import envace_core  # noqa: F401  (offline environment before anything imports tau2)
 from flytekit import Deck
 
-from envace_core import rehearse_run
+import envace_core  # noqa: F401  (offline environment before anything imports tau2)
+import envace_core.rehearsal.inspect as inspect_mod
 from envace_core.config import load_config
+from envace_core.rehearsal.inspect import render_html
 from tasks.settings import stage_task
 
 
@@ -22,6 +23,6 @@ def rehearse_task(task_id: str, mode: str, n: int, profile: str, overrides: str)
     only rendered when the body runs.
     """
     cfg = load_config(profile, overrides)
-    out = rehearse_run.rehearse_task(cfg, task_id, mode, n)
-    Deck(f"Private Rehearsal {task_id}", rehearse_run.render_html(out))
+    out = inspect_mod.rehearse_task(cfg, task_id, mode, n)
+    Deck(f"Private Rehearsal {task_id}", render_html(out))
     return json.dumps(out, default=str)

@@ -25,11 +25,11 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import envace_core
-from envace_core import EnvaceError
 from flytekit import Cache, Resources, task
 from flytekit.core.cache import VersionParameters
 
+import envace_core
+from envace_core import EnvaceError
 from tasks import images
 from tasks.image_requirements import project_dependencies
 
@@ -265,14 +265,15 @@ def fetch_inputs(cfg, dataset: Optional[dict] = None, trained: Optional[dict] = 
     from flytekit.core import local_cache
 
     from envace_core.models import resolve_model
-    from envace_core.storage import StoreError, open_store
+    from envace_core.store.base import StoreError
+    from envace_core.store.uri import open_store
 
     store = open_store(cfg.store.root)
     try:
         if dataset is not None:
             store.get_dir(dataset["key"])
         if trained is not None and not (Path(trained["adapter_dir"]) / "adapter_config.json").is_file():
-            # rollout_and_train's checkpoint key (envace_core.stages.rollout_and_train)
+            # rollout_and_train's checkpoint key (envace_core.stages.train.rollout_and_train)
             ckpt = store.get_dir(f"runs/{trained['run_id']}/checkpoint")
             trained = {**trained, "adapter_dir": str(ckpt / "adapter")}
     except StoreError as e:

@@ -11,9 +11,9 @@ the checkpoints and its result is the task's output.
 import json
 
 import envace_core  # noqa: F401
-
-from envace_core import distributed, stages
+import envace_core.stages.train as train
 from envace_core.config import config_from_json
+from envace_core.training.distributed import session
 from tasks.settings import stage_task, train_scale, train_task_config
 
 _ELASTIC = train_task_config(*train_scale())
@@ -27,6 +27,6 @@ def rollout_and_train(config: str, dataset: str) -> str:
     Cached on (config, dataset, code): a finished run with the same inputs is not trained again.
     A run that failed is not cached, and re-running it resumes from its last checkpoint.
     """
-    with distributed.session():  # one worker: no process group; Elastic workers: one, torn down after
-        return json.dumps(stages.rollout_and_train(config_from_json(config), json.loads(dataset)),
+    with session():  # one worker: no process group; Elastic workers: one, torn down after
+        return json.dumps(train.rollout_and_train(config_from_json(config), json.loads(dataset)),
                           default=str)

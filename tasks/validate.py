@@ -6,13 +6,13 @@ evaluation image (an 8B policy on CPU would take hours), unlike the CPU-only dat
 
 import json
 
-import envace_core  # noqa: F401
 from flytekit import Deck
 
-from envace_core import stages
+import envace_core  # noqa: F401
+import envace_core.stages.validate as validate_mod
 from envace_core.config import config_from_json
-from envace_core.gates import render_gate_html
-from envace_core.storage import open_store
+from envace_core.stages.gates import GateError, render_gate_html
+from envace_core.store.uri import open_store
 from tasks.settings import fetch_inputs, stage_task
 
 
@@ -21,8 +21,8 @@ def validate(config: str, dataset: str, trained: str) -> str:
     """Rehearsal-quality metrics and gate results (JSON). A failed gate raises and is never cached."""
     cfg, ds = config_from_json(config), json.loads(dataset)
     try:
-        out = stages.validate(cfg, ds, fetch_inputs(cfg, ds, json.loads(trained)))
-    except stages.GateError as e:  # show the failed expectations, then stop the workflow
+        out = validate_mod.validate(cfg, ds, fetch_inputs(cfg, ds, json.loads(trained)))
+    except GateError as e:  # show the failed expectations, then stop the workflow
         if getattr(e, "result", None) is not None:
             Deck("rehearsal-quality gate", render_gate_html(e.result))
         raise

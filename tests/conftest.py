@@ -6,8 +6,9 @@ import os
 import socket
 import tempfile
 
-import envace_core  # noqa: F401  (sets the offline environment before anything imports tau2)
 import pytest
+
+import envace_core  # noqa: F401  (sets the offline environment before anything imports tau2)
 
 # flytekit's local task cache for this test session: never the user's, never the repo's .envace/
 # (a cached stage from an earlier session could otherwise answer for code the tests just changed).

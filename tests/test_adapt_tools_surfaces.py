@@ -30,14 +30,16 @@ def _bad_tools(tmp_path: Path) -> Path:
 @pytest.fixture
 def no_model_loads(monkeypatch):
     """Any model load or adaptation fails the test: input errors must come first."""
-    from envace_core import models, stages, tool_learning
+    import envace_core.tool_learning.adapt as adapt_mod
+    import envace_core.training.policy as policy_mod
+    from envace_core import models
 
     def boom(*a, **k):
         raise AssertionError("a model was loaded / adaptation started before the inputs were checked")
 
-    monkeypatch.setattr(stages, "load_policy", boom)
+    monkeypatch.setattr(policy_mod, 'load_policy', boom)
     monkeypatch.setattr(models, "resolve_model", boom)
-    monkeypatch.setattr(tool_learning, "adapt", boom)
+    monkeypatch.setattr(adapt_mod, 'adapt', boom)
 
 
 def test_cli_rejects_a_bad_schema_naming_the_field_without_loading_a_model(tmp_path, capsys, no_model_loads):
@@ -66,12 +68,12 @@ def test_cli_rejects_a_set_without_a_value(capsys, no_model_loads):
 
 def test_cli_checks_task_count_model_and_name_before_building_tasks(tmp_path, capsys, monkeypatch):
     """Bad --tasks, --model or --name stop before any task is built or dataset written."""
-    from envace_core import tool_learning
+    import envace_core.tool_learning.tasks as tasks_mod
 
     def boom(*a, **k):
         raise AssertionError("tasks were built before the model/name were checked")
 
-    monkeypatch.setattr(tool_learning, "_build_tasks", boom)
+    monkeypatch.setattr(tasks_mod, 'build_tasks', boom)
     store = ["--set", f"store.root={tmp_path / 'store'}", "--registry", str(tmp_path / "reg")]
     assert main(["adapt-tools", "--model", "bundled:smollm2-135m-instruct", "--tools", str(TOOLS),
                  "--tasks", "1"]) == 2
@@ -92,13 +94,13 @@ def test_example_inputs_are_the_tau2_tool_and_real_calls_off_the_test_split():
     sys.path.insert(0, str(REPO / "examples" / "tools"))
     import export
 
-    from envace_core import tool_learning
-    from envace_core.envs.tau2 import load_tasks
-    from envace_core.synth import test_users
+    from envace_core.envs.tau2.synth import test_users
+    from envace_core.envs.tau2.tasks import load_tasks
+    from envace_core.tool_learning.inputs import load_examples, load_tools
 
     assert export.render(3) == {"tools.json": TOOLS.read_text(), "examples.jsonl": EXAMPLES.read_text()}
-    tools = tool_learning.load_tools(TOOLS)
-    examples = tool_learning.load_examples(EXAMPLES, tools)
+    tools = load_tools(TOOLS)
+    examples = load_examples(EXAMPLES, tools)
     assert [t.spec.name for t in tools] == [TOOL] and "Args:" in tools[0].doc and len(examples) == 3
     users = {e.result for e in examples}
     assert len(users) == 3 and not users & test_users("retail", load_tasks("retail", "test"))
@@ -118,8 +120,8 @@ def parent(tiny_model_dir, tmp_path):
     from transformers import AutoModelForCausalLM
 
     from envace_core.config import load_config
-    from envace_core.lineage import Registry
     from envace_core.models import model_fingerprint
+    from envace_core.store.registry import Registry
 
     cfg = load_config("test", _overrides(tiny_model_dir, tmp_path))
     art = tmp_path / "parent-artifacts"
@@ -134,13 +136,13 @@ def parent(tiny_model_dir, tmp_path):
 
 
 def _adapted_versions(tmp_path: Path) -> list[tuple[str, str]]:
-    from envace_core.lineage import Registry
+    from envace_core.store.registry import Registry
 
     return [v for v in Registry(tmp_path / "registry").list() if v != ("parent", "v1")]
 
 
 def _check_lineage(tmp_path: Path, parent_ref: str) -> dict:
-    from envace_core.lineage import Registry
+    from envace_core.store.registry import Registry
 
     (name, version), = _adapted_versions(tmp_path)
     reg = Registry(tmp_path / "registry")
@@ -193,7 +195,13 @@ def test_workflow_stops_a_bad_schema_before_adapting(tmp_path, monkeypatch, no_m
 
 def test_tool_learning_tasks_are_uncached_and_the_gpu_launch_plan_fixes_the_profile():
     from tasks import images
-    from workflows.adapt_tools import adapt_tools, adapt_tools_gpu, adapt_tools_task, check_tool_inputs, measure_tools
+    from workflows.adapt_tools import (
+        adapt_tools,
+        adapt_tools_gpu,
+        adapt_tools_task,
+        check_tool_inputs,
+        measure_tools,
+    )
 
     expect = {check_tool_inputs: (images.CPU_IMAGE, None), adapt_tools_task: (images.TRAIN_IMAGE, "1"),
               measure_tools: (images.EVAL_IMAGE, "1")}

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from envace_core.cli import main
-from envace_core.eval_run import (
+from envace_core.models import (
     AdapterError,
     ModelRefError,
     check_adapter_dir,
@@ -80,14 +80,14 @@ def test_damaged_adapter_is_named_before_any_model_loads(name, adapter, tiny_mod
 
 
 def test_adapter_of_another_shape_names_the_base(adapter, tiny_model_dir, tmp_path, capsys):
-    from envace_core import stages
     from envace_core.config import load_config
+    from envace_core.training.policy import load_policy
 
     _wrong_shape(adapter)
     check_adapter_dir(adapter)  # readable: the mismatch only shows against the base
     cfg = load_config("test", {"model": {"compute_dtype": "float32", "ref": str(tiny_model_dir)}})
     with pytest.raises(AdapterError, match="do not fit the base model") as e:
-        stages.load_policy(cfg, str(adapter))
+        load_policy(cfg, str(adapter))
     assert str(adapter) in str(e.value) and str(tiny_model_dir) in str(e.value)
     argv = ["--profile", "test", "--overrides", _over(tiny_model_dir, tmp_path), "eval", "--model", str(adapter),
             "--bench", "bfcl:simple", "--limit", "1", "--out", str(tmp_path / "out")]
@@ -124,14 +124,18 @@ def test_model_path_neither_model_nor_adapter(tmp_path, good_adapter):
 
 # ------------------------------------------------------------------------------------------ caches
 def test_bfcl_multi_turn_cache_skips_wrong_shapes_and_recomputes(tmp_path, monkeypatch):
+    import envace_core.evaluation.bfcl_run as bfcl_run_mod
     from envace_core.config import load_config
-    from envace_core.eval_run import EvalOptions, _bfcl_multi_turn, _Ctx
-    from envace_core.evaluation import bfcl
+    from envace_core.evaluation.bfcl_results import (
+        EntryResult,
+    )
+    from envace_core.evaluation.harness import _bfcl_multi_turn, _Ctx
+    from envace_core.evaluation.options import EvalOptions
 
     cache = tmp_path / "cache"
     cache.mkdir()
     path = cache / "bfcl_multi_turn_base.jsonl"
-    good = bfcl.EntryResult(id="multi_turn_base_1", valid=True, outcome="correct")
+    good = EntryResult(id="multi_turn_base_1", valid=True, outcome="correct")
     path.write_text(json.dumps({"id": "multi_turn_base_0", "outcome": 7}) + "\n" + good.model_dump_json() + "\n"
                     + '[1, 2]\n{"id": "multi_turn_base_2", "val')  # wrong shapes, then a half-written line
     ran: list[str] = []
@@ -139,10 +143,10 @@ def test_bfcl_multi_turn_cache_skips_wrong_shapes_and_recomputes(tmp_path, monke
     def fake_run(engine, todo, params, batch_size, rehearsal, on_entry):
         for e in todo:
             ran.append(e.id)
-            on_entry(bfcl.EntryResult(id=e.id, valid=False, outcome="wrong"))
+            on_entry(EntryResult(id=e.id, valid=False, outcome="wrong"))
 
-    monkeypatch.setattr(bfcl, "run_multi_turn", fake_run)
-    monkeypatch.setattr(bfcl, "sampling_params", lambda *a: None)
+    monkeypatch.setattr(bfcl_run_mod, 'run_multi_turn', fake_run)
+    monkeypatch.setattr(bfcl_run_mod, 'sampling_params', lambda *a: None)
     opts = EvalOptions(model="m", benches="bfcl:multi_turn_base", out=str(tmp_path), limit=3)
     ctx = _Ctx(opts, load_config("test"), "none", 0, None, None, None, None, cache)
     with pytest.warns(RuntimeWarning, match=str(path)) as w:
@@ -202,9 +206,14 @@ def test_report_says_where_no_rehearsal_ran_and_shows_truncation_and_rehearsals(
 
 
 def test_bfcl_single_turn_cache_of_the_wrong_shape_is_recomputed(tmp_path, monkeypatch):
+    import envace_core.evaluation.bfcl_run as bfcl_run_mod
     from envace_core.config import load_config
-    from envace_core.eval_run import EvalOptions, _Ctx, run_bfcl_benches
-    from envace_core.evaluation import bfcl
+    from envace_core.evaluation.bfcl_results import (
+        BfclReport,
+        CategoryResult,
+    )
+    from envace_core.evaluation.harness import _Ctx, run_bfcl_benches
+    from envace_core.evaluation.options import EvalOptions
 
     cache = tmp_path / "cache"
     cache.mkdir()
@@ -214,13 +223,13 @@ def test_bfcl_single_turn_cache_of_the_wrong_shape_is_recomputed(tmp_path, monke
 
     def fake_eval(engine, cats, limit, **kw):
         calls.append(cats)
-        return bfcl.BfclReport(categories={"simple_python": bfcl.CategoryResult(category="simple_python", n=1,
+        return BfclReport(categories={"simple_python": CategoryResult(category="simple_python", n=1,
                                                                                 correct=1, accuracy=1.0)})
 
-    monkeypatch.setattr(bfcl, "evaluate_bfcl", fake_eval)
+    monkeypatch.setattr(bfcl_run_mod, 'evaluate_bfcl', fake_eval)
     opts = EvalOptions(model="m", benches="bfcl:simple", out=str(tmp_path), limit=1)
     ctx = _Ctx(opts, load_config("test"), "none", 0, None, None, None, None, cache)
     with pytest.warns(RuntimeWarning, match=str(path)):
         rep = run_bfcl_benches(ctx, ["simple_python"])
     assert calls == [["simple_python"]] and rep["report"]["categories"]["simple_python"]["accuracy"] == 1.0
-    assert bfcl.CategoryResult.model_validate_json(path.read_text()).n == 1  # the cache now holds a good one
+    assert CategoryResult.model_validate_json(path.read_text()).n == 1  # the cache now holds a good one

@@ -28,11 +28,11 @@ from envace_core.evaluation.bfcl import (
     UnsupportedCategory,
     bfcl_task,
     decode_calls,
-    evaluate_bfcl,
     load_bfcl,
-    overall_scores,
     score_single_turn,
 )
+from envace_core.evaluation.bfcl_results import overall_scores
+from envace_core.evaluation.bfcl_run import evaluate_bfcl
 from envace_core.types import ToolCall
 from tests.scripted import ScriptedEngine
 

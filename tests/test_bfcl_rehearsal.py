@@ -9,20 +9,20 @@ import json
 import pytest
 
 import envace_core  # noqa: F401  (offline environment)
-from envace_core import roles
+import envace_core.evaluation.bfcl_run as bfcl_run_mod
 from envace_core.cli import main
 from envace_core.envs.bfcl import BfclMultiTurnEnv
-from envace_core.evaluation import bfcl as bfcl_eval
 from envace_core.evaluation.bfcl import (
     bfcl_prompt_ids,
     bfcl_system_prompt,
     bfcl_task,
     decode_calls,
-    evaluate_bfcl,
     load_bfcl,
 )
-from envace_core.rehearsal import IsolationError, RehearsalAgent
-from envace_core.rollout import RolloutParams
+from envace_core.evaluation.bfcl_run import evaluate_bfcl
+from envace_core.rehearsal.agent import IsolationError, RehearsalAgent
+from envace_core.roles.act import act_messages
+from envace_core.training.rollout import RolloutParams
 from envace_core.types import TaskContext, ToolSpec
 from tests.scripted import ScriptedEngine
 
@@ -114,7 +114,7 @@ def watched(monkeypatch):
             log["rounds"] += 1
             assert [(e.calls_made, e.snapshot()) for e in live] == before
 
-    monkeypatch.setattr(bfcl_eval, "BfclMultiTurnEnv", CountingEnv)
+    monkeypatch.setattr(bfcl_run_mod, "BfclMultiTurnEnv", CountingEnv)
     monkeypatch.setattr(RehearsalAgent, "rehearse_round", watched_round)
     return envs, log
 
@@ -122,7 +122,7 @@ def watched(monkeypatch):
 def test_memory_section_is_the_one_the_act_prompt_uses():
     tools = [ToolSpec(name="ls", description="list")]
     ctx = TaskContext(task_id="t", domain="bfcl", policy="p", tools=tools, first_user_message="hi")
-    act = roles.act_messages(ctx, [], memory="Rehearsal 1:\n- ended: x")[0]["content"]
+    act = act_messages(ctx, [], memory="Rehearsal 1:\n- ended: x")[0]["content"]
     with_memory = bfcl_system_prompt(tools, True, memory="Rehearsal 1:\n- ended: x")
     assert act.endswith(f"{NOTES}\nRehearsal 1:\n- ended: x") and with_memory.endswith(act[act.index(NOTES):])
     assert NOTES not in bfcl_system_prompt(tools, True) and bfcl_system_prompt(tools, True, memory=" ") == \
@@ -172,7 +172,7 @@ def test_a_rehearsal_that_touches_the_real_env_is_an_isolation_error(tok, entry,
         return real(self, ctx, history, prefix, turn)
 
     real = RehearsalAgent.rehearse_round
-    monkeypatch.setattr(bfcl_eval, "BfclMultiTurnEnv", Kept)
+    monkeypatch.setattr(bfcl_run_mod, "BfclMultiTurnEnv", Kept)
     monkeypatch.setattr(RehearsalAgent, "rehearse_round", leaky)
     engine = TurnEngine(tok, entry)
     with pytest.raises(IsolationError, match="changed the real environment"):

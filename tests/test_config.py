@@ -36,8 +36,8 @@ def test_unknown_profile():
 
 
 def test_preflight_catches_a_bad_registry_before_any_work(tmp_path):
-    from envace_core.lineage import RegistryError
-    from envace_core.stages import preflight
+    from envace_core.stages.preflight import preflight
+    from envace_core.store.registry import RegistryError
 
     blocker = tmp_path / "file"
     blocker.write_text("x")
@@ -47,7 +47,7 @@ def test_preflight_catches_a_bad_registry_before_any_work(tmp_path):
 
 
 def test_corrupt_manifest_is_a_registry_error(tmp_path):
-    from envace_core.lineage import Registry, RegistryError
+    from envace_core.store.registry import Registry, RegistryError
 
     art = tmp_path / "a"
     art.mkdir()

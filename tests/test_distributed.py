@@ -24,8 +24,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from envace_core import distributed
-from envace_core.distributed import DistributedSetupError, balanced_slices, shard_range
+import envace_core.training.grpo as grpo_mod
+from envace_core.stages.curate import curate
+from envace_core.stages.train import rollout_and_train
+from envace_core.training.distributed import (
+    DistributedSetupError,
+    World,
+    balanced_slices,
+    init_from_env,
+    session,
+    shard_range,
+)
+from envace_core.training.grpo import role_advantages
 
 WORLD = 2
 LR = 1e-3
@@ -85,7 +95,7 @@ def _train(model_dir, per_role: bool):
 
 def _trainer_worker(rank: int, port: int, model_dir: str, out: str) -> None:
     _join(rank, port)
-    with distributed.session() as world:
+    with session() as world:
         assert (world.rank, world.size, world.backend) == (rank, WORLD, "gloo")
         res = {}
         for per_role in (False, True):
@@ -145,15 +155,15 @@ def test_shards_cover_every_item_once_and_balance_cost():
 def test_one_worker_initialises_nothing_and_bad_variables_are_named():
     import torch.distributed as dist
 
-    assert distributed.init_from_env({}) == distributed.World() and not dist.is_initialized()
-    assert distributed.init_from_env({"WORLD_SIZE": "1"}).size == 1
+    assert init_from_env({}) == World() and not dist.is_initialized()
+    assert init_from_env({"WORLD_SIZE": "1"}).size == 1
     with pytest.raises(DistributedSetupError, match="MASTER_ADDR, MASTER_PORT"):
-        distributed.init_from_env({"WORLD_SIZE": "2", "RANK": "0"})
+        init_from_env({"WORLD_SIZE": "2", "RANK": "0"})
     with pytest.raises(DistributedSetupError, match="RANK < WORLD_SIZE"):
-        distributed.init_from_env({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1",
+        init_from_env({"WORLD_SIZE": "2", "RANK": "2", "MASTER_ADDR": "127.0.0.1",
                                    "MASTER_PORT": "1"})
     with pytest.raises(DistributedSetupError, match="WORLD_SIZE='x'"):
-        distributed.init_from_env({"WORLD_SIZE": "x"})
+        init_from_env({"WORLD_SIZE": "x"})
 
 
 # ------------------------------------------------------------------------------ stage level
@@ -171,16 +181,15 @@ def _stage_cfg(model_dir, root):
 def _stage_run(model_dir, root, ds):
     """rollout_and_train with varied pseudo-rewards (the random model earns 0 everywhere, which
     would make every advantage 0 and the weights trivially equal); counts checkpoint writes."""
-    from envace_core import grpo, stages
-    from envace_core.trainer import PolicyTrainer
+    from envace_core.training.trainer import PolicyTrainer
     from tests.test_resume import _pseudo_rewards
 
     saves, real_save = [], PolicyTrainer.save_checkpoint
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(grpo, "role_advantages", _pseudo_rewards(grpo.role_advantages))
+        mp.setattr(grpo_mod, 'role_advantages', _pseudo_rewards(role_advantages))
         mp.setattr(PolicyTrainer, "save_checkpoint", lambda self, *a: saves.append(1) or real_save(self, *a))
         mp.setattr(PolicyTrainer, "__init__", _keep_trainer(PolicyTrainer.__init__))
-        out = stages.rollout_and_train(_stage_cfg(model_dir, root), ds)
+        out = rollout_and_train(_stage_cfg(model_dir, root), ds)
     from peft.utils import get_peft_model_state_dict
 
     # named as in the saved adapter_model.safetensors (peft's save_pretrained writes this dict)
@@ -199,17 +208,16 @@ def _keep_trainer(init):
 
 def _stage_worker(rank: int, port: int, model_dir: str, root: str, ds: dict) -> None:
     _join(rank, port)
-    with distributed.session():
+    with session():
         out, saves, params = _stage_run(model_dir, root, ds)
     torch.save({"out": out, "saves": saves, "params": params}, Path(root) / f"stage-rank{rank}.pt")
 
 
 def test_two_rank_rollout_and_train_matches_one_process_and_only_rank0_saves(tiny_model_dir, tmp_path,
                                                                             monkeypatch):
-    from envace_core import stages
 
     monkeypatch.chdir(tmp_path)
-    ds = stages.curate(_stage_cfg(tiny_model_dir, tmp_path / "ddp"))
+    ds = curate(_stage_cfg(tiny_model_dir, tmp_path / "ddp"))
     assert ds["n_train"] == 2
     _spawn(_stage_worker, str(tiny_model_dir), str(tmp_path / "ddp"), ds)
     ranks = [torch.load(tmp_path / "ddp" / f"stage-rank{r}.pt", weights_only=False) for r in range(WORLD)]

@@ -1,4 +1,4 @@
-"""DVC data versioning (envace_core/datavc.py): curate DVC-tracks the dataset, a fresh git clone
+"""DVC data versioning (envace_core/store/dvc.py): curate DVC-tracks the dataset, a fresh git clone
 `dvc pull`s byte-identical files, S3 DVC remotes on a loopback moto server, and the no-repo cases."""
 
 import subprocess
@@ -10,8 +10,9 @@ import pytest
 import yaml
 
 from envace_core.config import ConfigError, DataConfig, load_config
-from envace_core.datavc import REMOTE_NAME, DVCError, dvc_md5, track_dataset
-from envace_core.storage import LocalStore, dir_checksums
+from envace_core.store.dvc import REMOTE_NAME, DVCError, dvc_md5, track_dataset
+from envace_core.store.files import dir_checksums
+from envace_core.store.local import LocalStore
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,10 +55,10 @@ def test_curate_tracks_the_dataset_and_a_fresh_clone_pulls_identical_bytes(tmp_p
     remote = tmp_path / "dvc-remote"
     origin = _dvc_repo(tmp_path / "origin", remote=str(remote))
     monkeypatch.chdir(origin)  # curate finds the DVC repo from the current directory, as `make train` does
-    from envace_core import stages
+    from envace_core.stages.curate import curate
 
     cfg = load_config("test", {"store": {"root": str(tmp_path / "store")}, "data": {"dvc": "require"}})
-    ds = stages.curate(cfg)
+    ds = curate(cfg)
     dvc = ds["dvc"]
     assert dvc["tracked"] and dvc["md5"].endswith(".dir") and dvc["pushed"] == 3  # 2 files + .dir listing
     assert dvc["md5"] == dvc_md5(origin / "data.dvc")["md5"] and Path(dvc["remote"]) == remote
@@ -79,7 +80,7 @@ def test_curate_tracks_the_dataset_and_a_fresh_clone_pulls_identical_bytes(tmp_p
     assert _dvc(clone, "status").stdout.strip().startswith("Data and pipelines are up to date")
 
     # the same dataset again: nothing new to push, the md5 is stable
-    again = stages.curate(cfg)["dvc"]
+    again = curate(cfg)["dvc"]
     assert again["md5"] == dvc["md5"] and again["pushed"] == 0
 
 

@@ -201,7 +201,7 @@ def _tok(d):
 def test_rollout_engine_vllm_is_a_clear_error_without_vllm(tiny_model_dir, monkeypatch):
     import envace_core.engines.vllm as ev
     from envace_core.config import load_config
-    from envace_core.stages import policy_engine
+    from envace_core.training.policy import policy_engine
 
     def missing():
         raise EngineUnavailableError("VLLMEngine needs vLLM ... pip install 'envace[gpu]'")
@@ -216,7 +216,7 @@ def test_rollout_engine_vllm_is_a_clear_error_without_vllm(tiny_model_dir, monke
 def test_preflight_stops_rollout_engine_vllm_without_vllm():
     """`envace config --check` / `make train`'s pre-check: no curate and no model load first."""
     from envace_core.config import load_config
-    from envace_core.stages import preflight
+    from envace_core.stages.preflight import preflight
 
     with pytest.raises(EngineUnavailableError, match="rollout.engine=hf"):
         preflight(load_config("test", "rollout.engine=vllm"))
@@ -225,7 +225,7 @@ def test_preflight_stops_rollout_engine_vllm_without_vllm():
 def test_preflight_checks_init_adapter(tmp_path):
     from envace_core import EnvaceError
     from envace_core.config import load_config
-    from envace_core.stages import preflight
+    from envace_core.stages.preflight import preflight
 
     with pytest.raises(EnvaceError, match="is not a directory"):
         preflight(load_config("test", f"train.init_adapter={tmp_path / 'missing'}"))

@@ -9,15 +9,14 @@ import pytest
 
 from envace_core import EnvaceError
 from envace_core.cli import main
-from envace_core.eval_run import (
+from envace_core.evaluation.options import (
     BenchSpec,
     BenchSpecError,
-    ModelRefError,
-    load_engine,
     parse_benches,
     parse_rehearsal,
-    resolve_model_ref,
 )
+from envace_core.models import ModelRefError, resolve_model_ref
+from envace_core.training.policy import load_engine
 
 FINMCP = Path(__file__).parent / "fixtures" / "finmcp_sample.json"
 VITA = Path(__file__).resolve().parents[2] / "shared" / "data" / "vitabench"
@@ -75,8 +74,8 @@ def registered(tiny_model_dir, tmp_path):
     """A tiny LoRA adapter on the tiny model, registered as tiny@v1 in a tmp registry."""
     from peft import LoraConfig, get_peft_model
 
-    from envace_core.lineage import Registry
     from envace_core.models import load_model, model_fingerprint
+    from envace_core.store.registry import Registry
 
     art = tmp_path / "art"
     model = get_peft_model(load_model(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))

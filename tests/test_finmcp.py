@@ -8,13 +8,11 @@ from pathlib import Path
 import pytest
 
 from envace_core import EnvaceError
-from envace_core.evaluation.finmcp import (
+from envace_core.evaluation.finmcp import finmcp_metrics, load_finmcp, tool_name_counts
+from envace_core.evaluation.finmcp_run import (
     decode_tool_calls,
     evaluate_finmcp,
-    finmcp_metrics,
-    load_finmcp,
     prompt_messages,
-    tool_name_counts,
 )
 from tests.scripted import ScriptedEngine
 

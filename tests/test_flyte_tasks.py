@@ -31,7 +31,7 @@ from pathlib import Path
 
 from flytekit import Cache, task
 
-from envace_core import storage  # noqa: F401  (part of the code the version covers)
+from envace_core.store import files  # noqa: F401  (part of the code the version covers)
 from tasks.settings import CodeCachePolicy
 
 RUNS = Path({runs!r})
@@ -88,21 +88,27 @@ def test_code_version_covers_reachable_envace_core_modules_and_pins(tmp_path):
 
     reached = reachable_sources(source, pkg)
     # stages imports its helpers inside functions; those count.
-    assert {"envace_core.stages", "envace_core.storage", "envace_core.gates", "envace_core.envs.tau2"} <= set(reached)
+    assert {"envace_core.stages.curate", "envace_core.store.uri", "envace_core.stages.gates", "envace_core.envs.tau2.tasks"} <= set(reached)
     assert "envace_core.evaluation.vita" not in reached
 
     (pkg / "evaluation" / "vita.py").write_text("# unrelated edit\n" + (pkg / "evaluation" / "vita.py").read_text())
     assert code_version(source, ["torch==2.13.0"], package_dir=pkg) == base
-    (pkg / "gates.py").write_text((pkg / "gates.py").read_text() + "\n# edited\n")
+    (pkg / "stages" / "gates.py").write_text((pkg / "stages" / "gates.py").read_text() + "\n# edited\n")
     assert code_version(source, ["torch==2.13.0"], package_dir=pkg) != base
     assert code_version(source, ["torch==2.14.0"]) != base  # the image's pins count too
     assert code_version(source + "\n# edited\n", ["torch==2.13.0"]) != base
 
 
 def test_stage_tasks_declare_images_resources_retries_timeouts_and_cache():
-    from workflows.train import curate, evaluate, register, resolve_config, rollout_and_train, validate
-
     from tasks import images
+    from workflows.train import (
+        curate,
+        evaluate,
+        register,
+        resolve_config,
+        rollout_and_train,
+        validate,
+    )
 
     expect = {resolve_config: (images.CPU_IMAGE, None, False), curate: (images.CPU_IMAGE, None, True),
               rollout_and_train: (images.TRAIN_IMAGE, "1", True), validate: (images.EVAL_IMAGE, "1", True),
@@ -119,7 +125,13 @@ def test_stage_tasks_declare_images_resources_retries_timeouts_and_cache():
 
 
 def test_images_are_derived_from_pyproject_and_configurable(monkeypatch):
-    from tasks.image_requirements import CUDA_TORCH, NO_DEPS, VLLM, project_dependencies, requirements
+    from tasks.image_requirements import (
+        CUDA_TORCH,
+        NO_DEPS,
+        VLLM,
+        project_dependencies,
+        requirements,
+    )
     from tasks.images import image_spec
 
     deps = project_dependencies()
@@ -153,7 +165,7 @@ def test_imagespec_renders_a_dockerfile_that_installs_envace_without_building(tm
     assert "uv pip install --no-deps /root" in dockerfile
     assert "--index-strategy unsafe-best-match" in dockerfile and "whl/cpu" in dockerfile
     assert "torch==2.13.0+cpu" in (tmp_path / "requirements_uv.txt").read_text()
-    assert (tmp_path / "envace_core" / "stages.py").is_file()
+    assert (tmp_path / "envace_core" / "stages" / "curate.py").is_file()
     for kind in ("cpu", "train-cuda", "eval-cuda"):  # the Dockerfiles read the same requirement list
         assert f"image_requirements.py {kind}" in (REPO / "containers" / f"{kind}.Dockerfile").read_text()
 
@@ -164,7 +176,12 @@ def test_train_task_is_plain_for_one_worker_and_elastic_for_several():
     from flytekitplugins.kfpytorch import Elastic
     from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 
-    from tasks.settings import FlyteSettingsError, stages, train_scale, train_task_config
+    from tasks.settings import (
+        FlyteSettingsError,
+        stages,
+        train_scale,
+        train_task_config,
+    )
     from workflows.train import rollout_and_train
 
     assert train_scale({}) == ("1", 1) and train_task_config(*train_scale({})) is None
@@ -191,7 +208,7 @@ def test_train_task_is_plain_for_one_worker_and_elastic_for_several():
 
 
 def test_training_workers_need_the_torch_elastic_rendezvous_variables(monkeypatch):
-    from envace_core.distributed import DistributedSetupError
+    from envace_core.training.distributed import DistributedSetupError
     from tasks.train import rollout_and_train
 
     monkeypatch.setenv("WORLD_SIZE", "4")
@@ -218,7 +235,7 @@ def test_second_run_reuses_cached_stages_but_registers_again(tiny_model_dir, tmp
     """Run 2 (same inputs) skips curate/train/validate/evaluate via the cache and still registers a
     new version; with the store deleted, the cached outputs are refused with the fix named."""
     monkeypatch.chdir(tmp_path)
-    from envace_core.lineage import Registry
+    from envace_core.store.registry import Registry
     from tasks.settings import StaleArtifactError
     from workflows.train import train
 

@@ -8,24 +8,25 @@ import json
 import pandas as pd
 import pytest
 
-from envace_core.gates import (
+from envace_core.stages.gates import (
+    DataLeakError,
     DataLeakGateFailed,
+    GateError,
     GateFailed,
     dataset_gate,
     rehearsal_gate,
     render_gate_html,
 )
-from envace_core.stages import DataLeakError, GateError
 
 
 @pytest.fixture(scope="module")
 def curated():
     """The real airline train+test tasks as `stages.curate` records them, and all test ids."""
-    from envace_core.envs.tau2 import load_tasks
-    from envace_core.stages import _task_record
+    from envace_core.envs.tau2.tasks import load_tasks
+    from envace_core.stages.dataset import task_record
 
     train, test = load_tasks("airline", "train"), load_tasks("airline", "test")
-    return pd.DataFrame([_task_record(t) for t in train + test]), {t.id for t in test}
+    return pd.DataFrame([task_record(t) for t in train + test]), {t.id for t in test}
 
 
 def _gate(df, test_ids, min_rows=2, max_rows=1000):
@@ -162,19 +163,19 @@ def _cfg(tiny_model_dir, tmp_path, **validate):
 
 
 def test_curate_runs_the_gate_and_writes_nothing_when_it_fails(tmp_path):
-    from envace_core import stages
     from envace_core.config import load_config
-    from envace_core.storage import open_store
+    from envace_core.stages.curate import curate
+    from envace_core.store.uri import open_store
 
     store = {"root": str(tmp_path / "store"), "registry": str(tmp_path / "registry")}
-    ds = stages.curate(load_config("test", {"store": store}))
+    ds = curate(load_config("test", {"store": store}))
     assert ds["gate"] and all(ds["gate"].values())
     saved = open_store(store["root"]).read_json(ds["gate_key"])
     assert saved["success"] is True and saved["results"]["results"]
 
     store2 = {"root": str(tmp_path / "store2"), "registry": str(tmp_path / "registry")}
     with pytest.raises(GateFailed, match="expect_table_row_count_to_be_between"):
-        stages.curate(load_config("test", {"store": store2, "data": {"min_dataset_rows": 3}}))
+        curate(load_config("test", {"store": store2, "data": {"min_dataset_rows": 3}}))
     assert not (tmp_path / "store2").exists() or not any((tmp_path / "store2").rglob("*.parquet"))
 
 
@@ -182,21 +183,22 @@ def test_validate_raises_on_unmet_thresholds_and_nothing_is_registered(tiny_mode
                                                                        monkeypatch):
     """The random tiny model cannot reach fidelity 1: validate raises and the Flyte run stops."""
     monkeypatch.chdir(tmp_path)
-    from envace_core import stages
-    from envace_core.lineage import Registry
-    from envace_core.storage import open_store
+    import envace_core.stages.validate as validate_mod
+    from envace_core.stages.curate import curate
+    from envace_core.store.registry import Registry
+    from envace_core.store.uri import open_store
 
     cfg = _cfg(tiny_model_dir, tmp_path, min_fidelity=1.0, min_json_validity=1.0,
                max_parse_error_rate=0.0)
-    ds = stages.curate(cfg)
+    ds = curate(cfg)
     with pytest.raises(GateError) as e:
-        stages.validate(cfg, ds, {"adapter_dir": None, "run_id": "no-train"})
+        validate_mod.validate(cfg, ds, {"adapter_dir": None, "run_id": "no-train"})
     msg = str(e.value)
     assert "fidelity >= 1.000" in msg and "expect_column_mean_to_be_between" in msg
     saved = open_store(cfg.store.root).read_json("validation/no-train/gate.json")
     assert saved["success"] is False and saved["checks"]["fidelity >= 1.000"] is False
 
-    passing = stages.validate(_cfg(tiny_model_dir, tmp_path), ds, {"adapter_dir": None, "run_id": "ok"})
+    passing = validate_mod.validate(_cfg(tiny_model_dir, tmp_path), ds, {"adapter_dir": None, "run_id": "ok"})
     assert all(passing["gate"].values()) and passing["gate_key"] == "validation/ok/gate.json"
     assert set(passing["metrics"]) >= {"fidelity", "json_validity", "parse_error_rate"}
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from envace_core.grpo import policy_loss, role_advantages, token_logprobs
+from envace_core.training.grpo import policy_loss, role_advantages, token_logprobs
 from envace_core.types import Role
 
 

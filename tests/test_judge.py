@@ -8,8 +8,9 @@ import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
 from envace_core.config import load_config
-from envace_core.envs.tau2 import load_tasks
-from envace_core.judge import (
+from envace_core.envs.tau2.tasks import load_tasks
+from envace_core.roles.errors import EmptyOutput
+from envace_core.training.judge import (
     InvalidVerdict,
     Judge,
     build_judge,
@@ -17,8 +18,11 @@ from envace_core.judge import (
     parse_verdict,
     transcript,
 )
-from envace_core.rewards import get_reward_fn, reward_fn_from_config, score_trajectory
-from envace_core.roles import EmptyOutput
+from envace_core.training.rewards import (
+    get_reward_fn,
+    reward_fn_from_config,
+    score_trajectory,
+)
 from envace_core.types import Generation, Observation, Role, Step, ToolCall, Trajectory
 from tests.scripted import ScriptedEngine
 

@@ -1,6 +1,11 @@
 import pytest
 
-from envace_core.models import ModelNotFoundError, load_model, load_tokenizer, resolve_model
+from envace_core.models import (
+    ModelNotFoundError,
+    load_model,
+    load_tokenizer,
+    resolve_model,
+)
 
 
 def test_tiny_model_loads_and_generates(tiny_model_dir):
@@ -24,7 +29,7 @@ def test_policy_device_is_cpu_without_cuda_and_cuda_is_refused_clearly(monkeypat
     import torch
 
     from envace_core import EnvaceError
-    from envace_core.stages import policy_device
+    from envace_core.training.policy import policy_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert policy_device("auto") == torch.device("cpu")

@@ -220,12 +220,9 @@ def adapter_dir(tiny_model_dir, tmp_path):
 
 def test_trained_ref_can_be_a_local_lora_adapter_folder(adapter_dir, tiny_model_dir, tmp_path):
     from envace_core.config import load_config
-    from envace_core.eval_run import (
-        EvalOptions,
-        fingerprint,
-        load_engine,
-        resolve_model_ref,
-    )
+    from envace_core.evaluation.options import EvalOptions, fingerprint
+    from envace_core.models import resolve_model_ref
+    from envace_core.training.policy import load_engine
 
     m = resolve_model_ref(str(adapter_dir), str(tmp_path / "reg"), base_ref=str(tiny_model_dir))
     assert m.adapter_dir == str(adapter_dir.resolve()) and m.base_ref == str(tiny_model_dir)

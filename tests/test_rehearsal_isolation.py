@@ -5,10 +5,11 @@ import json
 import pytest
 
 from envace_core.engines.hf import HFEngine
-from envace_core.envs.tau2 import Tau2Environment, load_tasks, task_context
+from envace_core.envs.tau2.environment import Tau2Environment
+from envace_core.envs.tau2.tasks import load_tasks, task_context
 from envace_core.models import load_model, load_tokenizer
-from envace_core.rehearsal import RehearsalAgent
-from envace_core.rollout import RolloutParams
+from envace_core.rehearsal.agent import RehearsalAgent
+from envace_core.training.rollout import RolloutParams
 from tests.scripted import ScriptedEngine
 
 P = RolloutParams(max_turns=2, max_new_tokens_act=8, max_new_tokens_rehearse=8, temperature=1.0)

@@ -5,18 +5,16 @@ import json
 
 import pytest
 
-from envace_core import EnvaceError, roles
+from envace_core import EnvaceError
 from envace_core.engines.hf import HFEngine
-from envace_core.envs.tau2 import load_tasks, task_context
+from envace_core.envs.tau2.rules import airline_reservation_read_before_write
+from envace_core.envs.tau2.tasks import load_tasks, task_context
 from envace_core.models import load_model, load_tokenizer
-from envace_core.rehearsal import IsolationError, RehearsalAgent
-from envace_core.rollout import RolloutParams, rehearsal_rollouts
+from envace_core.rehearsal.agent import IsolationError, RehearsalAgent
+from envace_core.rehearsal.verifier import default_checks, verify
+from envace_core.roles.self_eval import parse_self_eval, self_eval_prompt_ids
+from envace_core.training.rollout import RolloutParams, rehearsal_rollouts
 from envace_core.types import Role, ToolCall
-from envace_core.verifier import (
-    airline_reservation_read_before_write,
-    default_checks,
-    verify,
-)
 from tests.scripted import ScriptedEngine
 from tests.test_rehearsal_isolation import CountingEnv, _write_task
 
@@ -77,7 +75,7 @@ def write_task():
     ('{"reached_goal": 3, "advice": {"do": "x"}}', None, "", '{"do": "x"}'),
 ])
 def test_self_eval_parsing_is_lenient_and_never_crashes(text, goal, blocker, advice):
-    ev = roles.parse_self_eval(text)
+    ev = parse_self_eval(text)
     assert (ev.reached_goal, ev.blocker, ev.advice, ev.raw) == (goal, blocker, advice, text)
     if text.startswith("The agent"):
         assert ev.as_text() == "- self-eval (unparsed): " + text
@@ -85,7 +83,7 @@ def test_self_eval_parsing_is_lenient_and_never_crashes(text, goal, blocker, adv
 
 def test_self_eval_prompt_shows_policy_request_and_rehearsal(tok):
     ctx = task_context(load_tasks("airline", "test", limit=1)[0], 300)
-    text = tok.decode(roles.self_eval_prompt_ids(tok, ctx, "Rehearsal 1:\n- called x({}) -> {}"))
+    text = tok.decode(self_eval_prompt_ids(tok, ctx, "Rehearsal 1:\n- called x({}) -> {}"))
     assert ctx.policy.strip()[:100] in text and ctx.first_user_message.strip()[:100] in text
     assert "Rehearsal 1:" in text and '"reached_goal"' in text and text.rstrip().endswith("assistant")
 

@@ -69,7 +69,7 @@ def test_rehearse_workflow_runs_locally(over, tmp_path, monkeypatch):
     assert "DB" in out["sub_rewards"] and out["reward"] is not None
     assert out["committed"]["termination"]
 
-    from envace_core import rehearse_run
+    from envace_core.rehearsal.inspect import render_html
 
-    html = rehearse_run.render_html(out)
+    html = render_html(out)
     assert "Committed execution" in html and "Isolation" in html

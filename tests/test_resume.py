@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from envace_core.trainer import CheckpointError, PolicyTrainer
+from envace_core.training.trainer import CheckpointError, PolicyTrainer
 from tests.test_trainer import make_rows, make_trainer, on_policy
 
 WALL_CLOCK = ("seconds", "tokens_per_s")  # key suffixes that measure time, not the computation
@@ -66,19 +66,19 @@ def test_checkpoint_of_other_lora_config_is_a_clear_error(tiny_model_dir, tmp_pa
 
 # ------------------------------------------------------------------------------- data cursor
 def test_data_cursor_visits_each_task_once_per_epoch_and_crosses_epochs():
-    from envace_core.stages import _epoch_order, _next_tasks
+    from envace_core.training.loop import epoch_order, next_tasks
 
     cursor, seen = {"epoch": 0, "position": 0}, []
     for _ in range(5):  # 5 batches of 2 over 3 tasks = 3 epochs + 1 task
-        batch, cursor = _next_tasks(3, 11, cursor, 2)
+        batch, cursor = next_tasks(3, 11, cursor, 2)
         seen += batch
     assert cursor == {"epoch": 3, "position": 1}
     for e in range(3):
-        assert seen[3 * e:3 * e + 3] == _epoch_order(3, 11, e) and sorted(seen[3 * e:3 * e + 3]) == [0, 1, 2]
-    assert seen[9] == _epoch_order(3, 11, 3)[0]
+        assert seen[3 * e:3 * e + 3] == epoch_order(3, 11, e) and sorted(seen[3 * e:3 * e + 3]) == [0, 1, 2]
+    assert seen[9] == epoch_order(3, 11, 3)[0]
     # the end of an epoch is the start of the next one, never "0 steps into epoch 0"
-    assert _next_tasks(2, 0, {"epoch": 0, "position": 0}, 2)[1] == {"epoch": 1, "position": 0}
-    assert _epoch_order(50, 0, 0) != _epoch_order(50, 0, 1)
+    assert next_tasks(2, 0, {"epoch": 0, "position": 0}, 2)[1] == {"epoch": 1, "position": 0}
+    assert epoch_order(50, 0, 0) != epoch_order(50, 0, 1)
 
 
 # ------------------------------------------------------------------------------- stage level
@@ -97,8 +97,10 @@ def _pseudo_rewards(real):
 @pytest.fixture(scope="module")
 def runs(tiny_model_dir, tmp_path_factory):
     """An uninterrupted run, a run killed in iteration 3, and the same command re-run."""
-    from envace_core import grpo, stages
+    import envace_core.training.grpo as grpo_mod
     from envace_core.config import load_config
+    from envace_core.stages.curate import curate
+    from envace_core.stages.train import rollout_and_train
 
     tmp = tmp_path_factory.mktemp("resume")
 
@@ -115,8 +117,8 @@ def runs(tiny_model_dir, tmp_path_factory):
     real_save, real_step = PolicyTrainer.save_checkpoint, PolicyTrainer.step
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp)
-        mp.setattr(grpo, "role_advantages", _pseudo_rewards(grpo.role_advantages))
-        ds = stages.curate(cfg("data"))
+        mp.setattr(grpo_mod, 'role_advantages', _pseudo_rewards(grpo_mod.role_advantages))
+        ds = curate(cfg("data"))
         assert ds["n_train"] == 2  # 2 tasks, 1 per iteration: iteration 2 ends epoch 0
 
         def counting_save(name):
@@ -126,7 +128,7 @@ def runs(tiny_model_dir, tmp_path_factory):
             return save
 
         mp.setattr(PolicyTrainer, "save_checkpoint", counting_save("full"))
-        full = stages.rollout_and_train(cfg("full"), ds)
+        full = rollout_and_train(cfg("full"), ds)
 
         it3_steps = []
 
@@ -140,12 +142,12 @@ def runs(tiny_model_dir, tmp_path_factory):
         mp.setattr(PolicyTrainer, "save_checkpoint", counting_save("killed"))
         mp.setattr(PolicyTrainer, "step", step_then_die)
         with pytest.raises(Killed):
-            stages.rollout_and_train(cfg("killed"), ds)
+            rollout_and_train(cfg("killed"), ds)
         saves["before_kill"] = saves["killed"]
         store = Path(cfg("killed").store.root) / "runs" / full["run_id"] / "checkpoint"
         after_kill = json.loads((store / "state.json").read_text())
         mp.setattr(PolicyTrainer, "step", real_step)
-        resumed = stages.rollout_and_train(cfg("killed"), ds)
+        resumed = rollout_and_train(cfg("killed"), ds)
     return {"full": full, "resumed": resumed, "after_kill": after_kill, "saves": saves,
             "ckpt": store, "cfg": cfg("killed"), "ds": ds}
 
@@ -180,7 +182,7 @@ def test_epoch_boundary_checkpoint_resumes_into_the_next_epoch(runs):
 
 
 def test_corrupt_checkpoint_is_a_clear_error_and_loses_nothing(runs):
-    from envace_core import stages
+    from envace_core.stages.train import rollout_and_train
 
     ckpt = runs["ckpt"]
     blob = ckpt / "trainer_state.pt"
@@ -189,5 +191,5 @@ def test_corrupt_checkpoint_is_a_clear_error_and_loses_nothing(runs):
     blob.write_bytes(bytes(data))
     before = {p: p.read_bytes() for p in ckpt.parent.rglob("*") if p.is_file()}
     with pytest.raises(CheckpointError, match=r"corrupt: \['trainer_state.pt'\].*Nothing was changed"):
-        stages.rollout_and_train(runs["cfg"], runs["ds"])
+        rollout_and_train(runs["cfg"], runs["ds"])
     assert {p: p.read_bytes() for p in ckpt.parent.rglob("*") if p.is_file()} == before

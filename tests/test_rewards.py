@@ -10,8 +10,9 @@ import envace_core  # noqa: F401  (offline environment before tau2)
 from envace_core import EnvaceError
 from envace_core.config import ConfigError, load_config
 from envace_core.envs.base import RewardResult
-from envace_core.envs.tau2 import Tau2Environment, load_tasks
-from envace_core.rewards import (
+from envace_core.envs.tau2.environment import Tau2Environment
+from envace_core.envs.tau2.tasks import load_tasks
+from envace_core.training.rewards import (
     REWARDS,
     actions_reward,
     fidelity,
@@ -163,7 +164,7 @@ def test_reward_registry():
 
 
 def test_a_new_reward_is_one_function_and_selectable_by_config(retail5, monkeypatch):
-    monkeypatch.setattr("envace_core.rewards.REWARDS", dict(REWARDS))
+    monkeypatch.setattr("envace_core.training.rewards.REWARDS", dict(REWARDS))
 
     @register_reward("n_calls")
     def n_calls(task, trajectory, scale=1.0):

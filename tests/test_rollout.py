@@ -6,11 +6,12 @@ import pytest
 
 from envace_core.config import load_config
 from envace_core.engines.hf import HFEngine
-from envace_core.envs.tau2 import load_tasks, task_context
+from envace_core.envs.tau2.tasks import load_tasks, task_context
 from envace_core.models import load_model, load_tokenizer
-from envace_core.rollout import RolloutParams, rehearsal_rollouts
-from envace_core.stages import score
-from envace_core.trainer import PolicyTrainer, TrainingRow
+from envace_core.training.loop import score
+from envace_core.training.rollout import RolloutParams, rehearsal_rollouts
+from envace_core.training.rows import TrainingRow
+from envace_core.training.trainer import PolicyTrainer
 from envace_core.types import Role
 from tests.scripted import ScriptedEngine
 
@@ -101,13 +102,13 @@ def one_call_task():
 
 
 def test_user_rehearse_imagines_user_turns_until_stop(tiny_model_dir, one_call_task):
-    from envace_core import roles
+    from envace_core.roles.user import user_instructions
 
     task, tok = one_call_task, load_tokenizer(tiny_model_dir)
     engine = UserScriptedEngine(tok, [ASK, _gold_text(task.gold_actions[0]), "All done."],
                                 ["My user id is in my first message.", "Thanks! ###STOP###"])
     p = RolloutParams(max_turns=4, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
-    instr = roles.user_instructions(task.user_scenario)
+    instr = user_instructions(task.user_scenario)
     t = rehearsal_rollouts(engine, task_context(task, 300), 2, p, seed=0, user=instr)[0]
     assert [g.role for g in t.generations] == [Role.ACT, Role.USER, Role.ACT, Role.REHEARSE, Role.ACT, Role.USER]
     assert t.termination == "user_stop"
@@ -122,10 +123,10 @@ def test_user_rehearse_imagines_user_turns_until_stop(tiny_model_dir, one_call_t
 
 
 def test_user_rehearse_turn_budget_and_parse_error(tiny_model_dir, one_call_task):
-    from envace_core import roles
+    from envace_core.roles.user import user_instructions
 
     task, tok = one_call_task, load_tokenizer(tiny_model_dir)
-    instr = roles.user_instructions(task.user_scenario)
+    instr = user_instructions(task.user_scenario)
     p1 = RolloutParams(max_turns=1, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
     eng = UserScriptedEngine(tok, [ASK], ["never asked"])
     t = rehearsal_rollouts(eng, task_context(task, 300), 1, p1, user=instr)[0]
@@ -143,8 +144,8 @@ def test_user_rehearse_turn_budget_and_parse_error(tiny_model_dir, one_call_task
 
 
 def test_user_rows_get_the_trajectory_reward_and_their_own_baseline():
-    from envace_core.grpo import role_advantages
-    from envace_core.rewards import generation_rewards
+    from envace_core.training.grpo import role_advantages
+    from envace_core.training.rewards import generation_rewards
     from envace_core.types import Generation, Trajectory
 
     def traj(r, roles_):
@@ -166,7 +167,7 @@ def test_training_group_default_is_rehearsal_rollouts_plus_replay_score(tiny_mod
     cfg = load_config("test", {"rollout": {"group_size": 2, "max_turns": 3}})
     p = RolloutParams(max_turns=3, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
     texts = [_gold_text(task.gold_actions[0]), "All done."]
-    from envace_core.rollout import training_group
+    from envace_core.training.rollout import training_group
 
     got = training_group(ScriptedEngine(tok, texts), task, cfg, p, seed=5)
     ref = [score(task, t) for t in rehearsal_rollouts(ScriptedEngine(tok, texts), task_context(task, 300), 2, p, seed=5)]
@@ -174,8 +175,8 @@ def test_training_group_default_is_rehearsal_rollouts_plus_replay_score(tiny_mod
 
 
 def test_real_source_is_act_only_against_private_environments(tiny_model_dir, one_call_task):
-    from envace_core.envs.tau2 import Tau2Environment
-    from envace_core.rollout import training_group
+    from envace_core.envs.tau2.environment import Tau2Environment
+    from envace_core.training.rollout import training_group
 
     task, tok = one_call_task, load_tokenizer(tiny_model_dir)
     made = []
@@ -206,12 +207,12 @@ def test_frozen_roles_get_no_rows_and_no_gradient(tiny_model_dir, one_call_task)
     """With train.trained_roles=[act], REHEARSE and USER rows are skipped: the step equals an ACT-only step."""
     import torch
 
-    from envace_core import roles
+    from envace_core.roles.user import user_instructions
 
     task, tok = one_call_task, load_tokenizer(tiny_model_dir)
     engine = UserScriptedEngine(tok, [ASK, _gold_text(task.gold_actions[0]), "All done."], ["u1", "###STOP###"])
     p = RolloutParams(max_turns=4, max_new_tokens_act=16, max_new_tokens_rehearse=16, temperature=1.0)
-    t = rehearsal_rollouts(engine, task_context(task, 300), 1, p, user=roles.user_instructions(task.user_scenario))[0]
+    t = rehearsal_rollouts(engine, task_context(task, 300), 1, p, user=user_instructions(task.user_scenario))[0]
     rows = [TrainingRow.from_generation(g, 1.0 if i % 2 else -1.0) for i, g in enumerate(t.generations)]
     scorer = PolicyTrainer(load_model(tiny_model_dir), tok, load_config("test").train, compute_dtype="float32")
     for r, lp in zip(rows, scorer.completion_logprobs(rows)):

@@ -7,13 +7,11 @@ import uuid
 import pytest
 from botocore.exceptions import ConnectionClosedError
 
-from envace_core.storage import (
-    LocalStore,
-    S3Store,
-    StoreError,
-    open_store,
-    sha256_bytes,
-)
+from envace_core.store.base import StoreError
+from envace_core.store.files import sha256_bytes
+from envace_core.store.local import LocalStore
+from envace_core.store.s3 import S3Store
+from envace_core.store.uri import open_store
 
 MiB = 1 << 20
 
@@ -218,7 +216,7 @@ def test_local_store_has_the_same_directory_api(tmp_path):
 # ----------------------------------------------------------------------- the registry on S3 --
 
 def _registry(s3_server):
-    from envace_core.lineage import Registry
+    from envace_core.store.registry import Registry
 
     return Registry(f"{s3_server.root}/reg-{uuid.uuid4().hex[:8]}")
 
@@ -236,7 +234,7 @@ def _overwrite(s3_server, reg, name, version, rel, body):
 
 
 def test_s3_registry_register_list_show_verify_and_refuse_duplicate(s3_server, tmp_path):
-    from envace_core.lineage import RegistryError
+    from envace_core.store.registry import RegistryError
 
     reg = _registry(s3_server)
     art = _src(tmp_path, "art", **{"adapter/adapter_model.safetensors": b"weights", "config.json": "{}"})
@@ -261,8 +259,8 @@ def test_s3_registry_register_list_show_verify_and_refuse_duplicate(s3_server, t
 
 
 def test_s3_registry_verify_reports_tampered_objects_and_rewritten_commits(s3_server, tmp_path):
-    from envace_core.lineage import RegistryError
-    from envace_core.storage import S3Store
+    from envace_core.store.registry import RegistryError
+    from envace_core.store.s3 import S3Store
 
     reg = _registry(s3_server)
     art = _src(tmp_path, "art", **{"adapter.safetensors": b"weights", "config.json": "{}"})
@@ -287,7 +285,7 @@ def test_s3_registry_verify_reports_tampered_objects_and_rewritten_commits(s3_se
 
 
 def test_s3_registry_signed_manifest_detects_an_edited_metric(s3_server, tmp_path, monkeypatch):
-    from envace_core.storage import S3Store
+    from envace_core.store.s3 import S3Store
 
     monkeypatch.setenv("ENVACE_REGISTRY_HMAC_KEY", "k3y")
     reg = _registry(s3_server)
@@ -312,7 +310,7 @@ def test_s3_registry_listing_skips_a_version_whose_upload_failed(s3_server, tmp_
         reg.register("m", "2", art, {})
     assert seen["failed_attempts"] == 2
     assert reg.list() == [("m", "1")]  # nothing half-registered is listed
-    from envace_core.lineage import Registry
+    from envace_core.store.registry import Registry
 
     again = Registry(reg.root)  # a fresh client, without the failing hook
     again.register("m", "2", art, {})  # the failed attempt did not block the version
@@ -320,7 +318,7 @@ def test_s3_registry_listing_skips_a_version_whose_upload_failed(s3_server, tmp_
 
 
 def test_s3_registry_refuses_a_concurrent_duplicate(s3_server, tmp_path, monkeypatch):
-    from envace_core.lineage import Registry, RegistryError
+    from envace_core.store.registry import Registry, RegistryError
 
     reg = _registry(s3_server)
     art = _src(tmp_path, "art", w="w")

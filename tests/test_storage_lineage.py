@@ -3,8 +3,10 @@ from pathlib import Path
 
 import pytest
 
-from envace_core.lineage import Registry, RegistryError, git_state
-from envace_core.storage import LocalStore, StoreError, dir_checksums
+from envace_core.store.base import StoreError
+from envace_core.store.files import dir_checksums
+from envace_core.store.local import LocalStore
+from envace_core.store.registry import Registry, RegistryError, git_state
 
 
 def test_put_dir_is_atomic_and_checksummed(tmp_path):
@@ -90,9 +92,9 @@ def test_signed_manifest_detects_an_edited_metric(tmp_path, monkeypatch):
 def test_register_writes_every_lineage_field_the_auditors_need(tmp_path, monkeypatch):
     """Issue item 5: name+version, base model+hash, dataset DVC hash, git commit+dirty, full config,
     Flyte execution id, metrics, both gates, and sha256 of every artifact (gate reports included)."""
-    from envace_core import stages
     from envace_core.config import load_config
     from envace_core.models import model_fingerprint
+    from envace_core.stages.register import register
 
     monkeypatch.setenv("ENVACE_REGISTRY_HMAC_KEY", "k")
     cfg = load_config("test", {"store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "reg")}})
@@ -111,7 +113,7 @@ def test_register_writes_every_lineage_field_the_auditors_need(tmp_path, monkeyp
                "history": [{"iteration": 1, "train/loss": 0.5}], "learning_signal": True}
     validation = {"metrics": {"fidelity": 0.7}, "gate": {"fidelity": True}, "gate_key": "validation/r1/gate.json"}
     evaluation = {"summary": {"no_rehearsal|all": {"pass^1": 0.25}}}
-    out = stages.register(cfg, dataset, trained, validation, evaluation, execution_id="f1234-n0-0")
+    out = register(cfg, dataset, trained, validation, evaluation, execution_id="f1234-n0-0")
 
     m = json.loads(Path(out["manifest"]).read_text())
     assert (m["name"], m["version"]) == (cfg.store.model_name, out["version"])

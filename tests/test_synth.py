@@ -1,4 +1,4 @@
-"""Synthesized training tasks (envace_core/synth.py): verified by gold replay through the harness,
+"""Synthesized training tasks (envace_core/envs/tau2/synth.py): verified by gold replay through the harness,
 graded, deduplicated, deterministic, gate-clean, and disjoint from the whole tau2 test split."""
 
 from __future__ import annotations
@@ -12,11 +12,27 @@ import pandas as pd
 import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
-from envace_core import synth
-from envace_core.envs.tau2 import Tau2Environment, load_tasks, task_context
-from envace_core.rewards import replay_reward
+from envace_core.envs.tau2.environment import Tau2Environment
+from envace_core.envs.tau2.rules import policy_rule_checks
+from envace_core.envs.tau2 import synth
+from envace_core.envs.tau2.synth import (
+    AIRLINE_NOW,
+    LEVELS,
+    SYNTH_MARKER,
+    SynthesisError,
+    _status,
+    _unflown,
+    airline_cancel_reason,
+    candidates,
+    gold_answer,
+    level_quotas,
+    synthesize,
+)
+from envace_core.envs.tau2.tasks import load_tasks, task_context
+from envace_core.stages.curate import curate
+from envace_core.stages.dataset import load_dataset
+from envace_core.training.rewards import replay_reward
 from envace_core.types import Step, Trajectory
-from envace_core.verifier import policy_rule_checks
 
 DOMAINS = ("airline", "retail")
 N = 3  # per domain: 1 per level (each validation replays in ~3 fresh tau2 environments)
@@ -36,7 +52,7 @@ def dbs():
 
 @pytest.fixture(scope="module")
 def synthesized(tests_split):
-    return {d: synth.synthesize(d, N, seed=0, test_tasks=tests_split[d]) for d in DOMAINS}
+    return {d: synthesize(d, N, seed=0, test_tasks=tests_split[d]) for d in DOMAINS}
 
 
 @functools.cache
@@ -97,10 +113,10 @@ def test_no_candidate_overlaps_the_whole_test_split(domain, tests_split, dbs):
     db, test = dbs[domain], tests_split[domain]
     users, entities, writes = _test_footprint(domain, db, test)
     assert synth.test_users(domain, test, db) == users
-    unfiltered = synth.candidates(domain, 1, (), db)  # the exclusion is what keeps test users out
+    unfiltered = candidates(domain, 1, (), db)  # the exclusion is what keeps test users out
     assert any(set().union(*(_owners(domain, db, a) for _, a in c.actions)) & users for c in unfiltered)
-    for level in synth.LEVELS:
-        pool = synth.candidates(domain, level, synth.test_users(domain, test, db), db)
+    for level in LEVELS:
+        pool = candidates(domain, level, synth.test_users(domain, test, db), db)
         assert len(pool) > 50, (domain, level, len(pool))
         for c in pool:
             touched = set().union(*(_owners(domain, db, a) for _, a in c.actions))
@@ -118,22 +134,22 @@ def test_synthesized_ids_are_fresh_unique_and_marked(synthesized, tests_split):
         for t in tasks:
             assert re.fullmatch(rf"{d}/synth-L[123]-[0-9a-f]{{12}}", t.id), t.id
             assert t.id not in test_ids and t.split == "train" and t.domain == d
-            assert t.source["description"]["notes"].startswith(f"{synth.SYNTH_MARKER} level=")
+            assert t.source["description"]["notes"].startswith(f"{SYNTH_MARKER} level=")
             assert t.source["evaluation_criteria"]["reward_basis"] == ["DB", "COMMUNICATE"]
         assert len({t.id for t in tasks}) == N
 
 
 @pytest.mark.parametrize("domain", DOMAINS)
 def test_candidates_are_deduplicated(domain, dbs):
-    for level in synth.LEVELS:
-        keys = [c.key() for c in synth.candidates(domain, level, (), dbs[domain])]
+    for level in LEVELS:
+        keys = [c.key() for c in candidates(domain, level, (), dbs[domain])]
         assert len(keys) == len(set(keys))
 
 
 def test_deterministic_given_seed(synthesized, tests_split):
-    again = synth.synthesize("retail", N, seed=0, test_tasks=tests_split["retail"])
+    again = synthesize("retail", N, seed=0, test_tasks=tests_split["retail"])
     assert [t.model_dump() for t in again] == [t.model_dump() for t in synthesized["retail"]]
-    other = synth.synthesize("retail", 1, levels=[1], seed=1, test_tasks=tests_split["retail"])
+    other = synthesize("retail", 1, levels=[1], seed=1, test_tasks=tests_split["retail"])
     assert other[0].id != synthesized["retail"][0].id
 
 
@@ -142,7 +158,7 @@ def test_gold_replay_scores_1_and_writes_are_needed(synthesized):
     for d, tasks in synthesized.items():
         base = Tau2Environment(d).snapshot()
         for t in tasks:
-            res = replay_reward(t, _gold_traj(t, synth.gold_answer(t)))
+            res = replay_reward(t, _gold_traj(t, gold_answer(t)))
             assert res is not None and res.reward == 1.0 and res.sub_rewards["DB"] == 1.0, (t.id, res)
             writes = [i for i, a in enumerate(t.gold_actions) if _is_write(d, a.name)]
             assert bool(writes) == ("-L1-" not in t.id)
@@ -170,7 +186,7 @@ def test_plain_text_answer_scores_0_on_level_1(synthesized):
 def test_gold_trajectories_follow_the_code_checkable_policy(synthesized):
     for d, tasks in synthesized.items():
         for t in tasks:
-            traj = _gold_traj(t, synth.gold_answer(t))
+            traj = _gold_traj(t, gold_answer(t))
             replay_reward(t, traj)
             for s in traj.steps:
                 s.observation = s.real_observation
@@ -185,58 +201,57 @@ def test_airline_cancel_policy(dbs):
     db = dbs["airline"]
     res = db.reservations
     flown = next(r for r in res.values() if r.status != "cancelled" and any(
-        synth._status(db, f.flight_number, f.date) == "landed" for f in r.flights))
-    assert synth.airline_cancel_reason(db, flown) is None
+        _status(db, f.flight_number, f.date) == "landed" for f in r.flights))
+    assert airline_cancel_reason(db, flown) is None
     plain = next(r for r in res.values() if r.cabin != "business" and r.insurance == "no" and r.status is None
-                 and datetime.fromisoformat(str(r.created_at)) < synth.AIRLINE_NOW.replace(day=13) and synth._unflown(db, r)
-                 and all(synth._status(db, f.flight_number, f.date) == "available" for f in r.flights))
-    assert synth.airline_cancel_reason(db, plain) is None
-    assert synth.airline_cancel_reason(db, plain.model_copy(update={"cabin": "business"})) == "a change of plans"
-    assert "health" in synth.airline_cancel_reason(db, plain.model_copy(update={"insurance": "yes"}))
-    for c in synth.candidates("airline", 2, (), db) + synth.candidates("airline", 3, (), db):
+                 and datetime.fromisoformat(str(r.created_at)) < AIRLINE_NOW.replace(day=13) and _unflown(db, r)
+                 and all(_status(db, f.flight_number, f.date) == "available" for f in r.flights))
+    assert airline_cancel_reason(db, plain) is None
+    assert airline_cancel_reason(db, plain.model_copy(update={"cabin": "business"})) == "a change of plans"
+    assert "health" in airline_cancel_reason(db, plain.model_copy(update={"insurance": "yes"}))
+    for c in candidates("airline", 2, (), db) + candidates("airline", 3, (), db):
         if c.template.startswith("cancel"):
-            assert synth.airline_cancel_reason(db, res[c.actions[-1][1]["reservation_id"]])
+            assert airline_cancel_reason(db, res[c.actions[-1][1]["reservation_id"]])
 
 
 # ------------------------------------------------------------------------------- gate and curate
 def test_dataset_gate_accepts_synthesized_tasks_and_still_catches_leaks(synthesized, tests_split):
-    from envace_core.gates import dataset_gate
-    from envace_core.stages import _task_record
+    from envace_core.stages.dataset import task_record
+    from envace_core.stages.gates import dataset_gate
 
     test = [t for ts in tests_split.values() for t in ts]
     train = [t for ts in synthesized.values() for t in ts] + load_tasks("airline", "train", limit=2)
-    df = pd.DataFrame([_task_record(t) for t in train + test])
+    df = pd.DataFrame([task_record(t) for t in train + test])
     gate = dataset_gate(df, {t.id for t in test}, domains=list(DOMAINS))
     assert gate.success, gate.failed
     leaked = train[0].model_copy(update={"id": test[0].id})
-    df2 = pd.DataFrame([_task_record(t) for t in [leaked] + train[1:] + test[1:]])
+    df2 = pd.DataFrame([task_record(t) for t in [leaked] + train[1:] + test[1:]])
     assert not dataset_gate(df2, {t.id for t in test}, domains=list(DOMAINS)).success
 
 
 def test_curate_appends_synthesized_train_tasks(tmp_path, monkeypatch):
-    from envace_core import stages
     from envace_core.config import load_config
 
     monkeypatch.chdir(tmp_path)  # no DVC repo here: curate skips DVC tracking
     store = {"root": str(tmp_path / "store"), "registry": str(tmp_path / "registry")}
-    ds = stages.curate(load_config("test", {"store": store, "data": {
+    ds = curate(load_config("test", {"store": store, "data": {
         "synthetic_tasks_per_domain": 2, "synthetic_levels": [1, 3], "synthetic_seed": 7}}))
-    train = stages.load_dataset(ds, "train")
+    train = load_dataset(ds, "train")
     assert ds["n_train"] == 3 and len(train) == 3
     assert [t.id.split("-")[1] for t in train if "/synth-" in t.id] == ["L1", "L3"]
-    assert all(t.id not in {x.id for x in stages.load_dataset(ds, "test")} for t in train)
+    assert all(t.id not in {x.id for x in load_dataset(ds, "test")} for t in train)
 
 
 def test_bad_requests_raise_clear_errors(tests_split):
     from envace_core.config import ConfigError, load_config
 
-    with pytest.raises(synth.SynthesisError, match="retail"):
-        synth.synthesize("telecom", 1)
-    with pytest.raises(synth.SynthesisError, match="level"):
-        synth.candidates("airline", 4)
-    with pytest.raises(synth.SynthesisError, match=">= 0"):
-        synth.synthesize("airline", -1, test_tasks=tests_split["airline"])
-    assert synth.level_quotas(7, [3, 1, 2]) == {1: 3, 2: 2, 3: 2}
+    with pytest.raises(SynthesisError, match="retail"):
+        synthesize("telecom", 1)
+    with pytest.raises(SynthesisError, match="level"):
+        candidates("airline", 4)
+    with pytest.raises(SynthesisError, match=">= 0"):
+        synthesize("airline", -1, test_tasks=tests_split["airline"])
+    assert level_quotas(7, [3, 1, 2]) == {1: 3, 2: 2, 3: 2}
     with pytest.raises(ConfigError, match="synthetic_levels"):
         load_config("test", {"data": {"synthetic_levels": [4]}})
     with pytest.raises(ConfigError, match="synthetic_tasks_per_domain"):

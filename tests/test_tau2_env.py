@@ -8,10 +8,10 @@ import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
 from envace_core import EnvaceError
-from envace_core.envs.tau2 import (
+from envace_core.envs.tau2.environment import Tau2Environment
+from envace_core.envs.tau2.tasks import (
     NL_SKIPPED,
     POLICY_TRUNCATED_MARKER,
-    Tau2Environment,
     UnknownDomainError,
     load_tasks,
     task_context,

@@ -17,8 +17,8 @@ from envace_core.evaluation.tau2 import (
     run_tau2,
     summarize,
 )
-from envace_core.rehearsal import RehearsalAgent
-from envace_core.rollout import RolloutParams
+from envace_core.rehearsal.agent import RehearsalAgent
+from envace_core.training.rollout import RolloutParams
 from tests.scripted import ScriptedEngine
 
 GOLD = '<tool_call>{"name": "cancel_reservation", "arguments": {"reservation_id": "Z7GOZK"}}</tool_call>'

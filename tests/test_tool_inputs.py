@@ -14,7 +14,7 @@ import pandas as pd
 import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
-from envace_core.tool_learning import (
+from envace_core.tool_learning.inputs import (
     NewTool,
     ToolSchemaError,
     load_examples,
@@ -173,18 +173,19 @@ def test_unknown_hidden_tool_is_a_config_error_listing_the_tools():
 
 
 def test_curate_drops_train_tasks_calling_a_hidden_tool_and_hides_it(tmp_path, monkeypatch, capsys):
-    from envace_core import stages
     from envace_core.config import load_config
-    from envace_core.envs.tau2 import load_tasks, task_context
+    from envace_core.envs.tau2.tasks import load_tasks, task_context
+    from envace_core.stages.curate import curate
+    from envace_core.stages.dataset import load_dataset
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config("test", {"data": {"hidden_tools": [HIDDEN], "max_train_tasks_per_domain": 3},
                                "store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "reg")}})
-    ds = stages.curate(cfg)
+    ds = curate(cfg)
     full = load_tasks("airline", "train")
     calls = [t for t in full if any(a.name == HIDDEN for a in t.gold_actions)]
     want = [t.id for t in full if t not in calls][:3]
-    train, test = stages.load_dataset(ds, "train"), stages.load_dataset(ds, "test")
+    train, test = load_dataset(ds, "train"), load_dataset(ds, "test")
     assert [t.id for t in train] == want and len(calls) > 0
     assert f"dropped {len(calls)} train task(s)" in capsys.readouterr().out
     for t in train + test:
@@ -196,8 +197,8 @@ def test_curate_drops_train_tasks_calling_a_hidden_tool_and_hides_it(tmp_path, m
 
 # ------------------------------------------------------------------------------ dataset gate
 def test_dataset_gate_accepts_calls_of_added_tools_only_with_valid_schemas():
-    from envace_core.gates import dataset_gate
-    from envace_core.stages import _task_record
+    from envace_core.stages.dataset import task_record
+    from envace_core.stages.gates import dataset_gate
     from envace_core.types import Task, ToolCall, ToolSpec
 
     spec = ToolSpec(**_tool()["function"])
@@ -207,7 +208,7 @@ def test_dataset_gate_accepts_calls_of_added_tools_only_with_valid_schemas():
         tasks = [Task(id="retail/x", domain="retail", split="train", first_user_message="hi",
                       gold_actions=[call.model_copy(update={"arguments": args})], tools_added=added),
                  Task(id="retail/y", domain="retail", split="test", first_user_message="hi")]
-        return pd.DataFrame([_task_record(t) for t in tasks])
+        return pd.DataFrame([task_record(t) for t in tasks])
 
     check = "gold actions are valid calls of valid tool schemas"
     assert dataset_gate(frame([spec]), []).checks[check]
@@ -219,14 +220,17 @@ def test_dataset_gate_accepts_calls_of_added_tools_only_with_valid_schemas():
 
 # -------------------------------------------------------------------------- replay_fidelity=false
 def test_replay_fidelity_false_makes_no_environment_call(monkeypatch):
-    from envace_core import rollout, stages
+    import envace_core.training.rollout as rollout_mod
     from envace_core.config import load_config
-    from envace_core.envs.tau2 import Tau2Environment, load_tasks
+    from envace_core.envs.tau2.environment import Tau2Environment
+    from envace_core.envs.tau2.tasks import load_tasks
+    from envace_core.training.policy import rollout_params
+    from envace_core.training.rollout import training_group
     from envace_core.types import Observation, Step, Trajectory
 
     task = next(t for t in load_tasks("airline", "train") if t.gold_actions)
     steps = [Step(action=a, observation=Observation(content="{}")) for a in task.gold_actions]
-    monkeypatch.setattr(rollout, "rehearsal_rollouts", lambda engine, ctx, G, p, **kw: [
+    monkeypatch.setattr(rollout_mod, 'rehearsal_rollouts', lambda engine, ctx, G, p, **kw: [
         Trajectory(task_id=task.id, group_index=i, steps=[s.model_copy() for s in steps] + [Step(message="done")],
                    termination="agent_message") for i in range(G)])
     calls = []
@@ -236,7 +240,7 @@ def test_replay_fidelity_false_makes_no_environment_call(monkeypatch):
     def group(replay_fidelity):
         cfg = load_config("test", {"reward": {"name": "actions", "replay_fidelity": replay_fidelity}})
         calls.clear()
-        trajs = rollout.training_group(None, task, cfg, stages.rollout_params(cfg), seed=0)
+        trajs = training_group(None, task, cfg, rollout_params(cfg), seed=0)
         return trajs, len(calls)
 
     trajs, n = group(False)
@@ -264,41 +268,47 @@ def parent_adapter(tiny_model_dir, tmp_path_factory):
 
 def test_training_starts_from_init_adapter_and_a_checkpoint_wins(tiny_model_dir, parent_adapter, tmp_path,
                                                                  monkeypatch, capsys):
-    from envace_core import stages
     from envace_core.config import load_config
-    from envace_core.trainer import PolicyTrainer
+    from envace_core.stages.curate import curate
+    from envace_core.stages.train import rollout_and_train
+    from envace_core.training.trainer import PolicyTrainer
 
     adapter, weights = parent_adapter
     monkeypatch.chdir(tmp_path)
     cfg = load_config("test", {"model": {"ref": str(tiny_model_dir), "compute_dtype": "float32"},
                                "train": {"init_adapter": str(adapter)},
                                "store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "reg")}})
-    ds = stages.curate(cfg)
+    ds = curate(cfg)
     seen, loads = [], []
     real_update, real_load = PolicyTrainer.update, PolicyTrainer.load_adapter
     monkeypatch.setattr(PolicyTrainer, "update", lambda self, rows: seen.append(_lora(self)) or real_update(self, rows))
     monkeypatch.setattr(PolicyTrainer, "load_adapter", lambda self, d: loads.append(d) or real_load(self, d))
-    stages.rollout_and_train(cfg, ds)
+    rollout_and_train(cfg, ds)
     assert len(seen) == 1 and seen[0].keys() == weights.keys()
     assert all(seen[0][k].equal(weights[k]) for k in weights)  # the first update starts from the parent
     assert any(v.abs().sum() > 0 for k, v in weights.items() if "lora_B" in k)  # not a fresh LoRA
-    stages.rollout_and_train(cfg, ds)  # same command again: resumes the checkpoint, no reload
+    rollout_and_train(cfg, ds)  # same command again: resumes the checkpoint, no reload
     assert len(loads) == 1 and "resuming run" in capsys.readouterr().out
 
 
 def test_init_adapter_errors_and_run_id(tiny_model_dir, parent_adapter, tmp_path):
-    from envace_core import EnvaceError, stages
+    from envace_core import EnvaceError
     from envace_core.config import load_config
-    from envace_core.trainer import AdapterLoadError
+    from envace_core.training.loop import (
+        init_adapter_dir,
+        load_init_adapter,
+        training_run_id,
+    )
+    from envace_core.training.trainer import AdapterLoadError
     from tests.test_trainer import make_trainer
 
     adapter, _ = parent_adapter
     with pytest.raises(AdapterLoadError, match=r"train.init_adapter=.*\(r, alpha, target_modules\).*lora_r"):
-        stages._load_init_adapter(make_trainer(tiny_model_dir, lora_r=4), str(adapter))
+        load_init_adapter(make_trainer(tiny_model_dir, lora_r=4), str(adapter))
     with pytest.raises(AdapterLoadError, match=r"train.init_adapter=.*act.*missing"):
-        stages._load_init_adapter(make_trainer(tiny_model_dir, policy_per_role=True), str(adapter))
+        load_init_adapter(make_trainer(tiny_model_dir, policy_per_role=True), str(adapter))
     with pytest.raises(EnvaceError, match="is not a directory"):
-        stages.init_adapter_dir(str(tmp_path / "absent"))
+        init_adapter_dir(str(tmp_path / "absent"))
 
     copy = tmp_path / "copy"
     copy.mkdir()
@@ -306,21 +316,24 @@ def test_init_adapter_errors_and_run_id(tiny_model_dir, parent_adapter, tmp_path
         (copy / f.name).write_bytes(f.read_bytes())
     cfg = load_config("test", {"train": {"init_adapter": str(copy)}})
     ds = {"version": "v"}
-    first = stages._run_id(cfg, ds)
+    first = training_run_id(cfg, ds)
     (copy / "adapter_model.safetensors").write_bytes((adapter / "adapter_model.safetensors").read_bytes()[:-1] + b"x")
-    assert stages._run_id(cfg, ds) != first  # other weights, same path: another run
+    assert training_run_id(cfg, ds) != first  # other weights, same path: another run
 
 
 def test_init_adapter_from_an_s3_registry_version(parent_adapter, s3_server, tmp_path):
     import shutil
 
-    from envace_core import EnvaceError, stages
-    from envace_core.storage import open_store
+    from envace_core import EnvaceError
+    from envace_core.store.uri import open_store
+    from envace_core.training.loop import (
+        init_adapter_dir,
+    )
 
     adapter, _ = parent_adapter
     shutil.copytree(adapter, tmp_path / "version" / "artifacts" / "adapter")
     open_store(f"{s3_server.root}/registry").put_dir(tmp_path / "version", "policy/v1")
-    got = stages.init_adapter_dir(f"{s3_server.root}/registry/policy/v1/artifacts/adapter")
+    got = init_adapter_dir(f"{s3_server.root}/registry/policy/v1/artifacts/adapter")
     assert (got / "adapter_model.safetensors").read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
     with pytest.raises(EnvaceError, match="no committed artifact directory"):
-        stages.init_adapter_dir(f"{s3_server.root}/registry/policy/v2/artifacts/adapter")
+        init_adapter_dir(f"{s3_server.root}/registry/policy/v2/artifacts/adapter")

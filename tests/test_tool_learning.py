@@ -9,14 +9,26 @@ import json
 import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
-from envace_core import synth, tool_learning
-from envace_core.envs.tau2 import Tau2Environment, _domain_static, load_tasks
-from envace_core.tool_learning import (
+import envace_core.envs.tau2.synth as synth_mod
+import envace_core.models as models_mod
+import envace_core.tool_learning.inputs as inputs
+import envace_core.tool_learning.tasks as tasks
+import envace_core.training.policy as policy_mod
+import envace_core.types as types_mod
+from envace_core.envs.tau2.environment import Tau2Environment
+from envace_core.envs.tau2.synth import domain_env
+from envace_core.envs.tau2.tasks import domain_static, load_tasks
+from envace_core.stages.dataset import load_dataset
+from envace_core.tool_learning.adapt import RealCallGuard, adapt
+from envace_core.tool_learning.inputs import ToolExample, load_tools
+from envace_core.tool_learning.measure import measure
+from envace_core.tool_learning.tasks import (
     AdaptationError,
-    RealCallGuard,
-    ToolExample,
     adaptation_gate,
     build_adaptation_tasks,
+    examples_sha256,
+    implementation_of,
+    tool_schema_sha256,
 )
 from envace_core.types import ToolCall
 
@@ -27,8 +39,8 @@ PEOPLE = [("Ada", "Lovelace", "10001", "ada_lovelace_1815"), ("Alan", "Turing", 
 
 
 def _retail_tool():
-    spec = next(t for t in _domain_static("retail")[0] if t.name == TOOL)
-    return tool_learning.load_tools([spec.openai_schema()])
+    spec = next(t for t in domain_static("retail")[0] if t.name == TOOL)
+    return load_tools([spec.openai_schema()])
 
 
 def _examples(name: str = TOOL) -> list[ToolExample]:
@@ -54,10 +66,10 @@ def test_builder_tasks_need_the_tool_no_duplicates_no_test_users(retail):
     keys = {(" ".join(t.first_user_message.lower().split()), json.dumps([a.model_dump() for a in t.gold_actions],
                                                                       sort_keys=True)) for t in every}
     assert len(keys) == len(every)
-    db = synth._env("retail").tools.db
+    db = domain_env("retail").tools.db
     test = load_tasks("retail", "test")
-    test_users = synth.test_users("retail", test, db)
-    assert test_users and not synth.test_users("retail", every, db) & test_users
+    test_users = synth_mod.test_users("retail", test, db)
+    assert test_users and not synth_mod.test_users("retail", every, db) & test_users
     tau2_ids = {t.get("id") for t in (x.source for x in every)}
     assert not tau2_ids & {t.id.split("/", 1)[1] for t in test}
 
@@ -99,7 +111,7 @@ def test_gate_passes_and_can_fail(retail):
 
 
 def test_examples_only_tool_builds_example_tasks():
-    tools = tool_learning.load_tools([{"type": "function", "function": {
+    tools = load_tools([{"type": "function", "function": {
         "name": "get_loyalty_points", "description": "Get the loyalty points balance of a customer. Read-only.",
         "parameters": {"type": "object", "properties": {"first_name": {"type": "string"},
                                                         "last_name": {"type": "string"},
@@ -113,7 +125,7 @@ def test_examples_only_tool_builds_example_tasks():
 
 
 def test_impossible_requests_raise_naming_why():
-    made_up = tool_learning.load_tools([{"name": "teleport_parcel", "description": "Teleport a parcel.",
+    made_up = load_tools([{"name": "teleport_parcel", "description": "Teleport a parcel.",
                                          "parameters": {"type": "object", "properties": {}}}])
     with pytest.raises(AdaptationError, match="teleport_parcel: it is neither a tool of the 'retail' domain "
                                               "nor has examples"):
@@ -140,8 +152,8 @@ def parent(tiny_model_dir, tmp_path):
     """A tiny LoRA adapter (r=2) on the tiny model, registered as tiny@v1; its config hid the tool."""
     from peft import LoraConfig, get_peft_model
 
-    from envace_core.lineage import Registry
     from envace_core.models import load_model, model_fingerprint
+    from envace_core.store.registry import Registry
 
     art = tmp_path / "art"
     model = get_peft_model(load_model(tiny_model_dir), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
@@ -154,15 +166,14 @@ def parent(tiny_model_dir, tmp_path):
 
 
 def test_adapt_registers_a_child_naming_tools_and_parent_then_measure(parent, tmp_path, capsys):
-    from envace_core import stages
     from envace_core.config import load_config
-    from envace_core.eval_run import resolve_model_ref
-    from envace_core.lineage import Registry
+    from envace_core.models import resolve_model_ref
+    from envace_core.store.registry import Registry
 
     cfg = load_config("test", {"model": {"compute_dtype": "float32"},
                                "store": {"root": str(tmp_path / "store"), "registry": str(parent)}})
     tools, examples = _retail_tool(), _examples()
-    out = tool_learning.adapt(cfg, "registry:tiny@v1", tools, examples, domain="retail", n_tasks=4)
+    out = adapt(cfg, "registry:tiny@v1", tools, examples, domain="retail", n_tasks=4)
     assert out["name"] == "tiny" and out["version"] != "v1" and out["real_calls_to_new_tools"] == 0
     assert out["real_calls"] == {}  # no real environment call at all while training
     assert out["trained"]["iterations"] == 1 and out["tasks"]["held_out"] >= 1
@@ -170,8 +181,8 @@ def test_adapt_registers_a_child_naming_tools_and_parent_then_measure(parent, tm
     raw = (parent / "tiny" / "v1" / "manifest.json").read_bytes()
     assert m["parent"] == {"ref": "registry:tiny@v1", "name": "tiny", "version": "v1",
                            "manifest_sha256": hashlib.sha256(raw).hexdigest(), "base_model": m["base_model"]["ref"]}
-    assert m["tools"] == [{"name": TOOL, "schema_sha256": tool_learning.tool_schema_sha256(tools[0].spec)}]
-    assert m["examples_sha256"] == tool_learning.examples_sha256(examples)
+    assert m["tools"] == [{"name": TOOL, "schema_sha256": tool_schema_sha256(tools[0].spec)}]
+    assert m["examples_sha256"] == examples_sha256(examples)
     assert m["dataset"]["version"] == out["dataset"]["version"]
     assert m["config"]["train"]["init_adapter"].endswith("tiny/v1/artifacts/adapter")
     assert m["config"]["train"]["lora_r"] == 2 and m["config"]["reward"]["name"] == "actions"
@@ -183,16 +194,16 @@ def test_adapt_registers_a_child_naming_tools_and_parent_then_measure(parent, tm
     child = resolve_model_ref(f"registry:tiny@{out['version']}", str(parent))
     assert child.base_ref == m["base_model"]["ref"]
 
-    held = stages.load_dataset(out["dataset"], "test")
+    held = load_dataset(out["dataset"], "test")
     assert held and all(t.tools_added and t.tools_hidden == [TOOL] for t in held)
-    res = tool_learning.measure(cfg, f"registry:tiny@{out['version']}", held, tools=[TOOL])
+    res = measure(cfg, f"registry:tiny@{out['version']}", held, tools=[TOOL])
     for metric in ("success", "fidelity"):
         s = res[metric]
         assert s["n"] == len(held) and 0.0 <= s["ci95"][0] <= s["mean"] <= s["ci95"][1] <= 1.0
     assert res["fidelity"]["transitions"] >= len(held)
     assert [r["task_id"] for r in res["per_task"]] == [t.id for t in held]
     with pytest.raises(AdaptationError, match="no tau2 record"):
-        tool_learning.measure(cfg, "registry:tiny@v1", stages.load_dataset(out["dataset"], "train")[-1:], tools=[TOOL])
+        measure(cfg, "registry:tiny@v1", load_dataset(out["dataset"], "train")[-1:], tools=[TOOL])
 
 
 def test_a_tool_outside_the_domain_is_scored_by_its_implementation(monkeypatch):
@@ -200,22 +211,22 @@ def test_a_tool_outside_the_domain_is_scored_by_its_implementation(monkeypatch):
     of a held-out example is trained on) and `measure` scores them by running the implementation:
     a policy that makes the example's call and answers succeeds, and REHEARSE fidelity compares with
     the implementation's real result."""
-    import envace_core.eval_run as er
-    from envace_core import tool_learning as tl
     from envace_core.config import load_config
     from envace_core.models import load_tokenizer, resolve_model
+    from envace_core.tool_learning.inputs import load_tools
+    from envace_core.tool_learning.measure import measure
     from tests.scripted import ScriptedEngine
 
-    (tool,) = tl.load_tools([{"type": "function", "function": {
+    (tool,) = load_tools([{"type": "function", "function": {
         "name": "get_weather", "description": "Get the weather in a city.",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}},
         "implementation": "tests.tool_impls:get_weather"}])
-    examples = [tl.ToolExample(call=tl.ToolCall(name="get_weather", arguments={"city": c}),
+    examples = [inputs.ToolExample(call=types_mod.ToolCall(name="get_weather", arguments={"city": c}),
                                result={"city": c, "temperature": 21, "unit": "celsius"})
                 for c in ("Paris", "Rome", "Oslo", "Lima")]
-    built = tl.build_adaptation_tasks("retail", [tool], examples, n=12, seed=0, held_out=0.3)
+    built = tasks.build_adaptation_tasks("retail", [tool], examples, n=12, seed=0, held_out=0.3)
     held, train = built["held_out"], built["train"]
-    assert held and all(tl._implemented(t) == {"get_weather": "tests.tool_impls:get_weather"} for t in held)
+    assert held and all(implementation_of(t) == {"get_weather": "tests.tool_impls:get_weather"} for t in held)
     held_cities = {t.gold_actions[0].arguments["city"] for t in held}
     assert held_cities.isdisjoint({t.gold_actions[0].arguments["city"] for t in train})
 
@@ -224,12 +235,12 @@ def test_a_tool_outside_the_domain_is_scored_by_its_implementation(monkeypatch):
     call = '<tool_call>{"name": "get_weather", "arguments": {"city": "%s"}}</tool_call>' % city
     engine = ScriptedEngine(tok, [call, "It is 21 degrees."],
                             rehearse_text='{"city": "%s", "temperature": 21, "unit": "celsius"}' % city)
-    monkeypatch.setattr(er, "resolve_model_ref", lambda ref, reg: ref)
-    monkeypatch.setattr(er, "load_engine", lambda cfg, m: (engine, None))
-    out = tl.measure(load_config("test", "eval.max_turns=3"), "scripted", held[:1], tools=["get_weather"])
+    monkeypatch.setattr(models_mod, 'resolve_model_ref', lambda ref, reg: ref)
+    monkeypatch.setattr(policy_mod, 'load_engine', lambda cfg, m: (engine, None))
+    out = measure(load_config("test", "eval.max_turns=3"), "scripted", held[:1], tools=["get_weather"])
     assert out["success"]["mean"] == 1.0 and out["fidelity"]["mean"] == 1.0 and out["fidelity"]["transitions"] == 1
     wrong = ScriptedEngine(tok, ['<tool_call>{"name": "get_weather", "arguments": {"city": "Atlantis"}}</tool_call>',
                                  "Sorry."], rehearse_text='{"temperature": 5}')
-    monkeypatch.setattr(er, "load_engine", lambda cfg, m: (wrong, None))
-    out = tl.measure(load_config("test", "eval.max_turns=3"), "scripted", held[:1], tools=["get_weather"])
+    monkeypatch.setattr(policy_mod, 'load_engine', lambda cfg, m: (wrong, None))
+    out = measure(load_config("test", "eval.max_turns=3"), "scripted", held[:1], tools=["get_weather"])
     assert out["success"]["mean"] == 0.0 and out["fidelity"]["mean"] < 1.0

@@ -10,7 +10,8 @@ import torch
 
 from envace_core.config import TrainConfig
 from envace_core.models import load_model, load_tokenizer
-from envace_core.trainer import AdapterLoadError, PolicyTrainer, TrainingRow
+from envace_core.training.rows import TrainingRow
+from envace_core.training.trainer import AdapterLoadError, PolicyTrainer
 from envace_core.types import Generation, Role
 
 
@@ -302,14 +303,15 @@ def test_multi_turn_ids_equal_the_chat_template_up_to_the_newline_after_end_of_t
     controlled difference: the engine stops on <|im_end|> (eos) while the template writes
     "<|im_end|>\\n"; that "\\n" is context (no loss), present in the next prompt and absent from the
     completion."""
-    from envace_core import roles
-    from envace_core.envs.tau2 import load_tasks, task_context
-    from envace_core.rollout import RolloutParams, rehearsal_rollouts
+    from envace_core.envs.tau2.tasks import load_tasks, task_context
+    from envace_core.roles.act import act_messages
+    from envace_core.roles.tools import format_tool_call
+    from envace_core.training.rollout import RolloutParams, rehearsal_rollouts
     from tests.scripted import ScriptedEngine
 
     tok = load_tokenizer(tiny_model_dir)
     task = next(t for t in load_tasks("airline", "test") if t.gold_actions)
-    call = roles.format_tool_call(task.gold_actions[0])
+    call = format_tool_call(task.gold_actions[0])
     engine = ScriptedEngine(tok, [call, "Done, anything else?"], rehearse_text='{"status": "ok"}')
     p = RolloutParams(max_turns=3, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
     ctx = task_context(task, 300)
@@ -325,7 +327,7 @@ def test_multi_turn_ids_equal_the_chat_template_up_to_the_newline_after_end_of_t
                {"role": "assistant", "content": call},
                {"role": "tool", "content": '{"status": "ok"}'},
                {"role": "assistant", "content": "Done, anything else?"}]
-    system = roles.act_messages(ctx, [])[0]
+    system = act_messages(ctx, [])[0]
     whole = tok.apply_chat_template([system, *history], tokenize=True, return_dict=False)
     assert act2.prompt_ids + act2.completion_ids + _im(tok, "\n") == list(whole)
     # training rows carry exactly these ids; each row's old log-probs are its rollout log-probs
@@ -338,9 +340,9 @@ def test_a_non_canonical_call_is_re_rendered_in_the_next_prompt_only(tiny_model_
     """Controlled difference 2: the history shows the parsed call in canonical form, not the raw
     sampled text. Rows are not affected: row t trains on exactly the ids sampled at turn t given
     exactly the prompt ids it was sampled from."""
-    from envace_core import roles
-    from envace_core.envs.tau2 import load_tasks, task_context
-    from envace_core.rollout import RolloutParams, rehearsal_rollouts
+    from envace_core.envs.tau2.tasks import load_tasks, task_context
+    from envace_core.roles.tools import format_tool_call
+    from envace_core.training.rollout import RolloutParams, rehearsal_rollouts
     from tests.scripted import ScriptedEngine
 
     tok = load_tokenizer(tiny_model_dir)
@@ -348,13 +350,13 @@ def test_a_non_canonical_call_is_re_rendered_in_the_next_prompt_only(tiny_model_
     gold = task.gold_actions[0]
     args = json.dumps(gold.arguments, separators=(",", ":"))
     raw = f'<tool_call>{{"name":"{gold.name}","arguments":{args}}}</tool_call>'
-    assert raw != roles.format_tool_call(gold)
+    assert raw != format_tool_call(gold)
     engine = ScriptedEngine(tok, [raw, "Done."])
     p = RolloutParams(max_turns=3, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
     act1, _, act2 = rehearsal_rollouts(engine, task_context(task, 300), 1, p, seed=0)[0].generations
     assert act1.completion_ids == _im(tok, raw) + [tok.eos_token_id]
     text2 = tok.decode(act2.prompt_ids)
-    assert roles.format_tool_call(gold) in text2 and raw not in text2
+    assert format_tool_call(gold) in text2 and raw not in text2
 
 
 def test_rollout_logprobs_are_the_behaviour_policy_of_the_loss(tiny_model_dir):
@@ -362,8 +364,8 @@ def test_rollout_logprobs_are_the_behaviour_policy_of_the_loss(tiny_model_dir):
     = 1 (engine and trainer agree); shifting the recorded log-probs by d moves it to exp(-d), so the
     loss's old log-probs are the rollout's, not recomputed."""
     from envace_core.engines.hf import HFEngine
-    from envace_core.envs.tau2 import load_tasks, task_context
-    from envace_core.rollout import RolloutParams, rehearsal_rollouts
+    from envace_core.envs.tau2.tasks import load_tasks, task_context
+    from envace_core.training.rollout import RolloutParams, rehearsal_rollouts
 
     trainer = make_trainer(tiny_model_dir)
     engine = HFEngine(trainer.model, trainer.tokenizer, compute_dtype="float32")
@@ -422,7 +424,7 @@ def test_engine_generates_each_role_with_its_adapter_and_reloads(tiny_model_dir,
     from envace_core.config import load_config
     from envace_core.engines.base import SamplingParams
     from envace_core.engines.hf import HFEngine
-    from envace_core.stages import load_policy
+    from envace_core.training.policy import load_policy
 
     trainer = make_trainer(tiny_model_dir, policy_per_role=True)
     with torch.no_grad():  # make the two adapters differ (make_trainer used one stream for both)

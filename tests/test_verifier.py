@@ -5,25 +5,27 @@ import json
 import pytest
 
 from envace_core import EnvaceError
-from envace_core.envs.tau2 import load_tasks, task_context
-from envace_core.models import load_tokenizer
-from envace_core.rollout import RolloutParams, rehearsal_rollouts
-from envace_core.types import Observation, Step, ToolCall, Trajectory
-from envace_core.verifier import (
-    FORMAT_CHECKS,
+from envace_core.envs.tau2.rules import (
     airline_booking_limits,
     airline_booking_reads_user,
     airline_reservation_read_before_write,
-    default_checks,
-    json_response_check,
     policy_rule_checks,
     retail_authenticate_first,
     retail_modify_items_once,
     retail_order_read_before_write,
+)
+from envace_core.envs.tau2.tasks import load_tasks, task_context
+from envace_core.models import load_tokenizer
+from envace_core.rehearsal.verifier import (
+    FORMAT_CHECKS,
+    default_checks,
+    json_response_check,
     schema_check,
     unknown_tool_check,
     verify,
 )
+from envace_core.training.rollout import RolloutParams, rehearsal_rollouts
+from envace_core.types import Observation, Step, ToolCall, Trajectory
 from tests.scripted import ScriptedEngine
 
 P = RolloutParams(max_turns=2, max_new_tokens_act=8, max_new_tokens_rehearse=8, temperature=1.0)

@@ -10,20 +10,22 @@ from pathlib import Path
 import pytest
 
 from envace_core import EnvaceError
-from envace_core.evaluation.vita import (
+from envace_core.envs.vita import (
     VitaEnvironment,
+    load_vitabench,
+    vita_context,
+    vita_tools,
+)
+from envace_core.evaluation.vita import (
     aggregate_rubric_verdicts,
     avg_at_k,
     judge_reward,
-    load_vitabench,
     pass_at_k,
     pass_hat_k,
     rubric_states,
     rubric_windows,
-    vita_context,
     vita_metrics,
     vita_rubrics,
-    vita_tools,
 )
 from envace_core.types import ToolCall
 

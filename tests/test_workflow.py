@@ -21,7 +21,7 @@ def test_train_workflow_runs_locally_end_to_end(tiny_model_dir, tmp_path, monkey
     assert "no_rehearsal|all" in manifest["metrics"]["evaluation"]
     assert "parallel:2|all" in manifest["metrics"]["evaluation"]
 
-    from envace_core.lineage import Registry
+    from envace_core.store.registry import Registry
 
     reg = Registry(tmp_path / "registry")
     assert reg.list() == [(out["name"], out["version"])]
@@ -43,21 +43,22 @@ def test_workflow_with_an_s3_artifact_store_resumes_from_s3(s3_server, tiny_mode
     """Datasets and checkpoints in S3 (a real moto server on loopback); a re-run resumes from S3."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("ENVACE_CACHE", str(tmp_path / "cache"))
-    from envace_core import stages
     from envace_core.config import load_config
-    from envace_core.storage import open_store
+    from envace_core.stages.curate import curate
+    from envace_core.stages.train import rollout_and_train
+    from envace_core.store.uri import open_store
 
     cfg = load_config("test", {"model": {"ref": str(tiny_model_dir), "compute_dtype": "float32"},
                                "store": {"root": f"{s3_server.root}/envace",
                                          "registry": str(tmp_path / "registry")}})
-    ds = stages.curate(cfg)
-    first = stages.rollout_and_train(cfg, ds)
+    ds = curate(cfg)
+    first = rollout_and_train(cfg, ds)
     store = open_store(cfg.store.root)
     assert store.exists(f"runs/{first['run_id']}/checkpoint/state.json")
     import shutil
 
     shutil.rmtree(tmp_path / "cache")  # a fresh machine: nothing local, everything from S3
-    again = stages.rollout_and_train(cfg, ds)
+    again = rollout_and_train(cfg, ds)
     assert again["history"] == first["history"]  # resumed, not retrained
     assert (Path(again["adapter_dir"]) / "adapter_config.json").is_file()
 

@@ -13,10 +13,10 @@ and the measurement (JSON); the measure task's Deck shows the before/after table
 
 from typing import NamedTuple, Optional
 
-import envace_core  # noqa: F401  (offline environment before tau2 is imported)
 from flytekit import LaunchPlan, workflow
 from flytekit.types.file import FlyteFile
 
+import envace_core  # noqa: F401  (offline environment before tau2 is imported)
 from tasks.adapt_tools import adapt_tools_task, check_tool_inputs, measure_tools
 from tasks.config import resolve_config
 

@@ -9,9 +9,9 @@ Same inputs as `envace eval` (limit 0 = all; empty user_model / user_url = the p
 Returns the results as JSON; the task's Flyte Deck shows the report (tables, plots, published figures).
 """
 
-import envace_core  # noqa: F401  (offline environment before tau2 is imported)
 from flytekit import workflow
 
+import envace_core  # noqa: F401  (offline environment before tau2 is imported)
 from tasks.eval_bench import eval_bench
 
 

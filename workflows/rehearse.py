@@ -7,9 +7,9 @@
 Returns the result as JSON (same as `envace rehearse`); the task's Flyte Deck shows it as HTML.
 """
 
-import envace_core  # noqa: F401  (offline environment before tau2 is imported)
 from flytekit import workflow
 
+import envace_core  # noqa: F401  (offline environment before tau2 is imported)
 from tasks.rehearse import rehearse_task
 
 

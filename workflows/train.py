@@ -4,9 +4,9 @@
     pyflyte run workflows/train.py train --profile test --overrides 'train.iterations=1'
 """
 
-import envace_core  # noqa: F401  (offline environment before tau2 is imported)
 from flytekit import CronSchedule, LaunchPlan, workflow
 
+import envace_core  # noqa: F401  (offline environment before tau2 is imported)
 from tasks.config import resolve_config
 from tasks.curate import curate
 from tasks.evaluate import evaluate

@@ -155,7 +155,7 @@ def export_merged(model, folder: str | Path, dtype: torch.dtype = torch.bfloat16
     """
     from safetensors.torch import save_file
 
-    from envace_core.storage import atomic_dir
+    from envace_core.store.files import atomic_dir
 
     state, changed = merged_state_dict(model, dtype)
     cfg = getattr(model, "config", None)

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from typing import Any
 
 from pydantic import BaseModel, Field
 
-from envace_core.types import Observation, Step, Task, ToolCall, ToolSpec
+from envace_core.types import (
+    Observation,
+    Step,
+    Task,
+    TaskContext,
+    ToolCall,
+    ToolSpec,
+    Trajectory,
+)
 
 
 class RewardResult(BaseModel):
@@ -51,3 +61,11 @@ class ToolEnvironment(ABC):
     @abstractmethod
     def score(self, task: Task, steps: list[Step], final_message: str) -> RewardResult:
         """Score a finished trajectory with the benchmark's own evaluator."""
+
+
+Check = Callable[[Trajectory, TaskContext], list[str]]
+
+
+def call_text(step: Step) -> str:
+    a = step.action
+    return f"{a.name}({json.dumps(a.arguments, sort_keys=True, ensure_ascii=False)})" if a else ""

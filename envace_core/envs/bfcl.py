@@ -112,7 +112,7 @@ def import_bfcl() -> types.SimpleNamespace:
 
     Raises `EnvaceError` when bfcl-eval is not installed.
     """
-    from envace_core.storage import cache_root
+    from envace_core.store.files import cache_root
 
     os.environ.setdefault("BFCL_PROJECT_ROOT", str(cache_root() / "bfcl"))
     _install_model_config_stand_in()

@@ -20,7 +20,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from envace_core.storage import atomic_write_text
+from envace_core.store.files import atomic_write_text
 
 PAPER = "EnvACE paper (Xu et al., arXiv:2608.06197), main results"
 PUBLISHED: dict[str, dict[str, float]] = {

@@ -46,11 +46,14 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 import envace_core  # noqa: F401  (offline environment before tau2)
-from envace_core import EnvaceError, roles
+from envace_core import EnvaceError
 from envace_core.engines.base import Engine, SamplingParams
-from envace_core.envs import tau2 as tau2_env
-from envace_core.rehearsal import RehearsalAgent, RehearsalRound
-from envace_core.storage import read_jsonl
+from envace_core.envs.tau2.tasks import load_tasks, tau2_task, truncate_policy
+from envace_core.rehearsal.agent import RehearsalAgent, RehearsalRound
+from envace_core.roles.act import CALL_FORMAT, act_prompt_ids, parse_act
+from envace_core.roles.errors import ParseError, format_error
+from envace_core.roles.tools import format_tool_call, render_tool
+from envace_core.store.files import read_jsonl
 from envace_core.types import (
     Message,
     Observation,
@@ -161,7 +164,7 @@ class EnvaceTau2Agent(LocalAgent[EnvaceAgentState]):
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
         self.seed, self.strict, self.rehearsal = seed, strict, rehearsal
         self.specs = [tool_spec(t) for t in tools]
-        self.policy = tau2_env.truncate_policy(domain_policy, policy_max_chars)
+        self.policy = truncate_policy(domain_policy, policy_max_chars)
         self.stats: dict[str, int] = Counter(act_calls=0, tool_calls=0, messages=0, parse_errors=0,
                                              rehearsal_rounds=0, rehearsals=0)
         self.parse_errors: list[str] = []
@@ -197,17 +200,17 @@ class EnvaceTau2Agent(LocalAgent[EnvaceAgentState]):
                 (turn == 0 or self.rehearsal.reenter):
             state.memory = self._rehearse(ctx, history, turn)
         tok = self.engine.tokenizer
-        prompt = roles.act_prompt_ids(tok, ctx, history, state.memory or None)
+        prompt = act_prompt_ids(tok, ctx, history, state.memory or None)
         sp = SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature,
                             top_p=self.top_p, seed=None if self.seed is None else self.seed + turn)
         c = self.engine.generate([prompt], sp)[0][0]
         text = tok.decode(c.token_ids, skip_special_tokens=True)
         self.stats["act_calls"] += 1
         try:
-            out = roles.parse_act(text, ctx.tools, strict=self.strict)
-        except roles.ParseError as e:
+            out = parse_act(text, ctx.tools, strict=self.strict)
+        except ParseError as e:
             self.stats["parse_errors"] += 1
-            self.parse_errors.append(roles.format_error(e))
+            self.parse_errors.append(format_error(e))
             msg = AssistantMessage(role="assistant", content=text.strip() or NO_OUTPUT, cost=0.0)
         else:
             if out.tool_call is not None:
@@ -268,8 +271,8 @@ class EnvaceUserSimulator(UserSimulator):
         base = super().system_prompt
         if not self.specs:
             return base
-        tools = "\n".join(roles.render_tool(t) for t in self.specs)
-        return f"{base}\n\n# Your tools\n{tools}\n\n{roles._CALL_FORMAT}"
+        tools = "\n".join(render_tool(t) for t in self.specs)
+        return f"{base}\n\n# Your tools\n{tools}\n\n{CALL_FORMAT}"
 
     @staticmethod
     def _chat(messages) -> list[dict]:
@@ -277,7 +280,7 @@ class EnvaceUserSimulator(UserSimulator):
         for m in messages:
             content = m.content or ""
             if getattr(m, "tool_calls", None):
-                calls = "\n".join(roles.format_tool_call(ToolCall(name=c.name, arguments=dict(c.arguments)))
+                calls = "\n".join(format_tool_call(ToolCall(name=c.name, arguments=dict(c.arguments)))
                                   for c in m.tool_calls)
                 content = f"{content}\n{calls}".strip()
             out.append({"role": m.role, "content": content})
@@ -304,8 +307,8 @@ class EnvaceUserSimulator(UserSimulator):
         msg = None
         if self.specs and "<tool_call" in text:
             try:
-                out = roles.parse_act(text, self.specs, strict=False)
-            except roles.ParseError:
+                out = parse_act(text, self.specs, strict=False)
+            except ParseError:
                 out = None
             if out is not None and out.tool_call is not None:
                 self.stats["tool_calls"] += 1
@@ -470,7 +473,7 @@ def run_tau2(engine: Engine, domain: str, task_ids: Sequence[str] | None = None,
     """
     if trials < 1:
         raise EnvaceError(f"trials must be >= 1, got {trials}")
-    tasks = tau2_env.load_tasks(domain, split)
+    tasks = load_tasks(domain, split)
     if task_ids is not None:
         want = [str(t).split("/", 1)[1] if str(t).startswith(f"{domain}/") else str(t) for t in task_ids]
         by_id = {t.id.split("/", 1)[1]: t for t in tasks}
@@ -482,7 +485,7 @@ def run_tau2(engine: Engine, domain: str, task_ids: Sequence[str] | None = None,
     cache = _load_cache(path)
     results, skipped = [], 0
     for task in tasks:
-        t2 = tau2_env._tau2_task(task)
+        t2 = tau2_task(task)
         for trial in range(trials):
             key = (domain, t2.id, trial)
             if key in cache:

@@ -45,10 +45,10 @@ def tool_entry() -> dict:
 
 def example_users(n: int) -> list[str]:
     """`n` retail user ids named by no tau2 retail task, with a unique name + zip."""
-    from envace_core.envs.tau2 import load_tasks
-    from envace_core.synth import _env, test_users
+    from envace_core.envs.tau2.synth import domain_env, test_users
+    from envace_core.envs.tau2.tasks import load_tasks
 
-    db = _env(DOMAIN).tools.db
+    db = domain_env(DOMAIN).tools.db
     named = test_users(DOMAIN, load_tasks(DOMAIN, "base"), db)
     keys: dict[tuple, list[str]] = {}
     for uid, u in db.users.items():
@@ -60,11 +60,11 @@ def example_users(n: int) -> list[str]:
 
 def examples(n: int) -> list[dict]:
     """(call, result) pairs from real executions of the tool on the packaged retail DB."""
-    from envace_core.envs.tau2 import Tau2Environment
-    from envace_core.synth import _env
+    from envace_core.envs.tau2.environment import Tau2Environment
+    from envace_core.envs.tau2.synth import domain_env
     from envace_core.types import ToolCall
 
-    db, env, out = _env(DOMAIN).tools.db, Tau2Environment(DOMAIN), []
+    db, env, out = domain_env(DOMAIN).tools.db, Tau2Environment(DOMAIN), []
     for uid in example_users(n):
         u = db.users[uid]
         args = {"first_name": u.name.first_name, "last_name": u.name.last_name, "zip": u.address.zip}

@@ -1,0 +1,155 @@
+"""What an evaluation run covers: the benches, the Private Rehearsal mode and the run options, and their fingerprint for the resume cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from envace_core import EnvaceError
+from envace_core.config import RunConfig
+from envace_core.models import (  # noqa: F401  (re-exported: eval_run's public names before the move)
+    ADAPTER_WEIGHTS,
+    ROLES,
+    AdapterError,
+    ModelRefError,
+    ResolvedModel,
+    adapter_load_error,
+    check_adapter_dir,
+    check_partial_roles,
+    is_adapter_dir,
+)
+
+BENCHES = ("tau2", "bfcl", "vita", "finmcp")
+TAU2_DOMAINS = ("airline", "retail", "telecom", "mock")
+SPLITS = ("test", "full")
+REHEARSAL_MODES = ("none", "parallel", "sequential")
+REHEARSAL_APPLIES_TO = "tau2, VitaBench and BFCL multi-turn; single-turn BFCL and FinMCP never rehearse"
+
+
+class BenchSpecError(EnvaceError):
+    """A `--bench` spec names an unknown benchmark, domain or category, or a missing path."""
+
+
+# ------------------------------------------------------------------------------------------ specs
+@dataclass(frozen=True)
+class BenchSpec:
+    """One benchmark selection: `bench` (one of BENCHES) and `arg` (tau2 domain, bfcl category, or path)."""
+
+    bench: str
+    arg: str
+
+    @property
+    def label(self) -> str:
+        return f"{self.bench}:{self.arg}"
+
+
+def _bfcl_choices() -> list[str]:
+    from envace_core.evaluation.bfcl import ALIASES, SUPPORTED_CATEGORIES
+
+    return list(ALIASES) + list(SUPPORTED_CATEGORIES)
+
+
+def parse_benches(text: str) -> list[BenchSpec]:
+    """Parse ``"tau2:airline,bfcl:simple,vita:/data/vita,finmcp:/data/fin.json"`` (duplicates dropped).
+
+    BFCL categories are bfcl's names (``simple`` = ``simple_python``). Raises `BenchSpecError` naming the
+    offending item and the valid choices.
+    """
+    specs: list[BenchSpec] = []
+    items = [s.strip() for s in (text or "").split(",") if s.strip()]
+    if not items:
+        raise BenchSpecError(f"--bench is empty; give e.g. tau2:airline,bfcl:simple (benchmarks: {', '.join(BENCHES)})")
+    for item in items:
+        bench, sep, arg = item.partition(":")
+        bench, arg = bench.strip(), arg.strip()
+        if bench not in BENCHES or not sep:
+            raise BenchSpecError(f"--bench item {item!r}: unknown benchmark {bench!r}; write BENCH:ARG with BENCH "
+                                 f"one of {', '.join(BENCHES)} (e.g. tau2:airline, bfcl:simple, vita:PATH, finmcp:PATH)")
+        if bench == "tau2" and arg not in TAU2_DOMAINS:
+            raise BenchSpecError(f"--bench item {item!r}: unknown tau2 domain {arg!r}; choose one of "
+                                 f"{', '.join(TAU2_DOMAINS)}")
+        if bench == "bfcl":
+            from envace_core.evaluation.bfcl import ALIASES
+
+            if arg not in _bfcl_choices():
+                raise BenchSpecError(f"--bench item {item!r}: unknown or unsupported BFCL category {arg!r}; "
+                                     f"choose one of {', '.join(_bfcl_choices())}")
+            arg = ALIASES.get(arg, arg)
+        if bench in ("vita", "finmcp"):
+            if not arg or not Path(arg).expanduser().exists():
+                raise BenchSpecError(f"--bench item {item!r}: {bench} needs the path of its data, e.g. "
+                                     f"{bench}:/data/{bench}; {arg or '(empty)'} does not exist")
+            arg = str(Path(arg).expanduser().resolve())
+        spec = BenchSpec(bench, arg)
+        if spec not in specs:
+            specs.append(spec)
+    return specs
+
+
+def parse_rehearsal(text: str) -> tuple[str, int]:
+    """``none`` | ``parallel:N`` | ``sequential:N`` (N >= 1) -> (mode, n); raises `EnvaceError`."""
+    mode, _, n = (text or "none").strip().partition(":")
+    if mode == "none" and not n:
+        return "none", 0
+    if mode not in REHEARSAL_MODES[1:] or not n.isdigit() or int(n) < 1:
+        raise EnvaceError(f"--rehearsal {text!r}: write none, parallel:N or sequential:N with N >= 1 "
+                          "(e.g. parallel:4)")
+    return mode, int(n)
+
+
+# ----------------------------------------------------------------------------------------- options
+@dataclass
+class EvalOptions:
+    """What `envace eval` takes (see the CLI help). `limit`: first N tasks/entries/samples per bench (None =
+    all); `trials`: k for pass^k (tau2, VitaBench); `split`: tau2 only (the other benches have one set);
+    `max_steps`: tau2 orchestrator steps (agent + user messages); `user_url_model`:
+    the model name sent to `user_url`; `judge_url`/`judge_model`: VitaBench rubric judge (default: the user
+    simulator)."""
+
+    model: str
+    benches: str
+    out: str
+    rehearsal: str = "none"
+    user_model: str | None = None
+    user_url: str | None = None
+    user_url_model: str = "default"
+    judge_model: str | None = None
+    judge_url: str | None = None
+    trials: int = 1
+    split: str = "test"
+    limit: int | None = None
+    max_steps: int = 30
+    user_max_new_tokens: int = 128
+    seed: int = 0
+    profile: str = "cpu-smoke"
+    overrides: str = ""
+    registry: str | None = None
+
+    def check(self) -> None:
+        if self.trials < 1:
+            raise EnvaceError(f"--trials must be >= 1, got {self.trials}")
+        if self.split not in SPLITS:
+            raise EnvaceError(f"--split {self.split!r}: choose one of {', '.join(SPLITS)}")
+        if self.limit is not None and self.limit < 1:
+            raise EnvaceError(f"--limit must be >= 1 (or omitted for all), got {self.limit}")
+        if self.max_steps < 2:
+            raise EnvaceError(f"--max-steps must be >= 2, got {self.max_steps}")
+        if self.user_model and self.user_url:
+            raise EnvaceError("give at most one of --user-model and --user-url")
+        if self.judge_model and self.judge_url:
+            raise EnvaceError("give at most one of --judge-model and --judge-url")
+
+
+def fingerprint(opts: EvalOptions, cfg: RunConfig, model: ResolvedModel) -> str:
+    """sha256 (16 hex) of the settings that change results (module docstring)."""
+    keep = {k: v for k, v in asdict(opts).items() if k not in ("benches", "out", "limit", "trials", "split")}
+    keep["model_version"] = (model.manifest or {}).get("version")
+    if model.adapter_dir and model.manifest is None:  # a local adapter folder: its content, not its path
+        from envace_core.store.files import dir_checksums
+
+        keep["adapter_sha256"] = hashlib.sha256(json.dumps(dir_checksums(model.adapter_dir),
+                                                           sort_keys=True).encode()).hexdigest()
+    keep["config"] = {k: cfg.to_dict()[k] for k in ("model", "data", "rollout", "rehearsal", "eval")}
+    return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -1,0 +1,93 @@
+"""rehearsal.verifier"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from envace_core import EnvaceError
+from envace_core.envs.base import Check
+from envace_core.envs.tau2.rules import policy_rule_checks
+from envace_core.roles.errors import InvalidArguments
+from envace_core.roles.strict_json import strict_json
+from envace_core.roles.tools import validate_arguments
+from envace_core.types import Role, Step, TaskContext, Trajectory
+
+
+def _parse_errors(traj: Trajectory, role: Role, classes: tuple[str, ...]) -> list[str]:
+    return [g.parse_error for g in traj.generations
+            if g.role == role and g.parse_error and g.parse_error.split(":", 1)[0] in classes]
+
+
+def _is_imagined(step: Step) -> bool:
+    return step.observation is not None and step.observation != step.real_observation
+
+
+# ------------------------------------------------------------------------------------ format checks
+def unknown_tool_check(traj: Trajectory, ctx: TaskContext) -> list[str]:
+    """Calls of a tool that `ctx.tools` does not have (steps, or ACT outputs that failed as `UnknownTool`)."""
+    names = {t.name for t in ctx.tools}
+    out = [f"unknown tool at step {k}: {s.action.name!r}" for k, s in enumerate(traj.steps)
+           if s.action is not None and s.action.name not in names]
+    return out + [f"unknown tool in ACT output: {e}" for e in _parse_errors(traj, Role.ACT, ("UnknownTool",))]
+
+
+def schema_check(traj: Trajectory, ctx: TaskContext) -> list[str]:
+    """Calls whose arguments do not validate against the tool's JSON schema (`roles.validate_arguments`),
+    and ACT outputs that failed as `InvalidArguments`. Calls of unknown tools are left to
+    `unknown_tool_check`."""
+    specs = {t.name: t for t in ctx.tools}
+    out = []
+    for k, s in enumerate(traj.steps):
+        if s.action is None or s.action.name not in specs:
+            continue
+        try:
+            validate_arguments(s.action.arguments, specs[s.action.name])
+        except InvalidArguments as e:
+            out.append(f"schema violation at step {k}: {e}")
+    return out + [f"schema violation in ACT output: {e}"
+                  for e in _parse_errors(traj, Role.ACT, ("InvalidArguments",))]
+
+
+def json_response_check(traj: Trajectory, ctx: TaskContext) -> list[str]:
+    """Imagined observations that are not one valid JSON value, and REHEARSE outputs that failed to
+    parse (`InvalidRehearsal`, `EmptyOutput`). Real observations are not checked (module docstring)."""
+    out = []
+    for k, s in enumerate(traj.steps):
+        if not _is_imagined(s):
+            continue
+        try:
+            strict_json(s.observation.content)
+        except ValueError as e:
+            out.append(f"imagined response at step {k} is not JSON ({e}): {s.observation.content[:80]!r}")
+    return out + [f"rehearsed response is not JSON: {e}"
+                  for e in _parse_errors(traj, Role.REHEARSE, ("InvalidRehearsal", "EmptyOutput"))]
+
+
+FORMAT_CHECKS: tuple[Check, ...] = (unknown_tool_check, schema_check, json_response_check)
+
+
+def default_checks(domain: str) -> list[Check]:
+    """The format checks (`FORMAT_CHECKS`) plus `policy_rule_checks(domain)`."""
+    return [*FORMAT_CHECKS, *policy_rule_checks(domain)]
+
+
+def verify(trajectories: Sequence[Trajectory], ctx: TaskContext, checks: Sequence[Check]
+           ) -> tuple[list[Trajectory], list[tuple[Trajectory, list[str]]]]:
+    """Split `trajectories` into (kept, rejected) by running every check on each (METHOD.md §4).
+
+    A trajectory is rejected when any check returns a reason; `rejected` pairs it with all reasons
+    of all checks, in check order. Order within kept and rejected follows the input.
+    Raises `EnvaceError` when an entry of `checks` is not callable; an exception inside a check
+    propagates (a broken check is a bug, not a verdict).
+    """
+    for c in checks:
+        if not callable(c):
+            raise EnvaceError(f"verifier check {c!r} is not callable")
+    kept, rejected = [], []
+    for t in trajectories:
+        reasons = [r for c in checks for r in c(t, ctx)]
+        if reasons:
+            rejected.append((t, reasons))
+        else:
+            kept.append(t)
+    return kept, rejected

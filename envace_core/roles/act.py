@@ -1,0 +1,149 @@
+"""The ACT role (METHOD.md §1): history → prompt messages/ids, and the strict parser of its output (a tool call or a message)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from envace_core.roles.chat import chat_ids, render_history
+from envace_core.roles.errors import (
+    EmptyOutput,
+    MalformedToolCall,
+    MultipleToolCalls,
+    TextOutsideToolCall,
+    UnknownTool,
+)
+from envace_core.roles.strict_json import strict_json
+from envace_core.roles.tools import (
+    TOOL_CALL_CLOSE,
+    TOOL_CALL_OPEN,
+    compact_openai_schema,
+    render_tool,
+    template_supports_tools,
+    validate_arguments,
+)
+from envace_core.types import Message, TaskContext, ToolCall, ToolSpec
+
+CALL_FORMAT = (
+    "To call a tool, reply with only this, nothing before or after it:\n"
+    '<tool_call>{"name": "<tool name>", "arguments": {<arguments as JSON>}}</tool_call>\n'
+    "Arguments are required unless marked optional. Make at most one tool call per reply; "
+    "the tool's result comes in the next message. "
+    "Otherwise reply with plain text to the user."
+)
+
+
+def _act_system(ctx: TaskContext, memory: str | None, native_tools: bool) -> str:
+    parts = [f"You are a customer service agent in the {ctx.domain} domain. Follow the policy.",
+             f"# Policy\n{ctx.policy.strip()}"]
+    if not native_tools:
+        tools = "\n".join(render_tool(t) for t in ctx.tools)
+        parts.append(f"# Tools\n{tools}\n\n{CALL_FORMAT}")
+    if memory and memory.strip():
+        parts.append(f"# Notes from rehearsal\n{memory.strip()}")
+    return "\n\n".join(parts)
+
+
+def with_first_user(ctx: TaskContext, history: list[Message]) -> list[Message]:
+    return history if history else [Message(role="user", content=ctx.first_user_message)]
+
+
+def act_messages(ctx: TaskContext, history: list[Message], memory: str | None = None,
+                 native_tools: bool = False) -> list[dict]:
+    """ACT's chat messages (METHOD.md §1): a system message, then `render_history(history)`.
+
+    The system message holds the domain policy (`ctx.policy`), the tools rendered compactly with the
+    exact `<tool_call>` form (unless `native_tools`: then the chat template renders the tools) and the
+    rehearsal memory `memory` (METHOD.md §4, Committed Execution) when given. `history` starts with the
+    user's first message; an empty history is replaced by `ctx.first_user_message`.
+    """
+    return [{"role": "system", "content": _act_system(ctx, memory, native_tools)},
+            *render_history(with_first_user(ctx, history))]
+
+
+def act_prompt_ids(tokenizer, ctx: TaskContext, history: list[Message], memory: str | None = None) -> list[int]:
+    """Token ids of the ACT prompt (`act_messages`), ending with the assistant generation prompt.
+
+    Uses the template's native tool rendering when `template_supports_tools(tokenizer)`.
+    """
+    native = template_supports_tools(tokenizer)
+    tools = [compact_openai_schema(t) for t in ctx.tools] if native else None
+    return chat_ids(tokenizer, act_messages(ctx, history, memory, native_tools=native), tools)
+
+
+# ----------------------------------------------------------------------------------------- parsing
+@dataclass
+class ActOutput:
+    """ACT's parsed output: exactly one of `tool_call` / `message` is set (message is "" for a call)."""
+
+    tool_call: ToolCall | None
+    message: str
+
+
+_TAG = re.compile(r"</?tool_call\b[^>]*>?")
+
+
+def parse_act(text: str, tools: list[ToolSpec], strict: bool = True) -> ActOutput:
+    """Parse one ACT output (format: METHOD.md §1, module docstring).
+
+    Text with no `<tool_call` is a message to the user (stripped). Otherwise it must hold exactly one
+    `<tool_call>{"name": .., "arguments": {..}}</tool_call>` whose name is one of `tools` and whose
+    arguments validate against that tool's schema; with `strict`, only whitespace may surround it
+    (without `strict`, text outside is ignored). An omitted "arguments" means `{}`.
+
+    Raises (all `ParseError`): `EmptyOutput` (empty/whitespace); `MalformedToolCall` (unclosed, stray
+    or misspelt tag, bad JSON, not an object, "name" missing or not a string, keys other than
+    "name"/"arguments"); `MultipleToolCalls`; `TextOutsideToolCall` (strict only); `UnknownTool`;
+    `InvalidArguments`.
+    """
+    if not text or not text.strip():
+        raise EmptyOutput("empty output", text or "")
+    if "<tool_call" not in text and TOOL_CALL_CLOSE not in text:
+        return ActOutput(tool_call=None, message=text.strip())
+
+    # Tags must be exactly <tool_call> / </tool_call>, alternating open/close, starting with an open.
+    bodies: list[str] = []
+    outside: list[str] = []
+    pos, open_at = 0, None
+    for m in _TAG.finditer(text):
+        tag = m.group(0)
+        if tag not in (TOOL_CALL_OPEN, TOOL_CALL_CLOSE):
+            raise MalformedToolCall(f"malformed tag {tag!r}: expected {TOOL_CALL_OPEN} ... {TOOL_CALL_CLOSE}", text)
+        if tag == TOOL_CALL_OPEN:
+            if open_at is not None:
+                raise MalformedToolCall(f"{TOOL_CALL_OPEN} opened again before {TOOL_CALL_CLOSE}", text)
+            outside.append(text[pos:m.start()])
+            open_at = m.end()
+        else:
+            if open_at is None:
+                raise MalformedToolCall(f"{TOOL_CALL_CLOSE} without an opening {TOOL_CALL_OPEN}", text)
+            bodies.append(text[open_at:m.start()])
+            open_at, pos = None, m.end()
+    if open_at is not None:
+        raise MalformedToolCall(f"unclosed {TOOL_CALL_OPEN}: no {TOOL_CALL_CLOSE}", text)
+    outside.append(text[pos:])
+    if len(bodies) > 1:
+        raise MultipleToolCalls(f"{len(bodies)} tool calls in one turn; make exactly one", text)
+    if strict and any(s.strip() for s in outside):
+        snippet = " ".join(s.strip() for s in outside if s.strip())[:80]
+        raise TextOutsideToolCall(f"text outside the tool call: {snippet!r}", text)
+
+    body = bodies[0].strip()
+    try:
+        obj = strict_json(body)
+    except ValueError as e:
+        raise MalformedToolCall(f"tool call is not valid JSON: {e}", text) from None
+    if not isinstance(obj, dict):
+        raise MalformedToolCall(f"tool call must be a JSON object, got {type(obj).__name__}", text)
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        raise MalformedToolCall('tool call has no "name" string', text)
+    extra = sorted(set(obj) - {"name", "arguments"})
+    if extra:
+        raise MalformedToolCall(f'tool call has keys {extra}; only "name" and "arguments" are allowed', text)
+    spec = next((t for t in tools if t.name == name), None)
+    if spec is None:
+        raise UnknownTool(f"unknown tool {name!r}; tools: {sorted(t.name for t in tools)}", text)
+    arguments = obj.get("arguments", {})
+    validate_arguments(arguments, spec, text)
+    return ActOutput(tool_call=ToolCall(name=name, arguments=arguments), message="")

@@ -1,0 +1,51 @@
+"""Typed parse errors of the role parsers (METHOD.md §1: parse strictly, report every failure as a typed error)."""
+
+from __future__ import annotations
+
+from envace_core import EnvaceError
+
+
+# --------------------------------------------------------------------------------------------- errors
+class ParseError(EnvaceError):
+    """A model output that does not follow its role's format (METHOD.md §1). `.raw` holds the text."""
+
+    def __init__(self, message: str, raw: str = ""):
+        super().__init__(message)
+        self.raw = raw
+
+
+class EmptyOutput(ParseError):
+    """The output is empty or whitespace only."""
+
+
+class MalformedToolCall(ParseError):
+    """Bad JSON inside the tags, an unclosed or stray tag, JSON that is not an object, no "name"."""
+
+
+class UnknownTool(ParseError):
+    """The called name is not among the task's tools."""
+
+
+class InvalidArguments(ParseError):
+    """`arguments` is not an object, or does not validate against the tool's JSON schema."""
+
+
+class TextOutsideToolCall(ParseError):
+    """Prose before or after the `<tool_call>` tags (strict mode only)."""
+
+
+class MultipleToolCalls(ParseError):
+    """More than one tool call in one ACT turn (one call is executed per turn)."""
+
+
+class InvalidRehearsal(ParseError):
+    """A REHEARSE output that is not a single JSON value."""
+
+
+class InvalidUserTurn(ParseError):
+    """A USER-REHEARSE output that is not one plain user message (a tool call, text after a stop token)."""
+
+
+def format_error(err: ParseError) -> str:
+    """`"ClassName: message"`, for logs and `Generation.parse_error`."""
+    return f"{type(err).__name__}: {err}"

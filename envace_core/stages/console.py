@@ -1,0 +1,51 @@
+"""Rich tables the stages print for a person at the terminal (training metrics, evaluation results)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    pass
+
+
+
+def _console():
+    """A rich console that does not cut tables to 80 columns when output goes to a file or pipe."""
+    import sys
+
+    from rich.console import Console
+
+    return Console() if sys.stdout.isatty() else Console(width=200)
+
+
+def print_training_table(history: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    def f(v: Any) -> str:
+        return "—" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
+
+    table = Table(title="World Rehearsal training (per iteration)",
+                  caption="— = no such rows (e.g. no REHEARSE rows when ACT never called a tool)")
+    cols = [("it", "iteration"), ("reward ACT", "reward_mean/act"),
+            ("reward REHEARSE", "reward_mean/rehearse"), ("frac_zero_std", "frac_zero_std"),
+            ("fidelity", "fidelity"), ("parse err", "parse_error_rate"),
+            ("loss", "train/loss"), ("secs", "seconds")]
+    for name, _ in cols:
+        table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
+    for rec in history:
+        table.add_row(*[f(rec.get(key)) for _, key in cols])
+    _console().print(table)
+
+
+def print_eval_table(summary: dict[str, dict[str, Any]]) -> None:
+    from rich.table import Table
+
+    table = Table(title="tau2-bench evaluation (test split)")
+    for c in ("condition", "domain", "tasks", "pass^1", "sub-rewards", "terminations"):
+        table.add_column(c)
+    for key, s in summary.items():
+        cond, dom = key.split("|")
+        table.add_row(cond, dom, str(s["n"]), f"{s['pass^1']:.3f}",
+                      ", ".join(f"{k}={v:.2f}" for k, v in s["sub_rewards"].items()),
+                      ", ".join(f"{k}:{v}" for k, v in s["terminations"].items()))
+    _console().print(table)

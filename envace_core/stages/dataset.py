@@ -1,0 +1,78 @@
+"""The curated dataset on the store: parquet + manifest written by `curate`, read by training and evaluation."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pandas as pd
+
+if TYPE_CHECKING:
+    pass
+from envace_core import EnvaceError
+from envace_core.config import RunConfig
+from envace_core.store.files import sha256_bytes
+from envace_core.store.uri import open_store
+from envace_core.types import Task, ToolCall, ToolSpec
+
+
+# ----------------------------------------------------------------------------------------- curate
+def task_record(t: Task) -> dict[str, Any]:
+    rec = {"id": t.id, "domain": t.domain, "split": t.split,
+           "first_user_message": t.first_user_message, "user_scenario": t.user_scenario,
+           "gold_actions": json.dumps([a.model_dump() for a in t.gold_actions], sort_keys=True),
+           "source": json.dumps(t.source, sort_keys=True)}
+    # Tool-learning columns only when set, so datasets without them keep their version hash.
+    if t.tools_added:
+        rec["tools_added"] = json.dumps([s.model_dump() for s in t.tools_added], sort_keys=True)
+    if t.tools_hidden:
+        rec["tools_hidden"] = json.dumps(sorted(t.tools_hidden))
+    return rec
+
+
+def _json_column(r: dict[str, Any], key: str) -> list:
+    v = r.get(key)
+    return json.loads(v) if isinstance(v, str) and v else []  # absent, or NaN in a mixed frame
+
+
+def _task_from_record(r: dict[str, Any]) -> Task:
+    return Task(id=r["id"], domain=r["domain"], split=r["split"],
+                first_user_message=r["first_user_message"], user_scenario=r["user_scenario"],
+                gold_actions=[ToolCall(**a) for a in json.loads(r["gold_actions"])],
+                source=json.loads(r["source"]),
+                tools_added=[ToolSpec(**s) for s in _json_column(r, "tools_added")],
+                tools_hidden=_json_column(r, "tools_hidden"))
+
+
+def write_dataset(cfg: RunConfig, records: list[dict[str, Any]], gate: Any,
+                  manifest: dict[str, Any]) -> dict[str, Any]:
+    """Write gated task records (`task_record`) as the dataset `datasets/<version>` of the store.
+
+    `version` = the first 16 hex digits of the sha256 of the records' canonical JSON, so the same
+    tasks always get the same version and re-writing one is a no-op; tasks.parquet and
+    manifest.json ({"version", **manifest}) go in with one `put_dir`. The passing `gate`'s results
+    (`gates.GateResult`) are saved to `validation/dataset/<version>/gate.json`. Used by `curate`
+    and tool learning (`tool_learning.adapt`). Returns {"store", "key", "dir", "version", "gate",
+    "gate_key"} (`load_dataset` takes it)."""
+    version = sha256_bytes(json.dumps(records, sort_keys=True).encode())[:16]
+    store = open_store(cfg.store.root)
+    key, gate_key = f"datasets/{version}", f"validation/dataset/{version}/gate.json"
+    if not store.exists(f"{key}/manifest.json"):
+        with tempfile.TemporaryDirectory() as tmp:
+            pd.DataFrame(records).to_parquet(Path(tmp) / "tasks.parquet", index=False)
+            (Path(tmp) / "manifest.json").write_text(json.dumps({"version": version, **manifest}, indent=2))
+            store.put_dir(tmp, key)
+    store.write_json(gate_key, gate.to_dict())
+    return {"store": cfg.store.root, "key": key, "dir": store.uri(key), "version": version,
+            "gate": gate.checks, "gate_key": gate_key}
+
+
+def load_dataset(dataset: dict[str, Any], split: str) -> list[Task]:
+    """The tasks of one split of a curated dataset (fetched from the artifact store if remote)."""
+    path = open_store(dataset["store"]).get_dir(dataset["key"]) / "tasks.parquet"
+    if not path.is_file():
+        raise EnvaceError(f"dataset file {path} is missing: re-run the curate stage")
+    df = pd.read_parquet(path)
+    return [_task_from_record(r) for r in df[df["split"] == split].to_dict("records")]

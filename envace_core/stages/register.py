@@ -1,0 +1,77 @@
+"""The `register` stage: the trained model and its lineage manifest into the registry."""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Optional
+
+if TYPE_CHECKING:
+    pass
+from envace_core.config import RunConfig
+from envace_core.store.files import dir_checksums, sha256_bytes
+from envace_core.store.uri import open_store
+
+
+# -------------------------------------------------------------------------------------- register
+def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
+             validation: dict[str, Any], evaluation: dict[str, Any],
+             execution_id: str = "local", extra_manifest: Optional[dict[str, Any]] = None,
+             extra_artifacts: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """Write the adapter, config and reports with a lineage manifest to the model registry.
+
+    Artifacts: adapter/, config.json, training_history.json, evaluation.json and gates/ (the saved
+    dataset and rehearsal gate reports). The manifest (lineage.Registry adds name, version and the
+    sha256 of every artifact, and an HMAC when a key is set) records the base model and its hash,
+    the dataset version, counts and DVC md5 (`dataset.dvc`, {"tracked": False, "reason"} if curate
+    ran outside a DVC repo), git commit and dirty flag, the full resolved config, the Flyte
+    execution id, metrics and both gates' per-expectation results. Works with a local or an
+    s3:// registry (`store.registry`); returns {"name", "version", "path", "manifest"}.
+    `extra_manifest` adds top-level manifest keys (tool learning: `parent`, `tools`, ...) and
+    `extra_artifacts` ({relative path: text}) adds hashed artifact files.
+    """
+    from envace_core.models import model_fingerprint
+    from envace_core.store.registry import Registry, git_state
+
+    adapter = Path(trained["adapter_dir"])
+    adapter_hash = sha256_bytes(json.dumps(dir_checksums(adapter), sort_keys=True).encode())
+    version = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime()) + "-" + adapter_hash[:8]
+    with tempfile.TemporaryDirectory() as tmp:
+        import shutil
+
+        shutil.copytree(adapter, Path(tmp) / "adapter")
+        (Path(tmp) / "config.json").write_text(json.dumps(cfg.to_dict(), indent=2))
+        (Path(tmp) / "training_history.json").write_text(json.dumps(trained["history"], indent=2, default=str))
+        (Path(tmp) / "evaluation.json").write_text(json.dumps(evaluation, indent=2, default=str))
+        for rel, text in (extra_artifacts or {}).items():
+            (Path(tmp) / rel).parent.mkdir(parents=True, exist_ok=True)
+            (Path(tmp) / rel).write_text(text)
+        store = open_store(cfg.store.root)
+        for name, result in (("dataset", dataset), ("rehearsal", validation)):  # full gate reports, hashed
+            if result.get("gate_key"):
+                (Path(tmp) / "gates").mkdir(exist_ok=True)
+                (Path(tmp) / "gates" / f"{name}.json").write_bytes(store.read_bytes(result["gate_key"]))
+        manifest = {
+            "base_model": {"ref": cfg.model.ref, "sha256": model_fingerprint(trained["base_model_dir"])},
+            "dataset": {"version": dataset["version"], "dir": dataset["dir"],
+                        "n_train": dataset["n_train"], "n_test": dataset["n_test"],
+                        "dvc": dataset.get("dvc") or {"tracked": False, "reason": "curated without DVC"}},
+            "code": git_state(), "config": cfg.to_dict(), "execution_id": execution_id,
+            "metrics": {"training": trained["history"][-1] if trained["history"] else {},
+                        "learning_signal": trained.get("learning_signal"),
+                        "validation": validation["metrics"],
+                        "evaluation": {k: v["pass^1"] for k, v in evaluation["summary"].items()}},
+            "gates": {"dataset": dataset.get("gate"), "rehearsal": validation["gate"]},
+            "run_id": trained["run_id"],
+            **(extra_manifest or {}),
+        }
+        reg = Registry(cfg.store.registry)
+        reg.register(cfg.store.model_name, version, tmp, manifest)
+    where, dvc = reg.uri(cfg.store.model_name, version), manifest["dataset"]["dvc"]
+    print(f"[register] model {cfg.store.model_name}@{version}\n"
+          f"  artifacts: {where}/artifacts\n  lineage manifest: {where}/manifest.json\n"
+          f"  dataset DVC md5: {dvc.get('md5') or 'untracked (' + str(dvc.get('reason')) + ')'}")
+    return {"name": cfg.store.model_name, "version": version, "path": where,
+            "manifest": f"{where}/manifest.json"}

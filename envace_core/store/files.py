@@ -1,0 +1,109 @@
+"""Files: content hashes, per-directory checksums, atomic writes and the JSONL reader shared by the resume caches."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def sha256_path(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def dir_checksums(directory: str | Path) -> dict[str, str]:
+    """sha256 of every file below `directory`, keyed by POSIX relative path (sorted)."""
+    root = Path(directory)
+    return {p.relative_to(root).as_posix(): sha256_path(p)
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    """Write `text` to `path` through a temporary sibling renamed into place (parent folders made):
+    a reader sees the old file or the new one, never half of it. Returns the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+    return path
+
+
+def read_jsonl(path: Path, check: Callable[[Any], Any] | None = None) -> list:
+    """The records of a JSONL cache, each passed through `check` (which raises ValueError / TypeError /
+    KeyError on a record of the wrong shape, e.g. a pydantic ValidationError). A line that is not JSON (cut
+    by a kill mid-write) or has the wrong shape is skipped, so that work is redone; one warning per file
+    names it (eval_run and evaluation.tau2 resume caches)."""
+    if not path.is_file():
+        return []
+    out, bad = [], 0
+    for line in path.read_text().splitlines():
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            out.append(check(rec) if check else rec)
+        except (ValueError, TypeError, KeyError, AttributeError):  # JSONDecodeError is a ValueError
+            bad += 1
+    if bad:
+        warnings.warn(f"eval cache {path}: skipped {bad} malformed line(s); recomputing those entries",
+                      RuntimeWarning, stacklevel=2)
+    return out
+
+
+def atomic_dir(final: str | Path, build: Callable[[Path], None], exists: str = "replace") -> Path:
+    """Build a directory with `build(tmp)` in a temporary sibling of `final`, then rename it into place.
+
+    A reader never sees a half-built directory and a failed or killed build leaves nothing under
+    `final`. `exists` says what to do when `final` already exists: "replace" (swap it out only
+    after the new one is complete), "keep" (return it without building), or "error" (raise
+    FileExistsError; also raised if another writer creates it meanwhile).
+    """
+    final = Path(final)
+    if final.exists() and exists != "replace":
+        if exists == "keep":
+            return final
+        raise FileExistsError(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
+    try:
+        build(tmp)
+        if final.exists() and exists == "replace":
+            trash = Path(tempfile.mkdtemp(prefix=f".{final.name}.old-", dir=final.parent))
+            os.replace(final, trash / final.name)
+            os.replace(tmp, final)
+            shutil.rmtree(trash, ignore_errors=True)
+        else:
+            try:
+                os.rename(tmp, final)  # fails if another writer got there first
+            except OSError:
+                if exists == "keep" and final.is_dir():
+                    shutil.rmtree(tmp, ignore_errors=True)
+                    return final
+                raise FileExistsError(final) from None
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final
+
+
+CHECKSUMS = "CHECKSUMS.json"  # the per-directory manifest {relpath: sha256}; on S3 also the commit object
+
+
+def cache_root() -> Path:
+    """Where envace caches derived files (dequantised models, S3 downloads): $ENVACE_CACHE or ~/.cache/envace."""
+    return Path(os.environ.get("ENVACE_CACHE", Path.home() / ".cache" / "envace"))

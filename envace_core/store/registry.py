@@ -1,0 +1,226 @@
+"""Lineage manifests and the model registry.
+
+A registered model version holds the model artifacts (the LoRA adapter, the config, reports) and
+`manifest.json`: base model and its hash, dataset version and DVC md5, git commit and dirty flag,
+the full resolved config, metrics, gate results, the execution id and the sha256 of every artifact,
+signed with HMAC-SHA256 when $ENVACE_REGISTRY_HMAC_KEY is set. The registry is a local directory
+(`<registry>/<name>/<version>/`, built in a temporary sibling and renamed into place) or
+`s3://bucket/prefix` (one `storage.S3Store` directory per version, committed last), so a registry
+reader never sees half a version; registering an existing version is refused.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import hmac
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from envace_core import EnvaceError
+from envace_core.store.base import StoreError
+from envace_core.store.files import CHECKSUMS, atomic_dir, dir_checksums
+from envace_core.store.s3 import S3Store
+
+MANIFEST = "manifest.json"
+HMAC_KEY_ENV = "ENVACE_REGISTRY_HMAC_KEY"  # the signing key comes from the environment, never from config
+
+
+def _signing_key() -> bytes | None:
+    key = os.environ.get(HMAC_KEY_ENV)
+    return key.encode() if key else None
+
+
+def manifest_signature(manifest: dict[str, Any], key: bytes) -> str:
+    """HMAC-SHA256 (RFC 2104) over the canonical JSON of the manifest without its `signature` field."""
+    body = {k: v for k, v in manifest.items() if k != "signature"}
+    canonical = json.dumps(body, sort_keys=True, separators=(",", ":"), default=str).encode()
+    return hmac.new(key, canonical, hashlib.sha256).hexdigest()
+
+
+class RegistryError(EnvaceError):
+    """A registry operation was refused (duplicate version, missing model, tampered artifact)."""
+
+
+def git_state(repo_dir: str | Path | None = None) -> dict[str, Any]:
+    """The code version: git commit and whether the working tree had uncommitted changes."""
+    cwd = str(repo_dir or Path(__file__).resolve().parent.parent)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
+                                text=True, check=True).stdout.strip()
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                    cwd=cwd, capture_output=True, text=True, check=True).stdout.strip())
+    except (OSError, subprocess.CalledProcessError):
+        return {"commit": None, "dirty": None, "note": "not a git checkout"}
+    return {"commit": commit, "dirty": dirty}
+
+
+class Registry:
+    """A model registry in a local directory or under `s3://bucket/prefix`.
+
+    Local: version `<root>/<name>/<version>/` = `artifacts/` + `manifest.json`, built in a temporary
+    sibling and renamed into place. S3: the same files as one `storage.S3Store` directory
+    `<prefix>/<name>/<version>` (content-addressed objects, then the CHECKSUMS.json commit object
+    last, written with If-None-Match), so a reader never sees half a version and an upload that
+    dies midway registers nothing. Opening an S3 registry makes no request; endpoint, region and
+    credentials come from the standard AWS environment/config (see storage.py).
+    """
+
+    def __init__(self, root: str | Path):
+        self._s3 = S3Store(str(root)) if str(root).startswith("s3://") else None
+        if self._s3 is not None:
+            self.root: Any = self._s3.root
+            return
+        self.root = Path(root).expanduser().resolve()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise RegistryError(f"cannot use {self.root} as the model registry (store.registry): {e}") from e
+
+    def version_dir(self, name: str, version: str) -> Path:
+        """The local directory of `name@version` (RegistryError for an invalid name or an S3 registry)."""
+        _check_ref(name, version)
+        if self._s3 is not None:
+            raise RegistryError(f"{self.uri(name, version)} is in S3 and has no local directory")
+        return self.root / name / version
+
+    def uri(self, name: str, version: str) -> str:
+        """Where `name@version` lives: its directory path, or its s3:// URI."""
+        _check_ref(name, version)
+        return self._s3.uri(f"{name}/{version}") if self._s3 else str(self.root / name / version)
+
+    def register(self, name: str, version: str, artifacts_dir: str | Path,
+                 manifest: dict[str, Any]) -> Path | str:
+        """Copy `artifacts_dir` and write the manifest (with artifact hashes) as `name@version`.
+
+        The manifest gains name, version, registered_at, `artifacts` {"artifacts/<relpath>": sha256}
+        and, when $ENVACE_REGISTRY_HMAC_KEY is set, `signature` (HMAC-SHA256). Returns the version
+        directory (a Path), or its s3:// URI (a str) for an S3 registry.
+
+        Raises:
+            RegistryError: the version already exists (versions are immutable), also when another
+                writer registered it concurrently; S3 failures as storage.StoreError.
+        """
+        _check_ref(name, version)
+        if self._exists(name, version):
+            raise RegistryError(f"{name}@{version} is already registered at {self.uri(name, version)}; "
+                                "versions are immutable: register a new version")
+
+        def build(tmp: Path) -> None:
+            shutil.copytree(artifacts_dir, tmp / "artifacts")
+            full = {
+                **manifest,
+                "name": name,
+                "version": version,
+                "registered_at": _dt.datetime.now(_dt.timezone.utc).isoformat(),
+                "artifacts": {f"artifacts/{k}": v for k, v in dir_checksums(tmp / "artifacts").items()},
+            }
+            full = json.loads(json.dumps(full, default=str))  # what is signed is what is stored
+            key = _signing_key()
+            if key:
+                full["signature"] = {"alg": "HMAC-SHA256", "value": manifest_signature(full, key)}
+            (tmp / MANIFEST).write_text(json.dumps(full, indent=2, sort_keys=True))
+
+        try:
+            if self._s3 is None:
+                return atomic_dir(self.version_dir(name, version), build, exists="error")
+            with tempfile.TemporaryDirectory() as tmp:
+                build(Path(tmp))
+                self._s3.put_dir(tmp, f"{name}/{version}", overwrite=False)
+            return self.uri(name, version)
+        except FileExistsError:
+            raise RegistryError(f"{name}@{version} was registered concurrently") from None
+        except StoreError as e:
+            if "already exists" in str(e):
+                raise RegistryError(f"{name}@{version} was registered concurrently") from None
+            raise
+
+    def _exists(self, name: str, version: str) -> bool:
+        if self._s3 is None:
+            return self.version_dir(name, version).exists()
+        return self._s3.exists(f"{name}/{version}/{CHECKSUMS}")
+
+    def list(self) -> list[tuple[str, str]]:
+        """(name, version) of every registered model, sorted; S3 uploads that never committed are skipped."""
+        if self._s3 is None:
+            return sorted((d.parent.name, d.name) for d in self.root.glob("*/*")
+                          if (d / MANIFEST).is_file())
+        return sorted(tuple(k.split("/")) for k in self._s3.list_dirs() if k.count("/") == 1)  # type: ignore[misc]
+
+    def show(self, name: str, version: str) -> dict[str, Any]:
+        """The manifest of `name@version`. RegistryError if it is not registered or corrupt."""
+        _check_ref(name, version)
+        try:
+            raw = self._read_manifest(name, version)
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError, StoreError) as e:
+            if isinstance(e, StoreError) and "not found" in str(e):
+                raise RegistryError(f"{name}@{version} is not registered in {self.root}") from None
+            raise RegistryError(f"the manifest of {name}@{version} ({self.uri(name, version)}/{MANIFEST}) "
+                                f"is corrupt: {e}; this version cannot be trusted") from None
+
+    def _read_manifest(self, name: str, version: str) -> bytes:
+        if self._s3 is not None:
+            return self._s3.read_bytes(f"{name}/{version}/{MANIFEST}")
+        path = self.version_dir(name, version) / MANIFEST
+        if not path.is_file():
+            raise RegistryError(f"{name}@{version} is not registered in {self.root}")
+        return path.read_bytes()
+
+    def _actual_artifacts(self, name: str, version: str) -> dict[str, str]:
+        """{"artifacts/<relpath>": sha256 of what is stored now}; S3 objects that no longer match
+        their commit (or are gone) get the value "tampered"."""
+        if self._s3 is None:
+            vdir = self.version_dir(name, version)
+            return {f"artifacts/{k}": v for k, v in dir_checksums(vdir / "artifacts").items()}
+        key = f"{name}/{version}"
+        bad = set(self._s3.verify_dir(key))
+        sums = self._s3.read_json(f"{key}/{CHECKSUMS}")
+        return {rel: "tampered" if rel in bad else sha for rel, sha in sums.items()
+                if rel.startswith("artifacts/")}
+
+    def verify(self, name: str, version: str) -> list[str]:
+        """What fails verification (empty = ok): every artifact whose sha256 differs from the manifest,
+        is missing or is extra, and `manifest.json (signature)` when a signing key is configured
+        ($ENVACE_REGISTRY_HMAC_KEY) and the manifest's HMAC is absent or does not match (an edited
+        manifest). On S3 every object is streamed and hashed; if the manifest object itself no longer
+        matches its commit, the result lists `manifest.json` and every other file that fails.
+
+        Raises:
+            RegistryError: `name@version` is not registered.
+        """
+        try:
+            manifest = self.show(name, version)
+        except RegistryError:
+            broken = self._broken_s3_manifest(name, version)
+            if broken is None:
+                raise
+            return broken
+        actual = self._actual_artifacts(name, version)
+        expected = manifest.get("artifacts") or {}
+        bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
+        key = _signing_key()
+        if key is not None:
+            sig = (manifest.get("signature") or {}).get("value", "")
+            if not hmac.compare_digest(sig, manifest_signature(manifest, key)):
+                bad.append(f"{MANIFEST} (signature)")
+        return bad
+
+    def _broken_s3_manifest(self, name: str, version: str) -> list[str] | None:
+        """For an S3 version whose manifest object no longer matches its commit: every file that
+        fails (manifest.json included); None otherwise (local, not registered, other errors)."""
+        if self._s3 is None or not self._exists(name, version):
+            return None
+        bad = self._s3.verify_dir(f"{name}/{version}")
+        return bad if MANIFEST in bad else None
+
+
+def _check_ref(name: str, version: str) -> None:
+    for part in (name, version):
+        if not part or "/" in part or part.startswith("."):
+            raise RegistryError(f"invalid model name/version {part!r}")

@@ -1,0 +1,270 @@
+"""Rollouts: self-unfolded rehearsal trajectories (training, Private Rehearsal) and real ones.
+
+Self-unfolded (METHOD.md §1): ACT emits a_t from h_t; REHEARSE, the same policy, imagines ô_t from
+(h_t, a_t); h_{t+1} = h_t ⊕ (a_t, ô_t). No environment is reachable from here: the functions take a
+`TaskContext` (tools, policy text, first user message) and an engine, never an environment handle.
+A group's G trajectories advance in lockstep so each turn is one batched engine call per role; the
+first ACT turn of a group is one prompt sampled G ways (its prefix is computed once).
+
+USER-REHEARSE (METHOD.md §1, multi-agent rehearsal): given the user's instructions (tau2 tasks), a
+text reply of ACT to the user does not end the trajectory; the same policy, prompted as tau2's user
+simulator, imagines the user's next message (role "user"), which is appended to the history; the user
+ends the conversation with a tau2 stop token ("user_stop").
+
+Standard-GRPO ablation (METHOD.md §3): `real_rollouts` runs a group of ACT-only trajectories, each
+against its own private environment copy. `training_group` is what the training loop calls: rollouts
+from the configured source, then the configured reward (`rewards.score_trajectory`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Optional
+
+from envace_core.engines.base import Completion, Engine, SamplingParams
+from envace_core.envs.base import ToolEnvironment
+from envace_core.roles.act import act_prompt_ids, parse_act
+from envace_core.roles.errors import ParseError, format_error
+from envace_core.roles.rehearse import parse_rehearse, rehearse_prompt_ids
+from envace_core.roles.user import parse_user, user_instructions, user_prompt_ids
+from envace_core.training.rewards import reward_fn_from_config, score_trajectory
+from envace_core.types import (
+    Generation,
+    Message,
+    Observation,
+    Role,
+    Step,
+    Task,
+    TaskContext,
+    Trajectory,
+)
+
+if TYPE_CHECKING:
+    from envace_core.config import RunConfig
+
+
+
+@dataclass(frozen=True)
+class RolloutParams:
+    max_turns: int
+    max_new_tokens_act: int
+    max_new_tokens_rehearse: int
+    temperature: float
+    top_p: float = 1.0
+    strict: bool = True
+    max_new_tokens_user: Optional[int] = None  # USER-REHEARSE turns; None = max_new_tokens_act
+
+
+def make_generation(role: Role, prompt: list[int], c: Completion, tokenizer, temperature: float) -> Generation:
+    return Generation(role=role, prompt_ids=list(prompt), completion_ids=list(c.token_ids),
+                      logprobs=list(c.logprobs), temperature=temperature if temperature > 0 else 1.0,
+                      text=tokenizer.decode(c.token_ids, skip_special_tokens=True),
+                      finish_reason=c.finish_reason)
+
+
+class SeedStream:
+    """A deterministic stream of per-call seeds from one base seed (same seed → same rollouts)."""
+
+    def __init__(self, seed: Optional[int]):
+        self._it = itertools.count(seed) if seed is not None else None
+
+    def next(self) -> Optional[int]:
+        return next(self._it) if self._it is not None else None
+
+
+def act_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory], histories: list[list[Message]],
+              p: RolloutParams, seeds: SeedStream, memory: Optional[str], first: bool) -> list[int]:
+    """One batched ACT call for the active trajectories; returns the indices that called a tool."""
+    tok = engine.tokenizer
+    sp = SamplingParams(max_new_tokens=p.max_new_tokens_act, temperature=p.temperature, top_p=p.top_p,
+                        seed=seeds.next(), role=Role.ACT.value)
+    active = [i for i, t in enumerate(trajs) if not t.termination]
+    if first and len(active) > 1:  # identical prompts: one prompt, n samples, prefix computed once
+        prompt = act_prompt_ids(tok, ctx, histories[active[0]], memory)
+        outs = engine.generate([prompt], SamplingParams(**{**sp.__dict__, "n": len(active)}))[0]
+        prompts = [prompt] * len(active)
+    else:
+        prompts = [act_prompt_ids(tok, ctx, histories[i], memory) for i in active]
+        outs = [o[0] for o in engine.generate(prompts, sp)] if prompts else []
+    calling = []
+    for i, prompt, c in zip(active, prompts, outs):
+        gen = make_generation(Role.ACT, prompt, c, tok, p.temperature)
+        trajs[i].generations.append(gen)
+        try:
+            out = parse_act(gen.text, ctx.tools, strict=p.strict)
+        except ParseError as e:
+            gen.parse_error = format_error(e)
+            trajs[i].termination = "parse_error"
+            continue
+        if out.tool_call is None:
+            trajs[i].steps.append(Step(message=out.message))
+            histories[i].append(Message(role="assistant", content=out.message))
+            trajs[i].termination = "agent_message"
+        else:
+            out.tool_call.id = f"call_{len(trajs[i].steps)}"
+            trajs[i].steps.append(Step(action=out.tool_call))
+            histories[i].append(Message(role="assistant", tool_call=out.tool_call))
+            calling.append(i)
+    return calling
+
+
+def _rehearse_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory],
+                   histories: list[list[Message]], idx: list[int], p: RolloutParams, seeds: SeedStream) -> None:
+    """One batched REHEARSE call: the policy imagines the tool response of each pending call."""
+    if not idx:
+        return
+    tok = engine.tokenizer
+    prompts = [rehearse_prompt_ids(tok, ctx, histories[i][:-1], trajs[i].steps[-1].action)
+               for i in idx]
+    sp = SamplingParams(max_new_tokens=p.max_new_tokens_rehearse, temperature=p.temperature,
+                        top_p=p.top_p, seed=seeds.next(), role=Role.REHEARSE.value)
+    for i, prompt, outs in zip(idx, prompts, engine.generate(prompts, sp)):
+        gen = make_generation(Role.REHEARSE, prompt, outs[0], tok, p.temperature)
+        trajs[i].generations.append(gen)
+        try:
+            obs = parse_rehearse(gen.text)
+        except ParseError as e:
+            gen.parse_error = format_error(e)
+            trajs[i].termination = "parse_error"
+            continue
+        trajs[i].steps[-1].observation = obs
+        histories[i].append(Message(role="tool", content=obs.content, error=obs.error))
+
+
+def _user_turn(engine: Engine, instructions: str, trajs: list[Trajectory], histories: list[list[Message]],
+               idx: list[int], p: RolloutParams, seeds: SeedStream) -> None:
+    """One batched USER-REHEARSE call: the policy imagines the user's reply to ACT's message.
+
+    A reply holding a stop token ends the trajectory ("user_stop"); an unparseable one ends it
+    ("parse_error"); otherwise the trajectory continues with the reply in its history.
+    """
+    if not idx:
+        return
+    tok = engine.tokenizer
+    prompts = [user_prompt_ids(tok, instructions, histories[i]) for i in idx]
+    sp = SamplingParams(max_new_tokens=p.max_new_tokens_user or p.max_new_tokens_act,
+                        temperature=p.temperature, top_p=p.top_p, seed=seeds.next(), role=Role.USER.value)
+    for i, prompt, outs in zip(idx, prompts, engine.generate(prompts, sp)):
+        gen = make_generation(Role.USER, prompt, outs[0], tok, p.temperature)
+        trajs[i].generations.append(gen)
+        try:
+            turn = parse_user(gen.text, strict=p.strict)
+        except ParseError as e:
+            gen.parse_error = format_error(e)
+            trajs[i].termination = "parse_error"
+            continue
+        histories[i].append(Message(role="user", content=turn.message))
+        trajs[i].termination = "user_stop" if turn.stop else ""
+
+
+def unroll(engine: Engine, ctx: TaskContext, history: list[Message], n: int, p: RolloutParams,
+           seeds: SeedStream, memory: Optional[str] = None, user: Optional[str] = None) -> list[Trajectory]:
+    """n self-unfolded trajectories continuing from `history`, ACT and REHEARSE alternating.
+
+    A trajectory ends when ACT speaks to the user ("agent_message"), an output fails to parse
+    ("parse_error": METHOD.md §2, format), or after `p.max_turns` ACT turns ("max_turns").
+    With `user` (the user's instructions, `roles.user_instructions`: USER-REHEARSE), ACT's message
+    to the user is answered by an imagined user turn instead, and the trajectory ends when that user
+    stops ("user_stop"); a message on the last allowed ACT turn still ends it as "agent_message"
+    (the turn budget, not the agent, cut the conversation short of a user turn).
+    `seeds` is consumed one seed per engine call, so callers can share one stream across rounds.
+    Rewards are not set here (see `rewards.replay_reward`).
+    """
+    trajs = [Trajectory(task_id=ctx.task_id, group_index=g, imagined=True) for g in range(n)]
+    histories = [list(history) for _ in range(n)]
+    for turn in range(p.max_turns):
+        active = [i for i, t in enumerate(trajs) if not t.termination]
+        calling = act_turn(engine, ctx, trajs, histories, p, seeds, memory, first=turn == 0)
+        _rehearse_turn(engine, ctx, trajs, histories, calling, p, seeds)
+        if user is not None and turn + 1 < p.max_turns:
+            talking = [i for i in active if trajs[i].termination == "agent_message"]
+            _user_turn(engine, user, trajs, histories, talking, p, seeds)
+        if all(t.termination for t in trajs):
+            break
+    for t in trajs:
+        t.termination = t.termination or "max_turns"
+    return trajs
+
+
+def rehearsal_rollouts(engine: Engine, ctx: TaskContext, group_size: int, p: RolloutParams,
+                       seed: Optional[int] = None, memory: Optional[str] = None,
+                       user: Optional[str] = None) -> list[Trajectory]:
+    """G self-unfolded trajectories of one task from its first user message (one GRPO group).
+
+    `user`: the user's instructions for USER-REHEARSE (see `unroll`); None = no imagined user turns.
+    """
+    start = [Message(role="user", content=ctx.first_user_message)]
+    return unroll(engine, ctx, start, group_size, p, SeedStream(seed), memory, user)
+
+
+def real_rollouts(engine: Engine, ctx: TaskContext, envs: list[ToolEnvironment], p: RolloutParams,
+                  seed: Optional[int] = None, memory: Optional[str] = None) -> list[Trajectory]:
+    """len(envs) trajectories, trajectory g against the real environment ``envs[g]`` (each already
+    `reset` to the task, each its own private copy): ACT only, each tool call executed by `step`.
+
+    The trajectories advance in lockstep like `unroll`'s (one batched ACT call per turn; the first
+    turn is one prompt sampled G ways when G > 1), and end by the same rules: "agent_message",
+    "parse_error", "max_turns". Observations are real (`observation` = `real_observation`).
+    """
+    trajs = [Trajectory(task_id=ctx.task_id, group_index=g, imagined=False) for g in range(len(envs))]
+    histories = [[Message(role="user", content=ctx.first_user_message)] for _ in envs]
+    seeds = SeedStream(seed)
+    for turn in range(p.max_turns):
+        calling = act_turn(engine, ctx, trajs, histories, p, seeds, memory, first=turn == 0)
+        for i in calling:
+            obs: Observation = envs[i].step(trajs[i].steps[-1].action)
+            trajs[i].steps[-1].observation = obs
+            trajs[i].steps[-1].real_observation = obs
+            histories[i].append(Message(role="tool", content=obs.content, error=obs.error))
+        if all(t.termination for t in trajs):
+            break
+    for t in trajs:
+        t.termination = t.termination or "max_turns"
+    return trajs
+
+
+def real_rollout(engine: Engine, ctx: TaskContext, env: ToolEnvironment, p: RolloutParams,
+                 seed: Optional[int] = None, memory: Optional[str] = None) -> Trajectory:
+    """One trajectory against the real environment `env` (already `reset` to the task): ACT only.
+
+    Used for evaluation (Committed Execution when `memory` holds a rehearsal memory); the group
+    version `real_rollouts` serves the standard-GRPO ablation. Each tool call is executed by `env.step`.
+    """
+    return real_rollouts(engine, ctx, [env], p, seed, memory)[0]
+
+
+def training_group(engine: Engine, task: Task, cfg: RunConfig, p: RolloutParams, seed: Optional[int],
+                   reward_fn: Optional[Callable] = None,
+                   env_factory: Optional[Callable[[str], ToolEnvironment]] = None) -> list[Trajectory]:
+    """One GRPO group of `task` for training, rolled out from ``cfg.rollout.source`` and scored.
+
+    - ``"imagined"`` (World Rehearsal, default): `rehearsal_rollouts` (ACT + REHEARSE rows), with
+      USER-REHEARSE rows too when ``cfg.rollout.user_rehearse`` and the task has a user scenario.
+    - ``"real"`` (standard-GRPO ablation, METHOD.md §3): `real_rollouts` of ACT only, each against a
+      fresh private copy ``env_factory(task.domain)`` (default `Tau2Environment`) reset to `task`; the
+      real observations enter the history as context, no REHEARSE rows exist.
+
+    Each trajectory is then scored by `rewards.score_trajectory` with `reward_fn` (default: the
+    one ``cfg.reward`` names, `rewards.reward_fn_from_config`, judge engine built on `engine`'s
+    model), ``cfg.train.format_penalty`` and ``cfg.reward.replay_fidelity``. Same `seed` -> same group.
+    """
+    from envace_core.envs.tau2.environment import Tau2Environment
+    from envace_core.envs.tau2.tasks import task_context
+
+    ctx = task_context(task, cfg.data.policy_max_chars)
+    p = replace(p, max_new_tokens_user=p.max_new_tokens_user or cfg.rollout.max_new_tokens_user)
+    G = cfg.rollout.group_size
+    if cfg.rollout.source == "real":
+        envs = [(env_factory or Tau2Environment)(task.domain) for _ in range(G)]
+        for env in envs:
+            env.reset(task)
+        group = real_rollouts(engine, ctx, envs, p, seed=seed)
+    else:
+        user = user_instructions(task.user_scenario) \
+            if cfg.rollout.user_rehearse and task.user_scenario else None
+        group = rehearsal_rollouts(engine, ctx, G, p, seed=seed, user=user)
+    fn = reward_fn if reward_fn is not None else reward_fn_from_config(cfg, engine)
+    return [score_trajectory(task, t, fn, cfg.train.format_penalty, cfg.reward.replay_fidelity)
+            for t in group]

@@ -1,0 +1,171 @@
+"""Supervised ACT warm-up: teach the policy the `<tool_call>` format from gold trajectories before GRPO.
+
+Why: a small base model (SmolLM2-135M) almost never emits a parseable `<tool_call>` at first, so every
+GRPO group has equal rewards and every advantage is 0 (METHOD.md §3: no learning signal). A few LoRA
+steps of supervised fine-tuning on gold ACT turns (behaviour cloning; the "SFT then RL" recipe of
+DeepSeekMath §4 / DeepSeek-R1's cold start) puts mass on the format, so the RL stage has something
+to compare.
+
+Examples (`act_examples`): for a train task with gold actions a_1..a_n, one ACT example per gold call
+and one for the final answer. Example k's prompt is exactly the ACT prompt the rollout would build at
+that turn (`roles.act_prompt_ids`, the engine tokenizer's chat template, the task's `TaskContext`),
+with the history h_k = user message ⊕ (a_1, o_1) ⊕ .. ⊕ (a_{k-1}, o_{k-1}), where o_j is the REAL
+observation of a_j executed in a private environment copy. The target is `roles.format_tool_call(a_k)`
+(the text `roles.parse_act` parses back to a_k), then `synth.gold_answer(task)` after the last call;
+each target's ids end with the tokenizer's eos (SmolLM2: `<|im_end|>`), where the engine stops.
+
+Loss (`sft_warmup`): token-mean cross-entropy over completion tokens only,
+    L = -(1 / #completion tokens) Σ_i Σ_t log p_θ(y_{i,t} | prompt_i, y_{i,<t}),
+one AdamW step (gradient norm clipped) per batch of `batch_rows` examples.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from envace_core import EnvaceError
+from envace_core.roles.act import act_prompt_ids
+from envace_core.roles.tools import format_tool_call
+from envace_core.types import Message, Task, ToolCall
+
+if TYPE_CHECKING:
+    from envace_core.envs.base import ToolEnvironment
+    from envace_core.training.trainer import PolicyTrainer
+
+
+
+class SFTError(EnvaceError):
+    """The warm-up cannot run: no train task with gold actions, no trainable LoRA weight, a
+    tokenizer without one eos id, or a non-finite loss."""
+
+
+@dataclass
+class SFTExample:
+    """One supervised ACT turn: prompt ids (length P) as the rollout renders them, target ids
+    (length C, ending with eos), the target text and the gold call it encodes (None: a message)."""
+
+    task_id: str
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    text: str
+    gold: ToolCall | None
+
+
+def completion_ids(tokenizer, text: str) -> list[int]:
+    """Ids of `text` as the assistant's reply: `encode(text)` (no special tokens) + eos, i.e. what
+    the engine would sample after the ACT generation prompt and stop on."""
+    eos = tokenizer.eos_token_id
+    if not isinstance(eos, int):
+        raise SFTError(f"the tokenizer has no single eos token id (got {eos!r}): cannot end a target")
+    return [int(i) for i in tokenizer.encode(text, add_special_tokens=False)] + [eos]
+
+
+def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None = None,
+                 env_factory: Callable[[str], ToolEnvironment] | None = None,
+                 include_answer: bool = True, max_turns: int | None = None,
+                 max_tokens: int | None = None) -> list[SFTExample]:
+    """The supervised ACT turns of every task in `tasks` that has gold actions (others are skipped).
+
+    `env_factory(domain)` makes the private environment the gold calls run in (default
+    `Tau2Environment`); `include_answer` adds the final-answer turn (`synth.gold_answer`).
+    `max_turns`: only the first `max_turns` ACT turns of a task (rollouts never get further:
+    ``rollout.max_turns``); `max_tokens`: examples longer than this (prompt + target ids) are
+    skipped, since a long tau2 history (tool results of several KB) makes one step need many GB.
+    Raises `UnknownDomainError` (from `task_context`) for a task of an unknown domain.
+    """
+    from envace_core.envs.tau2.environment import Tau2Environment
+    from envace_core.envs.tau2.synth import gold_answer
+    from envace_core.envs.tau2.tasks import task_context
+
+    out: list[SFTExample] = []
+    for task in tasks:
+        if not task.gold_actions:
+            continue
+        ctx = task_context(task, policy_max_chars)
+        env = (env_factory or Tau2Environment)(task.domain)
+        env.reset(task)
+        history = [Message(role="user", content=ctx.first_user_message)]
+        turns = task.gold_actions[:max_turns] if max_turns is not None else task.gold_actions
+        for k, gold in enumerate(turns):
+            call = ToolCall(name=gold.name, arguments=gold.arguments, id=f"call_{k}")
+            text = format_tool_call(call)
+            out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, history),
+                                  completion_ids(tokenizer, text), text, call))
+            obs = env.step(call)  # a tool error stays in the history, as the gold replay sees it
+            history += [Message(role="assistant", tool_call=call),
+                        Message(role="tool", content=obs.content, error=obs.error)]
+        if include_answer and len(turns) == len(task.gold_actions) \
+                and (max_turns is None or len(turns) < max_turns):
+            text = gold_answer(task)
+            out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, history),
+                                  completion_ids(tokenizer, text), text, None))
+    if max_tokens is not None:
+        out = [e for e in out if len(e.prompt_ids) + len(e.completion_ids) <= max_tokens]
+    return out
+
+
+def _row_loss_sum(model, row: SFTExample, device, compute_dtype: str) -> torch.Tensor:
+    """Summed CE (nats) over `row`'s completion tokens, scalar. One unpadded sequence, no attention
+    mask (SDPA's causal fast path, no L x L score matrix), and the LM head only on the C positions
+    that predict the completion (`logits_to_keep`, as `PolicyTrainer._logits` does)."""
+    P, C = len(row.prompt_ids), len(row.completion_ids)
+    ids = torch.tensor([row.prompt_ids + row.completion_ids], device=device)
+    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=compute_dtype == "bfloat16"):
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=C + 1).logits[0, :-1]  # [C, V]
+    return torch.nn.functional.cross_entropy(logits.float(), torch.tensor(row.completion_ids, device=device),
+                                             reduction="sum")
+
+
+def sft_warmup(trainer: PolicyTrainer, examples: Sequence[SFTExample], steps: int, learning_rate: float,
+               batch_rows: int, seed: int = 0, log: Callable[[str], None] | None = None) -> list[float]:
+    """`steps` AdamW steps of completion-only CE on `examples`, on the LoRA weights of
+    `trainer.model` that are trainable now (its ACT adapter: the "act" one for a per-role policy).
+
+    Uses its own AdamW (lr `learning_rate`, no weight decay, grad norm clipped to
+    `trainer.cfg.max_grad_norm`), so the GRPO optimizer and LR schedule start fresh afterwards.
+    Batches: `batch_rows` examples per step from a seeded permutation of `examples`, a new one per
+    pass. Returns the loss of each step (nats per completion token, before that step's update).
+
+    Raises:
+        SFTError: `examples` is empty, or no trainable LoRA parameter is found.
+    """
+    if not examples:
+        raise SFTError("no supervised ACT example: the train split has no task with gold actions "
+                       "(set data.synthetic_tasks_per_domain > 0 or train.sft_warmup_steps: 0)")
+    model = trainer.model
+    params = [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
+    if not params:
+        raise SFTError("the policy has no trainable LoRA parameter to warm up")
+    opt = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
+    gen = torch.Generator().manual_seed(seed)
+    order: list[int] = []
+    losses: list[float] = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        while len(order) < batch_rows:  # a new pass when the current one runs out
+            order += torch.randperm(len(examples), generator=gen).tolist()
+        batch, order = [examples[i] for i in order[:batch_rows]], order[batch_rows:]
+        # token-mean CE over the batch, one row per forward/backward (gradients accumulate), so memory
+        # is one sequence's whatever batch_rows is
+        n_tok = sum(len(r.completion_ids) for r in batch)
+        opt.zero_grad(set_to_none=True)
+        loss = 0.0
+        for r in batch:
+            part = _row_loss_sum(model, r, trainer.device, trainer.compute_dtype) / n_tok
+            part.backward()
+            loss += part.item()
+        if not math.isfinite(loss):
+            raise SFTError(f"SFT loss is {loss} at step {step + 1}: lower train.sft_learning_rate")
+        torch.nn.utils.clip_grad_norm_(params, trainer.cfg.max_grad_norm)
+        opt.step()
+        losses.append(loss)
+        if log:
+            log(f"[sft] step {step + 1}/{steps}: loss {losses[-1]:.4f} ({time.perf_counter() - t0:.0f}s)")
+    opt.zero_grad(set_to_none=True)
+    return losses

@@ -1,0 +1,653 @@
+"""The LoRA policy trainer: role-wise GRPO updates over generation rows (METHOD.md §3).
+
+`PolicyTrainer.update(rows)` is one training iteration on one rollout batch (the PPO inner loop):
+
+    for epoch in 1..ppo_epochs:                         (PPO inner epochs, Schulman et al. 2017 Alg. 1)
+        for mini-batch M of mini_batch_rows rows       (a fresh seeded shuffle per epoch)
+            step(M): one AdamW step on L(M), gradients accumulated over micro-batches
+    lr <- schedule(iteration + 1)                     (once per rollout batch, as verl's actor does)
+
+`PolicyTrainer.step` reads top to bottom: cut rows into micro-batches of `micro_batch_rows` (the
+memory bound only: the accumulated gradient equals that of one big batch, so the optimization does
+not depend on it), forward (autocast bf16 when asked; LoRA master weights stay float32), per-token
+log-probs of exactly the generated ids, PPO-clip loss from `envace_core.grpo`, backward, clip the
+global gradient norm to `max_grad_norm`, AdamW step.
+
+The options (`TrainConfig`) and their math, per generated token t of row i with advantage A_i:
+  - importance ratio r_t = pi_theta(y_t | ...) / pi_old(y_t | ...), where pi_old is the *behaviour*
+    policy: the log-probs the engine recorded at rollout (`TrainingRow.old_logprobs`), fixed for all
+    epochs of the update. In epoch 1 before any step r_t = 1 up to engine/trainer numerics.
+  - `clip_eps` ε: l_t = -min(r_t A_i, clip(r_t, 1-ε, 1+ε) A_i).
+  - `kl_beta` β: l_t += β (exp(ref_t - logp_t) - (ref_t - logp_t) - 1) (k3), ref = the base model,
+    i.e. the same weights with the LoRA adapters disabled (peft `disable_adapter()`), no second copy.
+  - `loss_agg`: "token-mean" L = Σ_t l_t / #tokens of the step; "seq-mean-token-mean" L = mean over
+    rows of (mean over the row's tokens).
+  - `max_grad_norm`: g <- g · min(1, c / ||g||_2) before each AdamW step (per adapter when
+    `policy_per_role`: two policies, two norms).
+  - `lr_scheduler` + `warmup_iterations` W over K = `iterations` (transformers.get_scheduler with
+    num_warmup_steps=W, num_training_steps=K, stepped once per iteration k = 0..K-1):
+    factor(k) = k/W for k < W (so the first warmup iteration has LR 0, as in transformers/TRL), then
+    constant: 1; linear: (K-k)/(K-W); cosine: 0.5 (1 + cos(π (k-W)/(K-W))).
+  - `policy_per_role`: two LoRA adapters "act" and "rehearse" (peft named adapters) on one base
+    model; a row trains the adapter of its role (`engines.base.ROLE_ADAPTERS`: USER rows train
+    "rehearse") and the loss is normalised per adapter, so each adapter's update is exactly that of a
+    separate policy trained on its own rows. An `HFEngine` over this model generates each role with
+    its adapter (`SamplingParams.role`).
+  - data parallel (`envace_core.distributed`, WORLD_SIZE > 1): `update`/`step` take the same global
+    rows on every rank; each rank computes a cost-balanced share of every step with the global
+    normaliser and the LoRA gradients are summed over ranks before clipping, so each optimizer step
+    equals the one-process step over all rows; `mini_batch_rows` counts global rows.
+
+Speed (PERF_NOTES.md; 16 rows of ~300 prompt + 64 completion tokens, SmolLM2-135M, LoRA r=16 q/v,
+2 cores): ~5.6 s/step in bf16, ~9 s in float32, against ~40 s for TRL's loss forward+backward.
+  - Rows sharing a prompt (a GRPO group) or a prefix (a system message) are batched together and
+    the common prefix runs once at batch size 1; its KV cache, with grad, is repeated over the rows.
+  - The LM head runs only on completion positions (a 300-token prompt costs no [300, V] logits),
+    in float32: bf16 logits would add ~1.7x more noise to the importance ratio.
+  - The reference policy for KL is the same model with its adapters disabled, never a second copy.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import time
+import warnings
+from collections.abc import Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import DynamicCache
+
+from envace_core import EnvaceError
+from envace_core.config import TrainConfig
+from envace_core.engines.base import ROLE_ADAPTERS
+from envace_core.store.files import CHECKSUMS, atomic_dir, dir_checksums
+from envace_core.training.checkpoint import capture_rng_state, restore_rng_state
+from envace_core.training.distributed import World, balanced_slices
+from envace_core.training.grpo import policy_loss, token_logprobs
+from envace_core.training.rows import TrainingRow, role_name
+
+CHECKPOINT_FORMAT = 2  # 1 (adapter + history only) cannot resume exactly
+
+
+class AdapterLoadError(EnvaceError):
+    """A saved LoRA adapter directory is missing, corrupt, or does not match this trainer's LoRA config."""
+
+
+class CheckpointError(EnvaceError):
+    """A training checkpoint is missing, corrupt or incompatible; nothing in it was changed."""
+
+
+@dataclass
+class _Batch:
+    """A right-padded micro-batch. Column t of the [B, T] tensors is sequence position start + t,
+    whose logits predict input_ids[:, start + t + 1]."""
+
+    input_ids: torch.Tensor  # [B, L]
+    attention_mask: torch.Tensor  # [B, L]
+    start: int  # first position whose logits are needed: min prompt length - 1
+    shared: int  # length of the token prefix common to every row, capped at `start`
+    targets: torch.Tensor  # [B, T] = input_ids[:, start + 1:], T = L - 1 - start
+    mask: torch.Tensor  # [B, T] bool: True exactly on completion tokens
+    old: torch.Tensor  # [B, T] behaviour log-probs at completion tokens, 0 elsewhere
+    adv: torch.Tensor  # [B]
+    temperature: torch.Tensor  # [B]
+
+
+class PolicyTrainer:
+    """LoRA GRPO trainer around one causal LM shared by all roles (and by the generation engine).
+
+    Args:
+        model: a float32 HF causal LM (`envace_core.models.load_model`), or a PeftModel already
+            holding the adapter(s). It is wrapped in place with LoRA (r, alpha, target modules from
+            `cfg`, dropout 0): one adapter "default", or "act" and "rehearse" when
+            `cfg.policy_per_role`; `self.model` is the PeftModel, the object a generation engine shares.
+        tokenizer: its tokenizer (padding id).
+        cfg: `TrainConfig`.
+        compute_dtype: "bfloat16" (autocast on forward passes) or "float32".
+
+    Attributes:
+        optimizer, scheduler: AdamW and its LR schedule (stepped once per `update`).
+        updates: `update` calls so far (= finished training iterations); optimizer_steps: AdamW steps.
+        world: `distributed.World` of the process group initialised when the trainer was built (one
+            process when none): its ranks split every step's rows and sum the LoRA gradients (`step`);
+            the LoRA weights are broadcast from rank 0 here. The caller lets only rank 0 save.
+
+    Raises:
+        ValueError: unknown compute_dtype, or a PeftModel without the adapters `cfg` asks for.
+    """
+
+    min_shared_prefix: int = 16  # tokens; a shorter common prefix is not worth a separate call
+    # tokens; rows whose prompt lengths differ by more share no micro-batch: `_logits` computes
+    # [B, L - min prompt, V] float32 logits, so a turn-1 row next to a turn-3 row of the same
+    # trajectory (adjacent in prompt order) would make every row pay the whole later history
+    # (measured: 4 such rows with ~2k-token tool histories took > 15 GB on the 135M model).
+    max_prompt_spread: int = 256
+
+    def __init__(self, model, tokenizer, cfg: TrainConfig, compute_dtype: str = "bfloat16"):
+        from peft import LoraConfig, PeftModel, get_peft_model
+
+        if compute_dtype not in ("bfloat16", "float32"):
+            raise ValueError(f"compute_dtype must be 'bfloat16' or 'float32', got {compute_dtype!r}")
+        self.cfg, self.tokenizer, self.compute_dtype = cfg, tokenizer, compute_dtype
+        torch.manual_seed(cfg.seed)
+        names = sorted(set(ROLE_ADAPTERS.values())) if cfg.policy_per_role else ["default"]
+        if not isinstance(model, PeftModel):
+            lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
+                              target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
+            model = get_peft_model(model, lora, adapter_name=names[0])
+            for name in names[1:]:
+                model.add_adapter(name, lora)
+        if sorted(model.peft_config) != names:
+            raise ValueError(f"the PeftModel holds adapters {sorted(model.peft_config)}, but "
+                             f"train.policy_per_role={cfg.policy_per_role} needs {names}")
+        # peft's set_adapter makes the active adapter trainable (also one loaded for inference) and
+        # freezes the others; `_using` switches per role, so parameters are found by name below.
+        model.set_adapter("act" if cfg.policy_per_role else "default")
+        # Dropout off: the ratio at the start of a step must be exp(0) = 1 against a behaviour
+        # policy that sampled without dropout.
+        self.model = model.eval()
+        self.device = next(self.model.parameters()).device
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        self.pad_id = int(pad if pad is not None else 0)
+        self._adapter_params = {n: [p for k, p in self.model.named_parameters()
+                                    if "lora_" in k and f".{n}." in k] for n in names}
+        self._params = [p for n in names for p in self._adapter_params[n]]
+        # Data parallel (WORLD_SIZE > 1, process group initialised by the caller): every rank must
+        # start from rank 0's LoRA weights; `step` keeps them equal (same summed gradient everywhere).
+        self.world = World.current()
+        self.world.broadcast_(self._params)
+        self.updates = self.optimizer_steps = 0
+        self._reset_optimizer()
+        causal = self.model.get_base_model()
+        self._backbone, self._head = causal.base_model, causal.get_output_embeddings()
+        self._split_head = self._head_is_plain_linear()
+        params = inspect.signature(self._backbone.forward).parameters
+        self._cache_kw = "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+
+    def _reset_optimizer(self) -> None:
+        """A fresh AdamW and LR schedule (positioned at iteration `self.updates`)."""
+        from transformers import get_scheduler
+
+        c = self.cfg
+        self.optimizer = torch.optim.AdamW(self._params, lr=c.learning_rate, weight_decay=0.0)
+        name = "constant_with_warmup" if c.lr_scheduler == "constant" and c.warmup_iterations else c.lr_scheduler
+        self.scheduler = get_scheduler(name, self.optimizer, num_warmup_steps=c.warmup_iterations,
+                                       num_training_steps=c.iterations)
+        for _ in range(self.updates):
+            self._advance_schedule()
+
+    def _advance_schedule(self) -> None:
+        """One LR-schedule step (per iteration), also where no optimizer step preceded it (an
+        iteration without trainable rows, a replay after a reset): torch warns then, needlessly."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+            self.scheduler.step()
+
+    def adapter_for(self, role) -> str | None:
+        """The adapter a row of `role` trains (per-role policy), or None (one shared adapter)."""
+        return ROLE_ADAPTERS[role_name(role)] if self.cfg.policy_per_role else None
+
+    @contextmanager
+    def _using(self, adapter: str | None):
+        """Run the block with `adapter` active (peft `set_adapter`), then restore the previous one."""
+        if adapter is None or adapter == self.model.active_adapter:
+            yield
+            return
+        prev = self.model.active_adapter
+        self.model.set_adapter(adapter)
+        try:
+            yield
+        finally:
+            self.model.set_adapter(prev)
+
+    def _units(self, rows: Sequence[TrainingRow]) -> list[tuple[str | None, list[TrainingRow]]]:
+        """(adapter, its rows): one unit of all rows for a shared policy, one per adapter otherwise."""
+        if not self.cfg.policy_per_role:
+            return [(None, list(rows))]
+        by: dict[str, list[TrainingRow]] = {}
+        for r in rows:
+            by.setdefault(self.adapter_for(r.role), []).append(r)
+        return sorted(by.items())
+
+    def _head_is_plain_linear(self) -> bool:
+        """True when logits == lm_head(backbone(x)) (no soft-capping/scaling), checked once on 4 ids."""
+        if self._head is None or self._backbone is self.model.get_base_model():
+            return False
+        ids = torch.arange(1, 5, device=self.device).reshape(1, 4)
+        with torch.no_grad():
+            full = self.model(input_ids=ids, use_cache=False).logits.float()
+            split = self._head(self._backbone(input_ids=ids, use_cache=False).last_hidden_state).float()
+        return full.shape == split.shape and torch.allclose(full, split, rtol=1e-4, atol=1e-4)
+
+    # --- the update and the step ----------------------------------------------------------------
+
+    def update(self, rows: Sequence[TrainingRow]) -> dict:
+        """One training iteration on one rollout batch: `ppo_epochs` passes over the trainable rows in
+        mini-batches of `mini_batch_rows` (all rows when None), one `step` each, then one LR-schedule
+        step. Mini-batches come from a shuffle seeded by (cfg.seed, self.updates, epoch), so a resumed
+        run draws the same ones. The behaviour log-probs stay the rollout's in every epoch.
+        Data parallel: every rank passes the same global `rows` and draws the same mini-batches
+        (`mini_batch_rows` counts global rows); `step` splits each one across the ranks.
+
+        Returns:
+            the `step` metrics averaged over the update's optimizer steps, weighted by their completion
+            tokens (loss, clip_frac, approx_kl, ratio_mean, kl_ref, entropy, grad_norm, and
+            grad_norm/<adapter> for a per-role policy), plus grad_norm_max, lr (the LR these steps
+            used), optimizer_steps, epochs, rows and tokens (of the batch, once), rows_skipped,
+            forward_tokens (all epochs), seconds and tokens_per_s (completion tokens trained, all
+            epochs, per second).
+
+        An iteration without a trainable row (every reward failed, a frozen role only) makes no
+        optimizer step but still advances the schedule; it returns {"note", "lr", "optimizer_steps": 0}.
+
+        Raises:
+            ValueError: a malformed row (as `step`).
+        """
+        cfg, t0 = self.cfg, time.perf_counter()
+        lr = float(self.scheduler.get_last_lr()[0])
+        trained = {role_name(r) for r in cfg.trained_roles}
+        if not any(r.completion_ids and role_name(r.role) in trained for r in rows):
+            self._advance_schedule()
+            self.updates += 1
+            return {"note": "no trainable rows", "lr": lr, "optimizer_steps": 0}
+        keep = self._trainable(rows)
+        size = min(cfg.mini_batch_rows or len(keep), len(keep))
+        gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + self.updates)
+        steps = []
+        for _ in range(cfg.ppo_epochs):
+            order = torch.randperm(len(keep), generator=gen).tolist() if size < len(keep) else range(len(keep))
+            for k in range(0, len(keep), size):
+                steps.append(self.step([keep[i] for i in order[k:k + size]]))
+        self._advance_schedule()
+        self.updates += 1
+        seconds = time.perf_counter() - t0
+        counts = {"tokens", "forward_tokens", "rows", "rows_skipped", "seconds", "tokens_per_s"}
+        out = {}
+        for k in sorted({k for m in steps for k in m} - counts):  # grad_norm/<adapter> may be absent
+            have = [m for m in steps if k in m]
+            out[k] = sum(m["tokens"] * m[k] for m in have) / sum(m["tokens"] for m in have)
+        out.update(grad_norm_max=max(m["grad_norm"] for m in steps), lr=lr, optimizer_steps=len(steps),
+                   epochs=cfg.ppo_epochs, rows=len(keep), rows_skipped=len(rows) - len(keep),
+                   tokens=sum(len(r.completion_ids) for r in keep),
+                   forward_tokens=sum(m["forward_tokens"] for m in steps), seconds=seconds,
+                   tokens_per_s=sum(m["tokens"] for m in steps) / seconds)
+        return out
+
+    def step(self, rows: Sequence[TrainingRow]) -> dict:
+        """One optimizer step over all trainable rows (gradient accumulation over micro-batches).
+
+        Rows with an empty completion or a role outside `cfg.trained_roles` are skipped. The loss
+        equals `policy_loss` over all rows as one batch: "token-mean" divides by the completion
+        tokens of the whole step, "seq-mean-token-mean" by its row count. With `policy_per_role`
+        each adapter's rows form their own batch (own normalisation, own gradient clipping).
+        Does not step the LR schedule (`update` does).
+
+        Data parallel (`self.world.size` W > 1): every rank passes the same `rows` (the step's global
+        mini-batch) and runs forward/backward on its contiguous, cost-balanced share only
+        (`_shard`); the loss keeps the global normaliser, so summing the ranks' gradients (one
+        all-reduce over the LoRA gradients, one over the metric sums) gives every rank the gradient
+        and metrics of one process over all rows, up to float summation order. Clipping and AdamW
+        then run identically on every rank, so the weights stay equal.
+
+        Returns:
+            loss, clip_frac, approx_kl, ratio_mean, kl_ref (0.0 when cfg.kl_beta == 0: not
+            computed), grad_norm (before clipping; for a per-role policy the norm over both adapters,
+            plus grad_norm/<adapter>), entropy (mean token entropy, nats), tokens (completion tokens
+            trained), forward_tokens (prompt + completion), seconds, tokens_per_s (completion
+            tokens / s), rows, rows_skipped.
+
+        Raises:
+            ValueError: no row remains after skipping, or a row is malformed.
+        """
+        cfg, t0 = self.cfg, time.perf_counter()
+        keep = self._trainable(rows)
+        n_tok = sum(len(r.completion_ids) for r in keep)
+        out = {k: 0.0 for k in ("loss", "clip_frac", "approx_kl", "ratio_mean", "kl_ref", "entropy")}
+        self.optimizer.zero_grad(set_to_none=True)
+        units = self._units(keep)
+        for adapter, unit in units:
+            unit_tok = sum(len(r.completion_ids) for r in unit)
+            share = unit_tok / n_tok if cfg.loss_agg == "token-mean" else len(unit) / len(keep)
+            mine = self._shard(unit)
+            with self._using(adapter):
+                for idx in self._micro_batches(mine):
+                    self._accumulate([mine[i] for i in idx], unit, unit_tok, n_tok, share, out)
+        if self.world.enabled:
+            self._sum_over_ranks(units, out)
+        norms = {}
+        for adapter, _ in units:  # each adapter's grads are final once all units ran (frozen otherwise)
+            params = self._adapter_params[adapter] if adapter else self._params
+            norms[adapter] = float(torch.nn.utils.clip_grad_norm_(params, cfg.max_grad_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        seconds = time.perf_counter() - t0
+        out["grad_norm"] = sum(v * v for v in norms.values()) ** 0.5
+        out.update({f"grad_norm/{a}": v for a, v in norms.items() if a})
+        out.update(tokens=n_tok, seconds=seconds,
+                   forward_tokens=sum(len(r.prompt_ids) + len(r.completion_ids) for r in keep),
+                   tokens_per_s=n_tok / seconds, rows=len(keep), rows_skipped=len(rows) - len(keep))
+        return out
+
+    def _accumulate(self, mb: list[TrainingRow], unit: list[TrainingRow], unit_tok: int, n_tok: int,
+                    share: float, out: dict) -> None:
+        """Forward + backward of one micro-batch, its loss scaled so that the unit's accumulated
+        gradient equals that of the unit as one batch; adds its share of the metrics to `out`."""
+        cfg = self.cfg
+        b = self._collate(mb)
+        ref = None
+        if cfg.kl_beta > 0:  # reference = same weights, adapters off; no second model copy
+            with torch.no_grad(), self.model.disable_adapter():
+                ref = token_logprobs(self._logits(b), b.targets, b.temperature)
+        logits = self._logits(b)
+        lp = token_logprobs(logits, b.targets, b.temperature)
+        loss, m = policy_loss(lp, b.old, b.adv, b.mask, cfg.clip_eps, cfg.loss_agg, ref, cfg.kl_beta)
+        mb_tok = int(b.mask.sum())
+        weight = mb_tok / unit_tok if cfg.loss_agg == "token-mean" else len(mb) / len(unit)
+        (loss * weight).backward()
+        out["loss"] += loss.item() * weight * share
+        for k, v in m.items():
+            out[k] += v * mb_tok / n_tok
+        out["entropy"] += self._entropy_sum(logits, b) / n_tok
+
+    # --- pieces of the step ----------------------------------------------------------------------
+
+    def _shard(self, unit: list[TrainingRow]) -> list[TrainingRow]:
+        """This rank's rows of `unit`: all of them for one process; otherwise a contiguous slice of
+        the rows in micro-batch order (prompt-sorted, so GRPO groups stay together) whose cost
+        (completion tokens + prompt tokens not shared with the previous row, i.e. what
+        `_logits` computes) is about 1/W of the unit's. Same cut on every rank."""
+        if not self.world.enabled:
+            return list(unit)
+        order = sorted(range(len(unit)), key=lambda i: (unit[i].prompt_ids, len(unit[i].completion_ids)))
+        costs, prev = [], []
+        for i in order:
+            p = unit[i].prompt_ids
+            lcp = next((k for k in range(min(len(p), len(prev))) if p[k] != prev[k]), min(len(p), len(prev)))
+            costs.append(len(p) - lcp + len(unit[i].completion_ids))
+            prev = p
+        mine = balanced_slices(costs, self.world.size)[self.world.rank]
+        return [unit[order[i]] for i in mine]
+
+    def _sum_over_ranks(self, units: list[tuple[str | None, list[TrainingRow]]], out: dict) -> None:
+        """Sum the LoRA gradients of the step's adapters and the metric sums in `out` over ranks.
+
+        A rank whose share of an adapter was empty contributes zeros; the summed gradient is then set
+        on every rank, also where this rank had none. Adapters without rows in the step keep
+        grad None, as in one process, so AdamW leaves them (and their moments) alone.
+        """
+        params = [p for adapter, _ in units for p in (self._adapter_params[adapter] if adapter else self._params)]
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        self.world.all_reduce_sum_(flat)
+        for p, g in zip(params, flat.split([p.numel() for p in params])):
+            p.grad = g.view_as(p).clone()
+        keys = sorted(out)
+        sums = self.world.all_reduce_sum_(torch.tensor([out[k] for k in keys], dtype=torch.float64,
+                                                       device=flat.device))
+        out.update(zip(keys, sums.tolist()))
+
+    def _trainable(self, rows: Sequence[TrainingRow]) -> list[TrainingRow]:
+        trained = {role_name(r) for r in self.cfg.trained_roles}
+        keep = [r for r in rows if r.completion_ids and role_name(r.role) in trained]
+        if not keep:
+            roles = sorted({role_name(r.role) for r in rows})
+            empty = sum(1 for r in rows if not r.completion_ids)
+            raise ValueError(f"no trainable row among {len(rows)}: roles present {roles}, "
+                             f"cfg.trained_roles {sorted(trained)}, {empty} with empty completion")
+        for r in keep:
+            if not r.prompt_ids:
+                raise ValueError("a training row has an empty prompt: the first completion token "
+                                 "needs at least one prompt token to be predicted from")
+            if len(r.old_logprobs) != len(r.completion_ids):
+                raise ValueError(f"row has {len(r.completion_ids)} completion ids but "
+                                 f"{len(r.old_logprobs)} old_logprobs: they must align one to one")
+        return keep
+
+    def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[list[int]]:
+        """Indices of `rows` in micro-batches of at most cfg.micro_batch_rows.
+
+        Rows are sorted by prompt ids (lexicographic, then completion length), so the rows of a GRPO
+        group (same prompt) and rows sharing a system message are adjacent; `_logits` computes a
+        micro-batch's common prefix once. A micro-batch is also closed early when the next row would
+        shorten its common prefix by more than `min_shared_prefix` tokens (e.g. at a group boundary):
+        a separate batch then costs less than recomputing the lost prefix for every row. Rows whose
+        prompt lengths differ by more than `max_prompt_spread` tokens never share a micro-batch
+        (the logits cover every row from the shortest prompt on: memory).
+        """
+        order = sorted(range(len(rows)), key=lambda i: (rows[i].prompt_ids, len(rows[i].completion_ids)))
+        chunks: list[list[int]] = []
+        cur: list[int] = []
+        lcp, lo, hi = 0, 0, 0
+        for i in order:
+            p = rows[i].prompt_ids
+            if cur:
+                first = rows[cur[0]].prompt_ids
+                new = next((k for k in range(min(lcp, len(p))) if p[k] != first[k]), min(lcp, len(p)))
+                if len(cur) < self.cfg.micro_batch_rows and not (
+                        len(cur) > 1 and lcp - new > self.min_shared_prefix) and \
+                        max(hi, len(p)) - min(lo, len(p)) <= self.max_prompt_spread:
+                    cur.append(i)
+                    lcp, lo, hi = new, min(lo, len(p)), max(hi, len(p))
+                    continue
+                chunks.append(cur)
+            cur, lcp, lo, hi = [i], len(p), len(p), len(p)
+        return chunks + [cur] if cur else chunks
+
+    def _collate(self, rows: Sequence[TrainingRow]) -> _Batch:
+        """Right-pad prompt + completion. Completion token j of a row with prompt length P sits at
+        sequence position P + j and is predicted by the logits at P + j - 1 (column P + j - 1 - start)."""
+        B = len(rows)
+        L = max(len(r.prompt_ids) + len(r.completion_ids) for r in rows)
+        start = min(len(r.prompt_ids) for r in rows) - 1
+        ids = torch.full((B, L), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, L), dtype=torch.long)
+        mask = torch.zeros((B, L - 1 - start), dtype=torch.bool)
+        old = torch.zeros((B, L - 1 - start), dtype=torch.float32)
+        for i, r in enumerate(rows):
+            P, C = len(r.prompt_ids), len(r.completion_ids)
+            ids[i, :P + C] = torch.tensor(list(r.prompt_ids) + list(r.completion_ids), dtype=torch.long)
+            attn[i, :P + C] = 1
+            col = P - 1 - start
+            mask[i, col:col + C] = True
+            old[i, col:col + C] = torch.tensor(r.old_logprobs, dtype=torch.float32)
+        shared = start
+        for r in rows[1:]:
+            shared = next((k for k in range(shared) if r.prompt_ids[k] != rows[0].prompt_ids[k]), shared)
+        dev = self.device
+        return _Batch(ids.to(dev), attn.to(dev), start, shared, ids[:, start + 1:].to(dev), mask.to(dev),
+                      old.to(dev), torch.tensor([float(r.advantage) for r in rows], device=dev),
+                      torch.tensor([float(r.temperature) for r in rows], device=dev))
+
+    def _logits(self, b: _Batch) -> torch.Tensor:
+        """[B, T, V] float32 logits for positions start .. L-2 only (the completion span).
+
+        When the rows share a prefix of >= `min_shared_prefix` tokens (a GRPO group's prompt, a
+        system message), it is run once at batch size 1 and its KV cache (with grad) is repeated
+        over the rows: same numbers, and its gradient is summed over the rows as in the plain batch.
+        """
+        B, n = b.input_ids.shape[0], b.shared
+        share = self._split_head and B > 1 and n >= self.min_shared_prefix
+        with torch.autocast(self.device.type, dtype=torch.bfloat16,
+                            enabled=self.compute_dtype == "bfloat16"):
+            if not self._split_head:
+                keep = b.input_ids.shape[1] - b.start
+                out = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask,
+                                 use_cache=False, logits_to_keep=keep)
+                return out.logits[:, :-1].float()
+            if share:
+                cache = DynamicCache(config=self._backbone.config)  # filled in place by the call
+                self._backbone(input_ids=b.input_ids[:1, :n], use_cache=True, **{self._cache_kw: cache})
+                cache.batch_repeat_interleave(B)
+                h = self._backbone(input_ids=b.input_ids[:, n:], attention_mask=b.attention_mask,
+                                   use_cache=True, **{self._cache_kw: cache}).last_hidden_state
+            else:
+                n = 0
+                h = self._backbone(input_ids=b.input_ids, attention_mask=b.attention_mask,
+                                   use_cache=False).last_hidden_state
+            h = h[:, b.start - n:-1]
+        # The LM head in float32 outside autocast: cheap (completion positions only), exact ratios.
+        return self._head(h.to(self._head.weight.dtype)).float()
+
+    @staticmethod
+    def _entropy_sum(logits: torch.Tensor, b: _Batch) -> float:
+        """Sum over completion tokens of H(softmax(logits / T)) in nats, from the step's own logits."""
+        with torch.no_grad():
+            t = b.temperature.reshape(-1, 1, 1).expand(-1, logits.shape[1], 1)[b.mask]  # [K, 1]
+            logp = torch.log_softmax(logits.detach()[b.mask] / t, dim=-1)  # [K, V]
+            return float(-(logp.exp() * logp).sum())
+
+    # --- evaluation and persistence -------------------------------------------------------------
+
+    def completion_logprobs(self, rows: Sequence[TrainingRow]) -> list[list[float]]:
+        """The current policy's log-probs of each row's completion ids (no grad, same computation as
+        `step`: same micro-batching, dtype and temperature). Every row is scored whatever its role;
+        a row with an empty completion gets []. Returns lists in the order of `rows`."""
+        out: list[list[float]] = [[] for _ in rows]
+        for i, r in enumerate(rows):
+            if r.completion_ids and not r.prompt_ids:
+                raise ValueError(f"row {i} has an empty prompt")
+        todo = [i for i, r in enumerate(rows) if r.completion_ids]
+        units: dict[str | None, list[int]] = {}
+        for i in todo:  # a per-role policy scores each row with its role's adapter
+            units.setdefault(self.adapter_for(rows[i].role), []).append(i)
+        with torch.no_grad():
+            for adapter, unit in units.items():
+                with self._using(adapter):
+                    for idx in self._micro_batches([rows[i] for i in unit]):
+                        chunk = [unit[i] for i in idx]
+                        b = self._collate([rows[i] for i in chunk])
+                        lp = token_logprobs(self._logits(b), b.targets, b.temperature)
+                        for j, i in enumerate(chunk):
+                            out[i] = lp[j][b.mask[j]].tolist()
+        return out
+
+    def save_adapter(self, directory: str) -> None:
+        """Write the LoRA adapter(s) (peft `save_pretrained`: adapter_config.json +
+        adapter_model.safetensors; a per-role policy writes act/ and rehearse/ subdirectories) to
+        `directory`, atomically: built in a temp sibling, then renamed into place (an existing
+        directory is swapped out and removed), so a reader never sees half."""
+        atomic_dir(directory, lambda tmp: self.model.save_pretrained(str(tmp)))
+
+    def load_adapter(self, directory: str) -> None:
+        """Load LoRA weights saved by `save_adapter` into `self.model` in place (an engine sharing the
+        model sees them at once) and reset the optimizer state (its moments belonged to other
+        weights); the LR schedule keeps its position (`self.updates`).
+
+        Raises:
+            AdapterLoadError: the directory or its files are missing or unreadable, its LoRA config
+                (r, alpha, target modules) differs from this trainer's, or its tensors do not match
+                this model's adapter (names or shapes). Nothing is loaded then.
+        """
+        states = {name: self._read_adapter(Path(directory), name) for name in self.model.peft_config}
+        from peft.utils import set_peft_model_state_dict
+
+        for name, state in states.items():
+            set_peft_model_state_dict(self.model, state, adapter_name=name)
+        self._reset_optimizer()
+
+    def _read_adapter(self, root: Path, name: str) -> dict:
+        """The checked tensors of adapter `name` saved under `root` (peft's layout)."""
+        from peft.utils import get_peft_model_state_dict
+        from safetensors.torch import load_file
+
+        d = root if name == "default" else root / name
+        cfg_file, weights = d / "adapter_config.json", d / "adapter_model.safetensors"
+        for f in (cfg_file, weights):
+            if not f.is_file():
+                raise AdapterLoadError(f"cannot load adapter {name!r} from {d}: {f.name} is missing "
+                                       "(expected a directory written by PolicyTrainer.save_adapter "
+                                       "with the same train.policy_per_role)")
+        try:
+            saved = json.loads(cfg_file.read_text())
+            state = load_file(str(weights))
+        except Exception as e:  # json / safetensors raise assorted types on corrupt files
+            raise AdapterLoadError(f"adapter in {d} is corrupt: {type(e).__name__}: {e}") from e
+        ours = self.model.peft_config[name]
+        theirs = (saved.get("r"), saved.get("lora_alpha"), sorted(saved.get("target_modules") or []))
+        if theirs != (ours.r, ours.lora_alpha, sorted(ours.target_modules)):
+            raise AdapterLoadError(f"adapter in {d} has (r, alpha, target_modules) = {theirs}; this "
+                                   f"trainer uses {(ours.r, ours.lora_alpha, sorted(ours.target_modules))}")
+        expected = {k: v.shape for k, v in get_peft_model_state_dict(self.model, adapter_name=name).items()}
+        got = {k: v.shape for k, v in state.items()}
+        if expected != got:
+            missing, extra = sorted(set(expected) - set(got)), sorted(set(got) - set(expected))
+            bad = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])
+            raise AdapterLoadError(f"adapter in {d} does not fit this model: missing {missing[:3]}, "
+                                   f"unexpected {extra[:3]}, shape mismatch {bad[:3]}")
+        return state
+
+    # --- checkpoints -----------------------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str, state: dict[str, Any]) -> None:
+        """Write everything needed to resume exactly, atomically (`atomic_dir`) into `directory`:
+        adapter/ (`save_adapter`), trainer_state.pt (AdamW and LR-scheduler state dicts, updates,
+        optimizer_steps) and state.json = the caller's JSON-able `state` (e.g. data cursor, history)
+        + format + updates + optimizer_steps + rng (`capture_rng_state`, taken now)."""
+        def build(tmp: Path) -> None:
+            self.model.save_pretrained(str(tmp / "adapter"))
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                        "updates": self.updates, "optimizer_steps": self.optimizer_steps},
+                       tmp / "trainer_state.pt")
+            meta = {"format": CHECKPOINT_FORMAT, "updates": self.updates,
+                    "optimizer_steps": self.optimizer_steps, "rng": capture_rng_state()}
+            (tmp / "state.json").write_text(json.dumps({**state, **meta}, default=str))
+
+        atomic_dir(directory, build)
+
+    def load_checkpoint(self, directory: str) -> dict[str, Any]:
+        """Restore a `save_checkpoint` directory: adapter weights, optimizer and scheduler state,
+        counters and the RNG states (python, numpy, torch). Every file is read and checked (against
+        CHECKSUMS.json when the directory came from the artifact store) before anything changes.
+
+        Returns:
+            the saved state.json (the caller's state plus format, updates, optimizer_steps, rng).
+
+        Raises:
+            CheckpointError: the directory is missing, a file is corrupt, missing or from an
+                incompatible run (LoRA config, per-role setting, format); the message names the file.
+                The checkpoint itself is never modified.
+        """
+        d = Path(directory)
+        fix = (f"Nothing was changed. Restore the checkpoint, or move {d} away to restart the run "
+               "from the beginning.")
+        if not d.is_dir():
+            raise CheckpointError(f"no checkpoint directory at {d}")
+        if (d / CHECKSUMS).is_file():
+            try:
+                expected = json.loads((d / CHECKSUMS).read_text())
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"checkpoint {d}: {CHECKSUMS} is corrupt ({e}). {fix}") from e
+            actual = {k: v for k, v in dir_checksums(d).items() if k != CHECKSUMS}
+            bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
+            if bad:
+                raise CheckpointError(f"checkpoint {d} is corrupt: {bad[:5]} differ from {CHECKSUMS}. {fix}")
+        try:
+            state = json.loads((d / "state.json").read_text())
+            if state.get("format") != CHECKPOINT_FORMAT:
+                raise CheckpointError(f"checkpoint {d} has format {state.get('format')!r}, this version "
+                                      f"resumes format {CHECKPOINT_FORMAT} only (optimizer, RNG and data "
+                                      f"cursor are needed to resume exactly). {fix}")
+            saved = torch.load(d / "trainer_state.pt", map_location="cpu", weights_only=True)
+            states = {name: self._read_adapter(d / "adapter", name) for name in self.model.peft_config}
+        except CheckpointError:
+            raise
+        except (OSError, ValueError, RuntimeError, EnvaceError) as e:  # missing/corrupt file, bad config
+            raise CheckpointError(f"cannot resume from checkpoint {d}: {type(e).__name__}: {e}. {fix}") from e
+        from peft.utils import set_peft_model_state_dict
+
+        for name, adapter_state in states.items():
+            set_peft_model_state_dict(self.model, adapter_state, adapter_name=name)
+        self.updates, self.optimizer_steps = int(saved["updates"]), int(saved["optimizer_steps"])
+        self._reset_optimizer()
+        try:
+            self.optimizer.load_state_dict(saved["optimizer"])
+            self.scheduler.load_state_dict(saved["scheduler"])
+        except (ValueError, KeyError, RuntimeError) as e:
+            raise CheckpointError(f"optimizer state in {d} does not fit this trainer: {e}. {fix}") from e
+        restore_rng_state(state["rng"])
+        return state
