@@ -22,15 +22,7 @@ from envace_core.evaluation.options import (
     parse_rehearsal,
 )
 from envace_core.evaluation.vita import LLMJudge
-from envace_core.models import (  # noqa: F401  (re-exported: eval_run's public names before the move)
-    ADAPTER_WEIGHTS,
-    ROLES,
-    AdapterError,
-    ModelRefError,
-    adapter_load_error,
-    check_adapter_dir,
-    check_partial_roles,
-    is_adapter_dir,
+from envace_core.models import (
     resolve_model_ref,
 )
 from envace_core.store.files import atomic_write_text, read_jsonl

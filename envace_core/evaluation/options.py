@@ -9,16 +9,8 @@ from pathlib import Path
 
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
-from envace_core.models import (  # noqa: F401  (re-exported: eval_run's public names before the move)
-    ADAPTER_WEIGHTS,
-    ROLES,
-    AdapterError,
-    ModelRefError,
+from envace_core.models import (
     ResolvedModel,
-    adapter_load_error,
-    check_adapter_dir,
-    check_partial_roles,
-    is_adapter_dir,
 )
 
 BENCHES = ("tau2", "bfcl", "vita", "finmcp")

@@ -46,16 +46,6 @@ from typing import Any
 
 from envace_core import EnvaceError
 from envace_core.envs.vita import WINDOW_OVERLAP, WINDOW_SIZE, vita_source
-from envace_core.models import (  # noqa: F401  (re-exported: eval_run's public names before the move)
-    ADAPTER_WEIGHTS,
-    ROLES,
-    AdapterError,
-    ModelRefError,
-    adapter_load_error,
-    check_adapter_dir,
-    check_partial_roles,
-    is_adapter_dir,
-)
 from envace_core.types import Task
 
 

@@ -8,20 +8,10 @@ from typing import TYPE_CHECKING, Optional
 
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
-from envace_core.models import (  # noqa: F401  (re-exported: eval_run's public names before the move)
-    ADAPTER_WEIGHTS,
-    ROLES,
-    AdapterError,
-    ModelRefError,
-    adapter_load_error,
-    check_adapter_dir,
-    check_partial_roles,
-    is_adapter_dir,
-)
+from envace_core.models import ModelRefError, ResolvedModel, adapter_load_error, check_adapter_dir
 
 if TYPE_CHECKING:
     import torch
-from envace_core.models import ResolvedModel
 
 
 def load_engine(cfg: RunConfig, model: ResolvedModel):
