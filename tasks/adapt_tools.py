@@ -1,4 +1,4 @@
-"""Flyte tasks of tool learning (issue 8): thin wrappers over envace_core.tool_learning.
+"""Flyte tasks of tool learning: thin wrappers over envace_core.tool_learning.
 
 * check_tool_inputs  validates tools.json / examples.jsonl on a small CPU pod, so a bad schema fails
                      with the field at fault before a GPU pod starts.
@@ -7,7 +7,7 @@
 * measure_tools      `tool_learning.measure` of the parent and of the adapted version on the held-out
                      tasks that need the new tools (JSON result; the table in the task's Deck).
 
-None of the three is cached (tasks/settings.py, stages "check_tool_inputs", "adapt_tools",
+None of the three is cached (tasks/resources.py, stages "check_tool_inputs", "adapt_tools",
 "measure_tools"):
 * check_tool_inputs: flytekit keys a FlyteFile input by its URI, not by its bytes, so a cache hit
   could pass a tools file edited in place since the last run; and it takes seconds.
@@ -34,7 +34,7 @@ from envace_core.tool_learning.adapt import adapt
 from envace_core.tool_learning.inputs import load_examples, load_tools
 from envace_core.tool_learning.measure import measure
 from envace_core.tool_learning.tasks import HELD_OUT_SPLIT
-from tasks.settings import stage_task
+from tasks.resources import stage_task
 
 
 def _inputs(tools_file: FlyteFile, examples_file: Optional[FlyteFile]):
@@ -66,7 +66,7 @@ def adapt_tools_task(config: str, model: str, tools_file: FlyteFile, examples_fi
     cfg = config_from_json(config)
     tools, examples = _inputs(tools_file, examples_file)
     out = adapt(cfg, model, tools, examples, domain=domain, n_tasks=n_tasks,
-                              registry=cfg.store.registry, name=name or None)
+                registry=cfg.store.registry, name=name or None)
     return Adapted(model=f"registry:{out['name']}@{out['version']}", result=json.dumps(out, default=str))
 
 

@@ -1,11 +1,11 @@
-"""Flyte task: curate the versioned training/evaluation dataset (thin wrapper over envace_core)."""
+"""Flyte task `curate` over `envace_core.stages.curate`: the versioned training/evaluation dataset."""
 
 import json
 
 import envace_core  # noqa: F401
 import envace_core.stages.curate as curate_mod
 from envace_core.config import config_from_json
-from tasks.settings import stage_task
+from tasks.resources import stage_task
 
 
 @stage_task("curate")

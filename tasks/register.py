@@ -1,4 +1,5 @@
-"""Flyte task: register the model with its lineage manifest."""
+"""Flyte task `register` over `envace_core.stages.register`: the model and its lineage manifest into
+the registry."""
 
 import json
 
@@ -7,7 +8,9 @@ from flytekit import current_context
 import envace_core  # noqa: F401
 import envace_core.stages.register as register_mod
 from envace_core.config import config_from_json
-from tasks.settings import fetch_inputs, stage_task
+from envace_core.stages.inputs import fetch_inputs
+from tasks.cache_version import clear_cache_hint
+from tasks.resources import stage_task
 
 
 @stage_task("register")
@@ -24,6 +27,7 @@ def register(config: str, dataset: str, trained: str, validation: str, evaluatio
     except Exception:  # outside a Flyte execution context
         execution_id = "local"
     cfg, ds = config_from_json(config), json.loads(dataset)
-    out = register_mod.register(cfg, ds, fetch_inputs(cfg, ds, json.loads(trained)), json.loads(validation),
-                          json.loads(evaluation), execution_id=execution_id)
+    here = fetch_inputs(cfg, ds, json.loads(trained), stale_hint=clear_cache_hint())
+    out = register_mod.register(cfg, ds, here, json.loads(validation), json.loads(evaluation),
+                                execution_id=execution_id)
     return json.dumps(out)

@@ -1,4 +1,4 @@
-"""Flyte task: Private Rehearsal on one tau2 task (thin wrapper over envace_core.rehearse_run).
+"""Flyte task: Private Rehearsal on one tau2 task (thin wrapper over envace_core.rehearsal.inspect).
 
 The result (rehearsals, memory, committed run, reward, isolation check) is returned as JSON and shown
 as HTML in the task's Flyte Deck.
@@ -12,7 +12,7 @@ import envace_core  # noqa: F401  (offline environment before anything imports t
 import envace_core.rehearsal.inspect as inspect_mod
 from envace_core.config import load_config
 from envace_core.rehearsal.inspect import render_html
-from tasks.settings import stage_task
+from tasks.resources import stage_task
 
 
 @stage_task("rehearse_task", enable_deck=True)

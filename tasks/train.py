@@ -1,9 +1,10 @@
-"""Flyte task: alternate rollouts and role-wise GRPO steps for K iterations.
+"""Flyte task `rollout_and_train` over `envace_core.stages.train`: rollouts and role-wise GRPO steps
+for K iterations.
 
 One worker (the default, and every local run) is a plain task on one GPU. ENVACE_TRAIN_NNODES /
 ENVACE_TRAIN_GPUS above 1 at registration make it a flytekitplugins-kfpytorch `Elastic` task with
-one worker per GPU (see tasks/settings.py): torch elastic starts the workers with WORLD_SIZE, RANK,
-MASTER_ADDR/PORT set, they join one process group (`envace_core.distributed`) and train data
+one worker per GPU (see tasks/resources.py): torch elastic starts the workers with WORLD_SIZE, RANK,
+MASTER_ADDR/PORT set, they join one process group (`envace_core.training.distributed`) and train data
 parallel (rollouts split by task, LoRA gradients all-reduced every optimizer step); rank 0 writes
 the checkpoints and its result is the task's output.
 """
@@ -14,7 +15,7 @@ import envace_core  # noqa: F401
 import envace_core.stages.train as train
 from envace_core.config import config_from_json
 from envace_core.training.distributed import session
-from tasks.settings import stage_task, train_scale, train_task_config
+from tasks.resources import stage_task, train_scale, train_task_config
 
 _ELASTIC = train_task_config(*train_scale())
 

@@ -19,7 +19,7 @@ def local_cache(tmp_path):
     """flytekit's local task cache in a fresh directory; the previous location is restored after."""
     from flytekit.core import local_cache as lc
 
-    from tasks.settings import configure_local_cache
+    from tasks.cache_version import configure_local_cache
 
     before = lc.CACHE_LOCATION
     yield configure_local_cache(tmp_path / "flyte-cache")
@@ -32,7 +32,7 @@ from pathlib import Path
 from flytekit import Cache, task
 
 from envace_core.store import files  # noqa: F401  (part of the code the version covers)
-from tasks.settings import CodeCachePolicy
+from tasks.cache_version import CodeCachePolicy
 
 RUNS = Path({runs!r})
 
@@ -78,7 +78,7 @@ def test_changed_task_body_misses_flytekits_local_cache(local_cache, tmp_path, m
 
 
 def test_code_version_covers_reachable_envace_core_modules_and_pins(tmp_path):
-    from tasks.settings import code_version, reachable_sources
+    from tasks.cache_version import code_version, reachable_sources
 
     source = (REPO / "tasks" / "curate.py").read_text()
     pkg = tmp_path / "envace_core"
@@ -176,7 +176,7 @@ def test_train_task_is_plain_for_one_worker_and_elastic_for_several():
     from flytekitplugins.kfpytorch import Elastic
     from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
 
-    from tasks.settings import (
+    from tasks.resources import (
         FlyteSettingsError,
         stages,
         train_scale,
@@ -236,7 +236,7 @@ def test_second_run_reuses_cached_stages_but_registers_again(tiny_model_dir, tmp
     new version; with the store deleted, the cached outputs are refused with the fix named."""
     monkeypatch.chdir(tmp_path)
     from envace_core.store.registry import Registry
-    from tasks.settings import StaleArtifactError
+    from envace_core.stages.inputs import StaleArtifactError
     from workflows.train import train
 
     overrides = json.dumps({

@@ -1,4 +1,4 @@
-"""Tool learning (issue 8): teach a registered model new tools by rehearsal, then measure the effect.
+"""Tool learning: teach a registered model new tools by rehearsal, then measure the effect.
 
     pyflyte run workflows/adapt_tools.py adapt_tools --model registry:envace-policy@VERSION \
         --tools_file examples/tools/tools.json --examples_file examples/tools/examples.jsonl
@@ -18,7 +18,7 @@ from flytekit.types.file import FlyteFile
 
 import envace_core  # noqa: F401  (offline environment before tau2 is imported)
 from tasks.adapt_tools import adapt_tools_task, check_tool_inputs, measure_tools
-from tasks.config import resolve_config
+from tasks.preflight import resolve_config
 
 AdaptToolsOutputs = NamedTuple("AdaptToolsOutputs", [("model", str), ("adaptation", str), ("measurement", str)])
 

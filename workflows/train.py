@@ -7,7 +7,7 @@
 from flytekit import CronSchedule, LaunchPlan, workflow
 
 import envace_core  # noqa: F401  (offline environment before tau2 is imported)
-from tasks.config import resolve_config
+from tasks.preflight import resolve_config
 from tasks.curate import curate
 from tasks.evaluate import evaluate
 from tasks.register import register

@@ -1,9 +1,10 @@
-"""Flyte task: resolve the run configuration once, so every stage reads the same resolved config."""
+"""Flyte task `resolve_config` over `envace_core.stages.preflight`: resolve the run configuration once
+(so every stage reads the same resolved config) and check it before any work starts."""
 
 import envace_core  # noqa: F401  (offline environment before anything imports tau2)
 from envace_core.config import load_config
 from envace_core.stages.preflight import preflight
-from tasks.settings import stage_task
+from tasks.resources import stage_task
 
 
 @stage_task("resolve_config")
