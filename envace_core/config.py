@@ -259,6 +259,12 @@ class RehearsalConfig(_Strict):
 class EvalConfig(_Strict):
     max_turns: int = Field(3, ge=1)
     temperature: float = Field(0.0, ge=0, description="0 = greedy committed execution")
+    protocol: Literal["opening_request", "tau2_orchestrator"] = Field(
+        "opening_request", description="how the evaluate stage measures tau2 success (evaluation.tau2.PROTOCOLS): "
+        "opening_request = the task's opening request is the whole user side, at most eval.max_turns ACT turns, "
+        "tool calls replayed and scored by tau2's evaluate_simulation (fast, CPU); tau2_orchestrator = tau2's own "
+        "Orchestrator with a simulated user (the policy itself), as tau2-bench's run_task; NL assertions are "
+        "skipped in both (no judge offline)")
 
 
 class ValidateConfig(_Strict):
