@@ -1,5 +1,6 @@
-"""Synthesized training tasks (envace_core/envs/tau2/synth.py): verified by gold replay through the harness,
-graded, deduplicated, deterministic, gate-clean, and disjoint from the whole tau2 test split."""
+"""Synthesized training tasks (envace_core/envs/tau2/synth.py, synth_candidates.py): verified by gold
+replay through the harness, graded, deduplicated, deterministic, gate-clean, and disjoint from the
+whole tau2 test split."""
 
 from __future__ import annotations
 
@@ -16,17 +17,19 @@ from envace_core.envs.tau2.environment import Tau2Environment
 from envace_core.envs.tau2.rules import policy_rule_checks
 from envace_core.envs.tau2 import synth
 from envace_core.envs.tau2.synth import (
-    AIRLINE_NOW,
     LEVELS,
     SYNTH_MARKER,
     SynthesisError,
-    _status,
-    _unflown,
-    airline_cancel_reason,
     candidates,
     gold_answer,
     level_quotas,
     synthesize,
+)
+from envace_core.envs.tau2.synth_candidates import (
+    AIRLINE_NOW,
+    airline_cancel_reason,
+    flight_status,
+    is_unflown,
 )
 from envace_core.envs.tau2.tasks import load_tasks, task_context
 from envace_core.stages.curate import curate
@@ -201,11 +204,11 @@ def test_airline_cancel_policy(dbs):
     db = dbs["airline"]
     res = db.reservations
     flown = next(r for r in res.values() if r.status != "cancelled" and any(
-        _status(db, f.flight_number, f.date) == "landed" for f in r.flights))
+        flight_status(db, f.flight_number, f.date) == "landed" for f in r.flights))
     assert airline_cancel_reason(db, flown) is None
     plain = next(r for r in res.values() if r.cabin != "business" and r.insurance == "no" and r.status is None
-                 and datetime.fromisoformat(str(r.created_at)) < AIRLINE_NOW.replace(day=13) and _unflown(db, r)
-                 and all(_status(db, f.flight_number, f.date) == "available" for f in r.flights))
+                 and datetime.fromisoformat(str(r.created_at)) < AIRLINE_NOW.replace(day=13) and is_unflown(db, r)
+                 and all(flight_status(db, f.flight_number, f.date) == "available" for f in r.flights))
     assert airline_cancel_reason(db, plain) is None
     assert airline_cancel_reason(db, plain.model_copy(update={"cabin": "business"})) == "a change of plans"
     assert "health" in airline_cancel_reason(db, plain.model_copy(update={"insurance": "yes"}))

@@ -45,7 +45,7 @@ def _sha(obj: Any) -> str:
 
 
 def _key(task: Task) -> str:
-    """Deduplication key: normalised opening request + canonical gold actions (as `synth.Candidate.key`)."""
+    """Deduplication key: normalised opening request + canonical gold actions (as `synth_candidates.Candidate.key`)."""
     return " ".join(task.first_user_message.lower().split()) + "\n" + canonical_json(
         [[a.name, a.arguments] for a in task.gold_actions])
 
