@@ -2,6 +2,7 @@
 
     envace train [--profile cpu-smoke] [--overrides 'train.iterations=1']
     envace config [--check]          print the resolved config; --check also resolves the model
+    envace config --markdown         the table of every setting (README 'Configuration')
     envace registry list|show NAME@VERSION|verify NAME@VERSION [--profile ...]
     envace rehearse --task airline/3 [--mode parallel] [--n 4] [--model REF] [--adapter DIR]
                     [--reenter] [--no-verifier] [--max-turns K]      Private Rehearsal on one tau2 task
@@ -42,7 +43,13 @@ def _train(args) -> int:
 
 
 def _config(args) -> int:
-    """Print the resolved config; with --check, also resolve the model and open the stores."""
+    """Print the resolved config; with --check, also resolve the model and open the stores; with
+    --markdown, print the README's table of every setting instead (`config.config_table_markdown`)."""
+    if args.markdown:
+        from envace_core.config import config_table_markdown
+
+        print(config_table_markdown())
+        return 0
     cfg = load_config(args.profile, args.overrides)
     if args.check:
         from envace_core.stages.preflight import preflight
@@ -220,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("train", help="run the main job in-process (same stages as the Flyte workflow)")
     c = sub.add_parser("config", help="print the resolved configuration")
     c.add_argument("--check", action="store_true", help="also check the model ref and the stores")
+    c.add_argument("--markdown", action="store_true", help="print every setting with its type, default, "
+                   "profile values and meaning as a markdown table (the README's) instead")
     r = sub.add_parser("registry", help="list, show or verify registered models")
     r.add_argument("action", choices=["list", "show", "verify"])
     r.add_argument("ref", nargs="?", help="NAME@VERSION")

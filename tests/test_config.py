@@ -1,8 +1,23 @@
-"""Config loading: profiles, override syntax, and clear errors for bad input."""
+"""Config loading: profiles, override syntax, and clear errors for bad input; every field documented
+(meaning and math), and the README's configuration table generated from the config."""
+
+import re
+from pathlib import Path
 
 import pytest
+from pydantic import BaseModel
 
-from envace_core.config import ConfigError, load_config
+from envace_core.config import (
+    CONFIG_TABLE_BEGIN,
+    CONFIG_TABLE_END,
+    ConfigError,
+    RunConfig,
+    config_table_markdown,
+    load_config,
+)
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+ISSUE_REFERENCE = re.compile(r"\bissues?\b|#\d+", re.IGNORECASE)
 
 
 def test_override_lists_with_commas_and_several_keys():
@@ -57,3 +72,87 @@ def test_corrupt_manifest_is_a_registry_error(tmp_path):
     (path / "manifest.json").write_text("{broken")
     with pytest.raises(RegistryError, match="corrupt"):
         reg.verify("m", "1")
+
+
+def _fields(model: type[BaseModel] = RunConfig, prefix: str = ""):
+    """(dotted override key, FieldInfo) of every field of `model`, sections and their fields."""
+    for name, field in model.model_fields.items():
+        key = prefix + (field.alias or name)
+        yield key, field
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _fields(field.annotation, key + ".")
+
+
+def _sections() -> list[type[BaseModel]]:
+    return [RunConfig] + [f.annotation for f in RunConfig.model_fields.values()
+                          if isinstance(f.annotation, type) and issubclass(f.annotation, BaseModel)]
+
+
+def test_every_field_and_section_is_described_without_naming_an_issue():
+    fields = dict(_fields())
+    assert {"train.kl_beta", "validate.min_fidelity", "rehearsal.memory_max_tokens"} <= set(fields)
+    assert ISSUE_REFERENCE.search("see issue 14") and ISSUE_REFERENCE.search("fixed in #12")
+    assert not ISSUE_REFERENCE.search("METHOD.md §3 (Schulman et al. 2017, eq. 7)")
+    missing = [k for k, f in fields.items() if not (f.description or "").strip()]
+    assert not missing, f"fields without a description=: {missing}"
+    naming = {k: f.description for k, f in fields.items() if ISSUE_REFERENCE.search(f.description)}
+    assert not naming, f"descriptions must cite the paper, METHOD.md or a benchmark doc, not an issue: {naming}"
+    for section in _sections():
+        assert (section.__doc__ or "").strip(), f"{section.__name__} has no docstring"
+        assert not ISSUE_REFERENCE.search(section.__doc__), f"{section.__name__}'s docstring names an issue"
+
+
+@pytest.mark.parametrize("key, fragments", [
+    ("train.learning_rate", ["AdamW", "per optimizer step"]),
+    ("train.clip_eps", ["clip(r_t, 1−ε, 1+ε)", "METHOD.md §3"]),
+    ("train.kl_beta", ["k3", "exp(ref_t − logp_t)", "METHOD.md §3"]),
+    ("train.loss_agg", ["Σ_i |y_i|", "mean_i"]),
+    ("train.advantage_scale", ["R_i − b", "std", "METHOD.md §3"]),
+    ("train.lora_r", ["α/r", "rank"]),
+    ("train.lora_alpha", ["α/r"]),
+    ("train.lr_scheduler", ["cos(π(k−W)/(K−W))", "(K−k)/(K−W)"]),
+    ("train.warmup_iterations", ["k/W"]),
+    ("train.max_grad_norm", ["min(1, c/‖g‖₂)"]),
+    ("rollout.group_size", ["G", "METHOD.md §3"]),
+    ("rollout.temperature", ["softmax(logits / T)"]),
+    ("rollout.max_new_tokens_act", ["token budget"]),
+    ("rollout.max_new_tokens_rehearse", ["token budget"]),
+    ("rehearsal.n", ["N"]),
+    ("rehearsal.memory_max_tokens", ["token budget", "METHOD.md §4"]),
+    ("reward.fidelity_lambda", ["R + λ·F(ô, o)", "METHOD.md §2"]),
+])
+def test_training_fields_state_their_formula_or_unit(key, fragments):
+    description = dict(_fields())[key].description
+    missing = [f for f in fragments if f not in description]
+    assert not missing, f"{key}: description {description!r} lacks {missing}"
+
+
+def test_readme_configuration_table_is_the_generated_one():
+    text = README.read_text()
+    assert text.count(CONFIG_TABLE_BEGIN) == 1 and text.count(CONFIG_TABLE_END) == 1, \
+        f"README.md needs one {CONFIG_TABLE_BEGIN} ... {CONFIG_TABLE_END} block"
+    block = text.split(CONFIG_TABLE_BEGIN, 1)[1].split(CONFIG_TABLE_END, 1)[0].strip()
+    assert block == config_table_markdown(), (
+        "README.md's configuration table differs from the config: replace the lines between "
+        f"{CONFIG_TABLE_BEGIN} and {CONFIG_TABLE_END} with the output of `.venv/bin/envace config --markdown`")
+
+
+def test_generated_table_has_one_row_per_field_with_default_and_profile_values():
+    lines = config_table_markdown().splitlines()
+    keys = [k for k, _ in _fields()]
+    for k in keys:
+        assert sum(line.startswith(f"| `{k}` |") or line.startswith(f"| **`{k}`** |") for line in lines) == 1, k
+    assert len(lines) == 2 + len(keys)
+    row = {line.split("|")[1].strip(" `*"): line for line in lines[2:]}
+    assert "| `0.2` |" in row["train.clip_eps"]
+    assert "gpu-8b: `8`" in row["rollout.group_size"] and "test: `2`" in row["rollout.group_size"]
+    assert "cpu-smoke" not in row["rollout.group_size"]  # cpu-smoke sets G = 4, the default
+    assert "| `null` |" in row["train.mini_batch_rows"] and "| `[act, rehearse]` |" in row["train.trained_roles"]
+    assert "&lt;registry>" not in row["store.model_name"]  # inside a code span: shown as written
+
+
+def test_cli_config_markdown_prints_the_table(capsys):
+    from envace_core.cli import main
+
+    assert main(["config", "--markdown"]) == 0
+    assert capsys.readouterr().out == config_table_markdown() + "\n"
