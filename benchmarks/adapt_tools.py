@@ -10,7 +10,7 @@ Protocol (all on the CPU, profile cpu-smoke unless --profile):
    the train tasks whose gold actions call the tool and hides it from every prompt, so the parent
    never saw it. Asserted on the curated dataset: no train task's gold calls it, and no task's prompt
    (`task_context`) shows it. Train tasks: tau2 retail's train split plus ``--synthetic`` synthesized level-1
-   tasks (`synth.py`). ``--parent-sft-steps`` sets ``train.sft_warmup_steps``: the bundled 135M base
+   tasks (`envs/tau2/synth.py`). ``--parent-sft-steps`` sets ``train.sft_warmup_steps``: the bundled 135M base
    emits no tool call without a warm-up (RESULTS.md, "SFT warm-up probe"), so GRPO gets no signal.
 2. Adaptation, per seed in ``--seeds`` (``train.seed``): `tool_learning.adapt` from the registered
    parent with examples/tools/tools.json + examples.jsonl (the tool's tau2 schema and documentation,

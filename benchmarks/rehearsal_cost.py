@@ -5,7 +5,7 @@
 The policy (`stages.load_policy`: the bundled SmolLM2-135M on cpu-smoke) and its HFEngine are loaded
 once; every condition then runs the same tasks with the same max turns (`eval.max_turns`), greedy
 committed execution (`eval.temperature`), the profile's verifier and memory budget, via
-`rehearse_run.rehearse_task` (the function behind `envace rehearse`). The time per episode covers
+`rehearsal.inspect.rehearse_task` (the function behind `envace rehearse`). The time per episode covers
 rehearsal + committed execution (not scoring, not model loading). One untimed warm-up episode first.
 Each cell is the minimum over --repeats interleaved episodes (shared machines drift).
 Prints seconds per task and condition, the mean, and the ratio of the mean to no rehearsal (issue goal:

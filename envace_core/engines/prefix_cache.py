@@ -1,5 +1,5 @@
 """A bounded pool of per-sequence KV caches for `HFEngine`: multi-turn rollouts extend a cache instead of
-re-encoding the whole history (issue 7 item 2; the CPU analogue of vLLM's automatic prefix caching).
+re-encoding the whole history (the CPU analogue of vLLM's automatic prefix caching).
 
 Every finished sample leaves one entry: its tokens (prompt + completion, minus the last sampled token, which
 was never fed) and, per layer, its keys and values with padding removed. A later prompt reuses the entry

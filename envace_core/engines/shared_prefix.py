@@ -1,4 +1,4 @@
-"""Shared-prefix ("cascade") decode attention for `HFEngine` (issue 7 item 2).
+"""Shared-prefix ("cascade") decode attention for `HFEngine`.
 
 A GRPO group samples G completions of one prompt. The plain way (transformers' `DynamicCache` fanned out
 G ways) holds G copies of the prompt's keys and values, re-concatenates all of them at every decode step

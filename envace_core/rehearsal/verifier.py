@@ -1,4 +1,19 @@
-"""rehearsal.verifier"""
+"""A lightweight verifier for imagined trajectories (METHOD.md §4, "Verifier filter", an extension).
+
+A check is a function `envs.base.Check = Callable[[Trajectory, TaskContext], list[str]]` that returns the
+reasons it rejects the trajectory (an empty list: it passes). `verify` runs a list of checks over
+rehearsals and splits them into kept and rejected; `RehearsalAgent(verifier=...)` drops the rejected
+ones from the rehearsal memory.
+
+Checks look at the trajectory's steps and also at its generations: with strict ACT parsing
+(`roles.act.parse_act`), an unknown tool or invalid arguments never become a step; the rehearsal ends
+with a `parse_error` on the ACT generation instead, and the checks report that too.
+
+"Imagined" observations: a step whose `observation` equals its `real_observation` came from the real
+environment (e.g. the real prefix of a re-entry rehearsal) and is not held to the JSON rule; real
+tau2 errors are plain "Error: ..." text.
+The domains' code-checkable policy rules live with the domain (`envs.tau2.rules`).
+"""
 
 from __future__ import annotations
 

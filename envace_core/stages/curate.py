@@ -23,7 +23,7 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
     calls, no test-split task in training, `data.min_dataset_rows`..`max_dataset_rows` tasks); a
     failing gate writes nothing and raises `gates.GateFailed` (a GateError; a DataLeakError too when
     test tasks leaked into training). The passing gate's results are saved to
-    `validation/dataset/<version>/gate.json`. Then `datavc.track_dataset` DVC-tracks the dataset
+    `validation/dataset/<version>/gate.json`. Then `store.dvc.track_dataset` DVC-tracks the dataset
     as `data/` (`data.dvc`) and pushes it to the DVC remote (`data.dvc*` settings); its result,
     with the DVC md5, is returned as "dvc".
 

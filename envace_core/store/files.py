@@ -47,7 +47,7 @@ def read_jsonl(path: Path, check: Callable[[Any], Any] | None = None) -> list:
     """The records of a JSONL cache, each passed through `check` (which raises ValueError / TypeError /
     KeyError on a record of the wrong shape, e.g. a pydantic ValidationError). A line that is not JSON (cut
     by a kill mid-write) or has the wrong shape is skipped, so that work is redone; one warning per file
-    names it (eval_run and evaluation.tau2 resume caches)."""
+    names it (the evaluation harness and evaluation.tau2 resume caches)."""
     if not path.is_file():
         return []
     out, bad = [], 0

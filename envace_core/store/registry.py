@@ -68,7 +68,7 @@ class Registry:
     `<prefix>/<name>/<version>` (content-addressed objects, then the CHECKSUMS.json commit object
     last, written with If-None-Match), so a reader never sees half a version and an upload that
     dies midway registers nothing. Opening an S3 registry makes no request; endpoint, region and
-    credentials come from the standard AWS environment/config (see storage.py).
+    credentials come from the standard AWS environment/config (see store/s3.py).
     """
 
     def __init__(self, root: str | Path):

@@ -1,4 +1,4 @@
-"""Tool learning (METHOD.md §5, issue 8): teach a registered policy new tools by rehearsal.
+"""Tool learning (METHOD.md §5): teach a registered policy new tools by rehearsal.
 
 Input: JSON schemas of one or more new tools in OpenAI function format, with their documentation,
 optionally a handful of real (call, result) examples and an executable implementation for scoring.

@@ -192,7 +192,7 @@ def build_adaptation_tasks(domain: str, tools: Sequence[NewTool], examples: Sequ
                            hidden: Sequence[str] = ()) -> dict[str, list[Task]]:
     """Rehearsal training tasks that need the new `tools`, plus held-out real tasks to measure them on.
 
-    Sources (METHOD.md §5, issue 8 item 2):
+    Sources (METHOD.md §5):
       (a) for a new tool named like a tool of `domain`: the domain's real tasks whose gold actions
           call it (`_domain_tasks`: tau2's train split and `synth` candidates of levels 1-3, gold
           verified by running it; never a test-split task or user);
