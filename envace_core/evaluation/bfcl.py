@@ -40,6 +40,7 @@ from envace_core.envs.bfcl import (
     import_bfcl,
 )
 from envace_core.roles.errors import ParseError
+from envace_core.roles.foreign import describe, find_foreign_call
 from envace_core.roles.tools import (
     compact_openai_schema,
     render_tool,
@@ -124,8 +125,10 @@ class DecodeError(ParseError):
     `reason` is one of: `unclosed_tag`, `stray_tag`, `malformed_tag`, `empty_call_block`, `bad_json`
     (neither JSON, a Python literal nor a Python call), `not_a_call` (JSON that is not
     `{"name", "arguments"}` objects), `bad_arguments` (arguments not an object), `positional_arguments`
-    (positional arguments that cannot be named), `unsupported_argument` (a Python argument that is not a
-    literal), `call_in_prose` (an untagged call inside text). `.raw` is the full output.
+    (positional arguments that cannot be named, or a positional dict for a parameter that is not a dict),
+    `unsupported_argument` (a Python argument that is not a literal), `call_in_prose` (an untagged call
+    inside text), `foreign_format` (a call in another model family's format, `roles.foreign`). `.raw` is
+    the full output.
     """
 
     def __init__(self, message: str, raw: str = "", reason: str = "bad_json"):
@@ -139,17 +142,23 @@ _FENCE = re.compile(r"\A```[A-Za-z0-9_-]*[ \t]*\n?(.*?)\n?```\Z", re.DOTALL)
 _CALL_START = re.compile(r"\A\[?\s*([A-Za-z_][\w.]*)\s*\(")
 
 
-def _param_order(tools: Iterable[Any]) -> dict[str, list[str]]:
-    out: dict[str, list[str]] = {}
+def _param_order(tools: Iterable[Any]) -> dict[str, list[tuple[str, str]]]:
+    """Per function name, its parameters in declaration order as `(name, declared type)` ("" when none)."""
+    out: dict[str, list[tuple[str, str]]] = {}
     for t in tools or ():
         if isinstance(t, ToolSpec):
             name, params = t.name, t.parameters
-        elif isinstance(t, dict) and "name" in t:
+        elif isinstance(t, dict) and isinstance(t.get("name"), str):
             name, params = t["name"], t.get("parameters") or {}
         else:
             continue
-        out[name] = list((params or {}).get("properties") or {})
+        props = (params or {}).get("properties") if isinstance(params, dict) else None
+        props = props if isinstance(props, dict) else {}
+        out[name] = [(p, str(s.get("type", "")) if isinstance(s, dict) else "") for p, s in props.items()]
     return out
+
+
+_MAPPING_TYPES = ("dict", "object")  # bfcl's function docs say "dict", JSON schema says "object"
 
 
 def _strip_fence(s: str) -> str:
@@ -177,7 +186,7 @@ def _call_from_obj(obj: Any, raw: str) -> dict:
     if isinstance(args, str):  # arguments given as a JSON string (OpenAI wire format)
         try:
             args = json.loads(args, parse_constant=_reject_constant) if args.strip() else {}
-        except ValueError:
+        except (ValueError, RecursionError):
             raise DecodeError(f"arguments of {name} are a string that is not JSON", raw, "bad_arguments") from None
     if not isinstance(args, dict):
         raise DecodeError(f"arguments of {name} must be an object, got {type(args).__name__}", raw, "bad_arguments")
@@ -208,7 +217,7 @@ def _literal(node: ast.AST, raw: str, where: str) -> Any:
         raise DecodeError(f"{where}: {ast.unparse(node)[:60]!r} is not a literal", raw, "unsupported_argument") from None
 
 
-def _python_call(node: ast.Call, params: dict[str, list[str]], raw: str) -> dict:
+def _python_call(node: ast.Call, params: dict[str, list[tuple[str, str]]], raw: str) -> dict:
     name = _dotted(node.func)
     if name is None:
         raise DecodeError(f"not a function name: {ast.unparse(node.func)[:60]!r}", raw, "bad_json")
@@ -217,8 +226,14 @@ def _python_call(node: ast.Call, params: dict[str, list[str]], raw: str) -> dict
         order = params.get(name)
         if order is None or len(node.args) > len(order) or any(isinstance(a, ast.Starred) for a in node.args):
             raise DecodeError(f"{name}: positional arguments cannot be named", raw, "positional_arguments")
-        for pname, a in zip(order, node.args):
-            args[pname] = _literal(a, raw, f"{name}({pname}=..)")
+        for (pname, ptype), a in zip(order, node.args):
+            value = _literal(a, raw, f"{name}({pname}=..)")
+            if isinstance(value, dict) and ptype not in _MAPPING_TYPES:
+                # f({"a": 1}): the keyword arguments written as a dict, or a dict for a parameter that takes
+                # none; either way not the value of `pname` (bfcl's own decoder keeps keywords only)
+                raise DecodeError(f"{name}: a positional dict for parameter {pname!r} of type {ptype or 'any'!r}; "
+                                  "write keyword arguments", raw, "positional_arguments")
+            args[pname] = value
     for kw in node.keywords:
         if kw.arg is None:
             raise DecodeError(f"{name}: **kwargs are not supported", raw, "unsupported_argument")
@@ -228,13 +243,15 @@ def _python_call(node: ast.Call, params: dict[str, list[str]], raw: str) -> dict
     return {name: args}
 
 
-def _decode_body(body: str, params: dict[str, list[str]], raw: str) -> list[dict]:
+def _decode_body(body: str, params: dict[str, list[tuple[str, str]]], raw: str) -> list[dict]:
     """One call text: JSON; else Python call(s) `f(a=1)` / `[f(a=1), g()]`; else a Python literal."""
     body = _strip_fence(body)
     if not body:
         raise DecodeError("empty tool call", raw, "empty_call_block")
     try:
         return _calls_from_value(json.loads(body, parse_constant=_reject_constant), raw)
+    except RecursionError:
+        raise DecodeError("tool call JSON nested too deeply", raw, "bad_json") from None
     except ValueError:
         pass
     try:
@@ -283,7 +300,9 @@ def decode_calls(text: str, tools: Sequence[Any] = ()) -> list[dict]:
       `{"function": name, "parameters": ..}`, OpenAI's `{"function": {..}}` and arguments as a JSON
       string); a Python-style call `f(a=1, b="x")` or a list `[f(a=1), g()]`, parsed with `ast.parse`,
       values by `ast.literal_eval` (never evaluated: a non-literal argument is a `DecodeError`;
-      positional arguments are named by the tool's parameter order); a single-quoted Python dict.
+      positional arguments are named by the tool's parameter order, except that a positional dict for a
+      parameter not typed dict/object is a `DecodeError`: bfcl's own `ast_parse` reads keywords only);
+      a single-quoted Python dict.
       Nested quotes are whatever JSON / Python string syntax allows (`"a \\"b\\""`, `'it\\'s'`, `"it's"`).
 
     Returns `[]` when the output holds no call at all (plain text, an empty list): the model chose not
@@ -291,16 +310,23 @@ def decode_calls(text: str, tools: Sequence[Any] = ()) -> list[dict]:
 
     Raises `DecodeError` (see its `reason`s) for a call that cannot be decoded: bad or unclosed tags,
     invalid JSON inside tags, JSON that is not call-shaped, an output that starts like a JSON value or a
-    call of a known tool but does not parse, or an untagged call of a known tool inside prose.
+    call of a known tool but does not parse, an untagged call of a known tool inside prose, or a call in
+    another model family's format (`roles.foreign.FOREIGN_FORMATS`: `<|python_tag|>`, `[TOOL_CALLS]`,
+    `<function=f>`, ...), which is never read as "no call".
     """
-    if text is None or not text.strip():
+    if not isinstance(text, str) or not text.strip():
         return []
     params = _param_order(tools)
-    if "<tool_call" in text or _CLOSE in text:
+    if _TAG.search(text):
         calls: list[dict] = []
         for body in _tag_bodies(text):
             calls += _decode_body(body, params, text)
         return calls
+    foreign = find_foreign_call(text, params, markers_only=True)
+    if foreign is not None:
+        raise DecodeError(f"a call in another tool-call format: {describe(foreign)}", text, "foreign_format")
+    if "<tool_call" in text:
+        raise DecodeError("malformed <tool_call tag", text, "malformed_tag")
     body = _strip_fence(text)
     if body[:1] in ("[", "{"):
         return _decode_body(body, params, text)
@@ -312,6 +338,9 @@ def decode_calls(text: str, tools: Sequence[Any] = ()) -> list[dict]:
         raise DecodeError("a call of a known function inside prose, without <tool_call> tags", text, "call_in_prose")
     if re.search(r'\{\s*"name"\s*:', text):
         raise DecodeError("a JSON call inside prose, without <tool_call> tags", text, "call_in_prose")
+    foreign = find_foreign_call(text, params)
+    if foreign is not None:  # a JSON / ReAct / XML-tag call that the forms above do not take
+        raise DecodeError(f"a call in another tool-call format: {describe(foreign)}", text, "foreign_format")
     return []
 
 

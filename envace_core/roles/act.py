@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from envace_core.roles.chat import chat_ids, render_history
 from envace_core.roles.errors import (
     EmptyOutput,
+    ForeignToolCallFormat,
     MalformedToolCall,
     MultipleToolCalls,
     TextOutsideToolCall,
     UnknownTool,
 )
+from envace_core.roles.foreign import ForeignCall, describe, find_foreign_call
 from envace_core.roles.strict_json import strict_json
 from envace_core.roles.tools import (
     TOOL_CALL_CLOSE,
@@ -83,22 +86,64 @@ class ActOutput:
 _TAG = re.compile(r"</?tool_call\b[^>]*>?")
 
 
-def parse_act(text: str, tools: list[ToolSpec], strict: bool = True) -> ActOutput:
+def _foreign_output(call: ForeignCall, text: str, tools: list[ToolSpec], strict: bool, lenient: bool) -> ActOutput:
+    """A foreign-format call: `ForeignToolCallFormat`, or (lenient) the one call it holds, checked as ours."""
+    if not lenient or not call.calls:
+        what = "recognised but not decodable" if lenient else "write it as " + TOOL_CALL_OPEN + \
+            '{"name": .., "arguments": {..}}' + TOOL_CALL_CLOSE
+        raise ForeignToolCallFormat(f"tool call in another format: {describe(call)}; {what}", text, call.format)
+    if len(call.calls) > 1:
+        raise MultipleToolCalls(f"{len(call.calls)} tool calls in one turn ({call.format}); make exactly one", text)
+    if strict and call.outside:
+        raise TextOutsideToolCall(f"text outside the tool call: {call.outside[:80]!r}", text)
+    return _checked_call(*call.calls[0], text, tools)
+
+
+def _foreign_in_tags(body: str, names: list[str]) -> ForeignCall | None:
+    """A foreign call inside our tags; a bare JSON call there is our own format gone wrong, not foreign."""
+    foreign = find_foreign_call(body, names)
+    return None if foreign is None or foreign.format == "json_call" else foreign
+
+
+def _checked_call(name: Any, arguments: Any, text: str, tools: list[ToolSpec]) -> ActOutput:
+    if not isinstance(name, str) or not name:
+        raise MalformedToolCall('tool call has no "name" string', text)
+    spec = next((t for t in tools if t.name == name), None)
+    if spec is None:
+        raise UnknownTool(f"unknown tool {name!r}; tools: {sorted(t.name for t in tools)}", text)
+    validate_arguments(arguments, spec, text)
+    return ActOutput(tool_call=ToolCall(name=name, arguments=arguments), message="")
+
+
+def parse_act(text: str, tools: list[ToolSpec], strict: bool = True, lenient: bool = False) -> ActOutput:
     """Parse one ACT output (format: METHOD.md §1, module docstring).
 
-    Text with no `<tool_call` is a message to the user (stripped). Otherwise it must hold exactly one
-    `<tool_call>{"name": .., "arguments": {..}}</tool_call>` whose name is one of `tools` and whose
-    arguments validate against that tool's schema; with `strict`, only whitespace may surround it
-    (without `strict`, text outside is ignored). An omitted "arguments" means `{}`.
+    It must hold exactly one `<tool_call>{"name": .., "arguments": {..}}</tool_call>` whose name is one of
+    `tools` and whose arguments validate against that tool's schema; with `strict`, only whitespace may
+    surround it (without `strict`, text outside is ignored). An omitted "arguments" means `{}`. Text with
+    no tool call in any format is a message to the user (stripped).
+
+    A call in another model family's format (`roles.foreign.FOREIGN_FORMATS`: Llama's `<|python_tag|>`,
+    Mistral's `[TOOL_CALLS]`, `<function=f>`, Python call syntax of a known tool, a bare JSON call, ...;
+    also inside our tags) is never a message: it raises `ForeignToolCallFormat` naming the format, unless
+    `lenient` (off by default; an explicit choice, e.g. to evaluate a model prompted in its own format),
+    where a decodable one is taken as the call and checked like ours (`strict` then applies to the text
+    around it).
 
     Raises (all `ParseError`): `EmptyOutput` (empty/whitespace); `MalformedToolCall` (unclosed, stray
     or misspelt tag, bad JSON, not an object, "name" missing or not a string, keys other than
-    "name"/"arguments"); `MultipleToolCalls`; `TextOutsideToolCall` (strict only); `UnknownTool`;
-    `InvalidArguments`.
+    "name"/"arguments"), or its subclass `ForeignToolCallFormat`; `MultipleToolCalls`;
+    `TextOutsideToolCall` (strict only); `UnknownTool`; `InvalidArguments`.
     """
-    if not text or not text.strip():
-        raise EmptyOutput("empty output", text or "")
-    if "<tool_call" not in text and TOOL_CALL_CLOSE not in text:
+    if not isinstance(text, str) or not text.strip():
+        raise EmptyOutput("empty output", text if isinstance(text, str) else "")
+    names = [t.name for t in tools]
+    if not _TAG.search(text):
+        foreign = find_foreign_call(text, names)
+        if foreign is not None:
+            return _foreign_output(foreign, text, tools, strict, lenient)
+        if "<tool_call" in text or TOOL_CALL_CLOSE in text:
+            raise MalformedToolCall(f"malformed tag: expected {TOOL_CALL_OPEN} ... {TOOL_CALL_CLOSE}", text)
         return ActOutput(tool_call=None, message=text.strip())
 
     # Tags must be exactly <tool_call> / </tool_call>, alternating open/close, starting with an open.
@@ -132,18 +177,18 @@ def parse_act(text: str, tools: list[ToolSpec], strict: bool = True) -> ActOutpu
     try:
         obj = strict_json(body)
     except ValueError as e:
+        foreign = _foreign_in_tags(body, names)  # e.g. Qwen3-Coder's <function=f> or GLM's <arg_key> in our tags
+        if foreign is not None:
+            return _foreign_output(foreign, text, tools, False, lenient)
         raise MalformedToolCall(f"tool call is not valid JSON: {e}", text) from None
     if not isinstance(obj, dict):
         raise MalformedToolCall(f"tool call must be a JSON object, got {type(obj).__name__}", text)
-    name = obj.get("name")
-    if not isinstance(name, str) or not name:
-        raise MalformedToolCall('tool call has no "name" string', text)
     extra = sorted(set(obj) - {"name", "arguments"})
     if extra:
+        foreign = _foreign_in_tags(body, names)  # e.g. {"name": .., "parameters": ..} (Llama's keys)
+        if foreign is not None:
+            return _foreign_output(foreign, text, tools, False, lenient)
+        if not isinstance(obj.get("name"), str) or not obj.get("name"):
+            raise MalformedToolCall('tool call has no "name" string', text)
         raise MalformedToolCall(f'tool call has keys {extra}; only "name" and "arguments" are allowed', text)
-    spec = next((t for t in tools if t.name == name), None)
-    if spec is None:
-        raise UnknownTool(f"unknown tool {name!r}; tools: {sorted(t.name for t in tools)}", text)
-    arguments = obj.get("arguments", {})
-    validate_arguments(arguments, spec, text)
-    return ActOutput(tool_call=ToolCall(name=name, arguments=arguments), message="")
+    return _checked_call(obj.get("name"), obj.get("arguments", {}), text, tools)

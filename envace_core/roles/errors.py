@@ -22,6 +22,18 @@ class MalformedToolCall(ParseError):
     """Bad JSON inside the tags, an unclosed or stray tag, JSON that is not an object, no "name"."""
 
 
+class ForeignToolCallFormat(MalformedToolCall):
+    """A tool call written in another model family's tool format instead of ours (`<tool_call>{..}</tool_call>`).
+
+    A `MalformedToolCall` (a handler of malformed calls sees these too). `.format` names the recognised format (one of `roles.foreign.FOREIGN_FORMATS`, e.g. `llama3_json`,
+    `mistral`, `pythonic`); raised by the strict parsers, which never read such text as a message.
+    """
+
+    def __init__(self, message: str, raw: str = "", format: str = ""):
+        super().__init__(message, raw)
+        self.format = format
+
+
 class UnknownTool(ParseError):
     """The called name is not among the task's tools."""
 

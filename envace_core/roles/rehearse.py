@@ -83,10 +83,11 @@ def parse_rehearse(text: str) -> Observation:
     An object with a truthy "error" key is a tool error: `Observation(error=True)`. `content` is
     `json.dumps(value, ensure_ascii=False)` of the parsed value (key order kept).
 
-    Raises `EmptyOutput` (empty/whitespace) or `InvalidRehearsal` (anything that is not one JSON value).
+    Raises `EmptyOutput` (empty/whitespace) or `InvalidRehearsal` (anything that is not one JSON value,
+    or one nested too deeply to handle).
     """
-    if not text or not text.strip():
-        raise EmptyOutput("empty rehearsal", text or "")
+    if not isinstance(text, str) or not text.strip():
+        raise EmptyOutput("empty rehearsal", text if isinstance(text, str) else "")
     body = text.strip()
     fence = _FENCE.match(body)
     if fence:
@@ -96,4 +97,8 @@ def parse_rehearse(text: str) -> Observation:
     except ValueError as e:
         raise InvalidRehearsal(f"not a single JSON value: {e}", text) from None
     error = isinstance(value, dict) and value.get("error") not in (None, False, "")
-    return Observation(content=json.dumps(value, ensure_ascii=False), error=error)
+    try:
+        content = json.dumps(value, ensure_ascii=False)
+    except RecursionError:  # parsed just under the recursion limit, too deep to write back
+        raise InvalidRehearsal("JSON nested too deeply", text) from None
+    return Observation(content=content, error=error)

@@ -85,17 +85,22 @@ def _text_field(name: str, text: str) -> str:
         return one_line(m.group(1))
 
 
+_MAX_STARTS = 256  # `{` positions tried: bounds the work on long `{{{{..` outputs
+
+
 def _first_object(text: str) -> dict | None:
-    """The first complete JSON object in `text` (prose or fences around it are skipped)."""
+    """The first complete JSON object in `text` (prose or fences around it are skipped), among the first
+    `_MAX_STARTS` `{` positions."""
     dec = json.JSONDecoder()
-    for i, ch in enumerate(text):
-        if ch == "{":
-            try:
-                value, _ = dec.raw_decode(text, i)
-            except ValueError:
-                continue
-            if isinstance(value, dict):
-                return value
+    for k, m in enumerate(re.finditer(r"\{", text)):
+        if k >= _MAX_STARTS:
+            break
+        try:
+            value, _ = dec.raw_decode(text, m.start())
+        except (ValueError, RecursionError):  # RecursionError: nested deeper than the interpreter allows
+            continue
+        if isinstance(value, dict):
+            return value
     return None
 
 

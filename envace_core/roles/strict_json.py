@@ -11,5 +11,10 @@ def _reject_constant(name: str):
 
 
 def strict_json(text: str) -> Any:
-    """`json.loads` that also rejects NaN / Infinity."""
-    return json.loads(text, parse_constant=_reject_constant)
+    """`json.loads` that also rejects NaN / Infinity. Raises `ValueError` for anything that is not one
+    JSON value, including nesting deeper than the interpreter's recursion limit (`json` itself raises
+    `RecursionError` there)."""
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply") from None

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from envace_core import EnvaceError
 from envace_core.roles.chat import chat_ids
 from envace_core.roles.errors import EmptyOutput, InvalidUserTurn
+from envace_core.roles.foreign import find_foreign_call
 from envace_core.roles.tools import TOOL_CALL_CLOSE
 from envace_core.types import Message
 
@@ -85,12 +86,17 @@ def parse_user(text: str, strict: bool = True) -> UserTurn:
     stripped text (stop token included, as tau2 keeps it).
 
     Raises (all `ParseError`): `EmptyOutput`; `InvalidUserTurn` when the text holds a `<tool_call`
-    tag (the rehearsed user has no tools) or, with `strict`, text after a stop token.
+    tag or a call in another family's tool-call markup or JSON form (`roles.foreign.find_foreign_call`
+    without tool names: the rehearsed user has no tools) or, with `strict`, text after a stop token.
     """
-    if not text or not text.strip():
-        raise EmptyOutput("empty user turn", text or "")
+    if not isinstance(text, str) or not text.strip():
+        raise EmptyOutput("empty user turn", text if isinstance(text, str) else "")
     if "<tool_call" in text or TOOL_CALL_CLOSE in text:
         raise InvalidUserTurn("the rehearsed user has no tools: a user turn cannot hold a tool call", text)
+    foreign = find_foreign_call(text)
+    if foreign is not None:
+        raise InvalidUserTurn(f"the rehearsed user has no tools: a user turn cannot hold a tool call "
+                              f"(found one in the {foreign.format} format)", text)
     body = text.strip()
     hits = [(body.find(tok), tok) for tok in USER_STOP_TOKENS if tok in body]
     if not hits:
