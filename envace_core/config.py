@@ -379,7 +379,8 @@ class EvalConfig(_Strict):
         0.0, ge=0, description="T of ACT when it acts for real (committed execution, benchmarks); "
         "0 = greedy")
     protocol: Literal["opening_request", "tau2_orchestrator"] = Field(
-        "opening_request", description="how the evaluate stage measures tau2 success (evaluation.tau2.PROTOCOLS): "
+        "opening_request", description="how the evaluate stage and tool learning's measurement measure tau2 "
+        "success (envace_core/evaluation/protocols.py): "
         "opening_request = the task's opening request is the whole user side, at most eval.max_turns ACT turns, "
         "tool calls replayed and scored by tau2's evaluate_simulation (fast, CPU); tau2_orchestrator = tau2's own "
         "Orchestrator with a simulated user (the policy itself), as tau2-bench's run_task; NL assertions are "
