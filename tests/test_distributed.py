@@ -35,7 +35,7 @@ from envace_core.training.distributed import (
     session,
     shard_range,
 )
-from envace_core.training.grpo import role_advantages
+from envace_core.training.grpo import role_wise
 
 WORLD = 2
 LR = 1e-3
@@ -186,7 +186,7 @@ def _stage_run(model_dir, root, ds):
 
     saves, real_save = [], PolicyTrainer.save_checkpoint
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(grpo_mod, 'role_advantages', _pseudo_rewards(role_advantages))
+        mp.setitem(grpo_mod.ADVANTAGE_ESTIMATORS, "role_wise", _pseudo_rewards(role_wise))
         mp.setattr(PolicyTrainer, "save_checkpoint", lambda self, *a: saves.append(1) or real_save(self, *a))
         mp.setattr(PolicyTrainer, "__init__", _keep_trainer(PolicyTrainer.__init__))
         out = rollout_and_train(_stage_cfg(model_dir, root), ds)

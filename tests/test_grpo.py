@@ -1,4 +1,4 @@
-"""Role-wise GRPO math (METHOD.md §3): advantages, token log-probs, PPO-clip loss, k3 KL."""
+"""Role-wise GRPO math (METHOD.md §3): advantage estimators over rows, token log-probs, PPO-clip loss, k3 KL."""
 
 from __future__ import annotations
 
@@ -7,68 +7,135 @@ import math
 import pytest
 import torch
 
-from envace_core.training.grpo import policy_loss, role_advantages, token_logprobs
-from envace_core.types import Role
+from envace_core import EnvaceError
+from envace_core.config import load_config
+from envace_core.training.grpo import (
+    ADVANTAGE_ESTIMATORS,
+    advantage_estimator,
+    estimate_advantages,
+    policy_loss,
+    register_advantage,
+    token_logprobs,
+)
+from envace_core.training.rows import TrainingRow, rows_from_group, trainable_rows
+from envace_core.types import Generation, Role, Trajectory
+
+
+def _rows(rewards, roles, groups):
+    """One row per reward; None (or NaN) marks a failed score, as `rows_from_group` sets it."""
+    return [TrainingRow(str(getattr(role, "value", role)), [1], [2], [0.0], group_id=g,
+                        reward=r, valid=r is not None and math.isfinite(r))
+            for r, role, g in zip(rewards, roles, groups)]
+
+
+def _adv(rows):
+    return [r.advantage for r in rows]
 
 
 def test_all_equal_rewards_give_zero_advantages():
-    adv, valid, stats = role_advantages([0.1, 0.1, 0.1, 0.1], ["act", "act", "rehearse", "rehearse"],
-                                        ["g", "g", "g", "g"], scale="std")
-    assert torch.equal(adv, torch.zeros(4))
-    assert valid.all()
+    rows = _rows([0.1, 0.1, 0.1, 0.1], ["act", "act", "rehearse", "rehearse"], ["g"] * 4)
+    for r in rows:
+        r.advantage = 9.0  # stale values are overwritten
+    stats = estimate_advantages(rows, "std_scaled")
+    assert _adv(rows) == [0.0] * 4
     assert stats["frac_zero_std"] == 1.0
     assert stats["adv_abs_max"] == 0.0
 
 
 def test_single_row_role_gets_zero_advantage_without_nan():
-    for scale in ("none", "std"):
-        adv, _, stats = role_advantages([1.0, 0.0, 1.0], ["act", "act", "rehearse"], ["g"] * 3,
-                                            scale=scale)
-        assert not torch.isnan(adv).any()
-        assert adv[2] == 0.0
+    for name in ("role_wise", "std_scaled"):
+        rows = _rows([1.0, 0.0, 1.0], ["act", "act", "rehearse"], ["g"] * 3)
+        stats = estimate_advantages(rows, name)
+        assert not any(math.isnan(a) for a in _adv(rows))
+        assert rows[2].advantage == 0.0 and rows[0].advantage > 0 > rows[1].advantage
         assert stats["frac_zero_std"] == 0.5  # the one-row rehearse bucket has zero spread
+        assert stats["reward_std/rehearse"] == 0.0
 
 
-def test_none_reward_is_masked_and_does_not_move_the_baseline():
-    adv, valid, _ = role_advantages([1.0, None, 0.0, 0.0], ["act"] * 4, ["g"] * 4)
-    assert valid.tolist() == [True, False, True, True]
-    assert adv[1] == 0.0
+def test_failed_reward_is_masked_and_does_not_move_the_baseline():
+    rows = _rows([1.0, None, 0.0, 0.0, float("nan")], ["act"] * 5, ["g"] * 5)
+    estimate_advantages(rows)
+    assert [r.valid for r in rows] == [True, False, True, True, False]
     b = 1.0 / 3.0  # mean over the three scored rows only
-    assert torch.allclose(adv, torch.tensor([1 - b, 0.0, -b, -b]))
+    assert _adv(rows) == pytest.approx([1 - b, 0.0, -b, -b, 0.0])
+    assert trainable_rows(rows, ["act"]) == [rows[0], rows[2], rows[3]]  # masked, never trained as 0
 
 
 def test_roles_have_separate_baselines_and_shared_baseline_uses_one():
-    rewards = [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
     roles = [Role.ACT, Role.ACT, Role.REHEARSE, Role.REHEARSE, Role.REHEARSE, Role.REHEARSE]
-    groups = ["t1"] * 6
-    adv, _, stats = role_advantages(rewards, roles, groups)
+    rows = _rows([1.0, 0.0, 1.0, 1.0, 0.0, 0.0], roles, ["t1"] * 6)
+    estimate_advantages(rows)
     # act baseline 0.5, rehearse baseline 0.5 (two 1s, two 0s): same numbers by role here
-    assert torch.allclose(adv, torch.tensor([0.5, -0.5, 0.5, 0.5, -0.5, -0.5]))
-    rewards = [1.0, 0.0, 1.0, 0.0, 0.0, 0.0]  # act mean 0.5, rehearse mean 0.25, overall 1/3
-    adv, _, stats = role_advantages(rewards, roles, groups)
-    assert torch.allclose(adv, torch.tensor([0.5, -0.5, 0.75, -0.25, -0.25, -0.25]))
+    assert _adv(rows) == pytest.approx([0.5, -0.5, 0.5, 0.5, -0.5, -0.5])
+    rows = _rows([1.0, 0.0, 1.0, 0.0, 0.0, 0.0], roles, ["t1"] * 6)  # act 0.5, rehearse 0.25, all 1/3
+    stats = estimate_advantages(rows, "role_wise")
+    assert _adv(rows) == pytest.approx([0.5, -0.5, 0.75, -0.25, -0.25, -0.25])
     assert stats["reward_mean/act"] == 0.5 and stats["reward_mean/rehearse"] == 0.25
-    adv, _, _ = role_advantages(rewards, roles, groups, shared_baseline=True)
+    stats = estimate_advantages(rows, "shared_baseline")
     b = 2.0 / 6.0
-    assert torch.allclose(adv, torch.tensor([1 - b, -b, 1 - b, -b, -b, -b]))
+    assert _adv(rows) == pytest.approx([1 - b, -b, 1 - b, -b, -b, -b])
+    assert stats["frac_zero_std"] == 0.0
 
 
 def test_groups_are_independent():
-    adv, _, stats = role_advantages([1.0, 0.0, 5.0, 5.0], ["act"] * 4, ["a", "a", "b", "b"])
-    assert torch.allclose(adv, torch.tensor([0.5, -0.5, 0.0, 0.0]))
+    rows = _rows([1.0, 0.0, 5.0, 5.0], ["act"] * 4, ["a", "a", "b", "b"])
+    stats = estimate_advantages(rows)
+    assert _adv(rows) == pytest.approx([0.5, -0.5, 0.0, 0.0])
+    assert stats["frac_zero_std"] == 0.5
+
+
+def test_two_groups_of_one_task_get_separate_baselines():
+    """A task drawn twice in one iteration makes two groups: each is baselined on its own rows."""
+    def traj(r):
+        return Trajectory(task_id="same-task", reward=r, generations=[
+            Generation(role=Role.ACT, prompt_ids=[1], completion_ids=[2], logprobs=[0.0])])
+
+    first = rows_from_group("1/0/same-task", [traj(1.0), traj(0.0)])
+    second = rows_from_group("1/1/same-task", [traj(1.0), traj(1.0)])
+    assert [r.trajectory_index for r in first] == [0, 1] and {r.group_id for r in second} == {"1/1/same-task"}
+    stats = estimate_advantages(first + second)
+    assert _adv(first) == [0.5, -0.5] and _adv(second) == [0.0, 0.0]  # one shared baseline: 0.25, -0.75, 0.25, 0.25
     assert stats["frac_zero_std"] == 0.5
 
 
 def test_std_scaling_uses_unbiased_std():
     rewards = [1.0, 0.0, 0.0, 0.0]
-    adv, _, _ = role_advantages(rewards, ["act"] * 4, ["g"] * 4, scale="std", eps=0.0)
     m = 0.25
     s = math.sqrt(((1 - m) ** 2 + 3 * m ** 2) / 3)  # ddof = 1
-    assert torch.allclose(adv, torch.tensor([(1 - m) / s, -m / s, -m / s, -m / s]))
+    want = [(1 - m) / s, -m / s, -m / s, -m / s]
+    rows = _rows(rewards, ["act"] * 4, ["g"] * 4)
+    estimate_advantages(rows, "std_scaled", eps=0.0)
+    assert _adv(rows) == pytest.approx(want)
+    rows = _rows(rewards, ["act"] * 4, ["g"] * 4)
+    estimate_advantages(rows, "shared_baseline", scale="std", eps=0.0)
+    assert _adv(rows) == pytest.approx(want)
     with pytest.raises(ValueError, match="scale"):
-        role_advantages(rewards, ["act"] * 4, ["g"] * 4, scale="max")
-    with pytest.raises(ValueError, match="one entry per row"):
-        role_advantages(rewards, ["act"] * 3, ["g"] * 4)
+        estimate_advantages(rows, "role_wise", scale="max")
+    with pytest.raises(EnvaceError, match="registered: role_wise, shared_baseline, std_scaled"):
+        estimate_advantages(rows, "no_such")
+
+
+def test_config_selects_the_estimator_and_new_ones_register():
+    def pick(**train):
+        return advantage_estimator(load_config("test", {"train": train}).train)
+
+    assert pick() == ("role_wise", {})
+    assert pick(advantage_scale="std") == ("std_scaled", {})
+    assert pick(shared_baseline=True, advantage_scale="std") == ("shared_baseline", {"scale": "std"})
+
+    @register_advantage("test_constant")
+    def constant(rows):
+        for r in rows:
+            r.advantage = 1.0 if r.valid else 0.0
+        return {"frac_zero_std": 0.0}
+
+    try:
+        rows = _rows([0.0, None], ["act"] * 2, ["g"] * 2)
+        assert estimate_advantages(rows, "test_constant")["adv_mean"] == 1.0 and _adv(rows) == [1.0, 0.0]
+        with pytest.raises(EnvaceError, match="already registered"):
+            register_advantage("test_constant")(lambda rows: {})
+    finally:
+        del ADVANTAGE_ESTIMATORS["test_constant"]
 
 
 def test_token_logprobs_matches_log_softmax_with_temperature():

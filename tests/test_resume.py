@@ -88,10 +88,13 @@ class Killed(RuntimeError):
 
 def _pseudo_rewards(real):
     """The random tiny model earns reward 0 everywhere (no learning signal); fixed varied rewards
-    make advantages, gradients, Adam moments and the schedule matter to the compared metrics."""
-    def role_advantages(rewards, roles, groups, **kw):
-        return real([(i * 7919 % 5) / 4 for i in range(len(rewards))], roles, groups, **kw)
-    return role_advantages
+    make advantages, gradients, Adam moments and the schedule matter to the compared metrics.
+    Wraps the advantage estimator `real`: it sees row i with reward (i * 7919 % 5) / 4."""
+    def estimator(rows, **kw):
+        for i, r in enumerate(rows):
+            r.reward, r.valid = (i * 7919 % 5) / 4, True
+        return real(rows, **kw)
+    return estimator
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +120,8 @@ def runs(tiny_model_dir, tmp_path_factory):
     real_save, real_step = PolicyTrainer.save_checkpoint, PolicyTrainer.step
     with pytest.MonkeyPatch.context() as mp:
         mp.chdir(tmp)
-        mp.setattr(grpo_mod, 'role_advantages', _pseudo_rewards(grpo_mod.role_advantages))
+        mp.setitem(grpo_mod.ADVANTAGE_ESTIMATORS, "role_wise",
+                   _pseudo_rewards(grpo_mod.ADVANTAGE_ESTIMATORS["role_wise"]))
         ds = curate(cfg("data"))
         assert ds["n_train"] == 2  # 2 tasks, 1 per iteration: iteration 2 ends epoch 0
 

@@ -17,7 +17,6 @@ from envace_core.training.rewards import (
     actions_reward,
     fidelity,
     flatten_json,
-    generation_rewards,
     get_reward_fn,
     register_reward,
     replay_reward,
@@ -25,6 +24,7 @@ from envace_core.training.rewards import (
     row_rewards,
     score_trajectory,
 )
+from envace_core.training.rows import rows_from_group
 from envace_core.types import Generation, Observation, Role, Step, ToolCall, Trajectory
 
 
@@ -223,8 +223,11 @@ def test_row_rewards_fidelity_bonus_for_rehearse_rows_only():
     assert row_rewards(unknown, 0.2)[1] is None and row_rewards(unknown, 0.2)[0] == 0.5
     t.reward = None
     assert row_rewards(t, 0.2) == [None] * 6
-    rows = generation_rewards([t.model_copy(update={"reward": 1.0})], 0.0)
-    assert [g.role for _, g, _ in rows] == [g.role for g in gens] and {r for *_, r in rows} == {1.0}
+    rows = rows_from_group("g", [t.model_copy(update={"reward": 1.0})], 0.2)
+    assert [r.role for r in rows] == [g.role.value for g in gens]
+    assert [r.reward for r in rows] == [1.0, pytest.approx(1.2), 1.0, 1.0, 1.0, 1.0]
+    masked = rows_from_group("g", [unknown], 0.2)  # F unknown: that REHEARSE row is masked, not 0
+    assert [r.valid for r in masked] == [True, False, True, False, True, True] and masked[1].reward is None
 
 
 def test_tool_call_ids_do_not_need_to_be_unique(retail5):

@@ -144,8 +144,8 @@ def test_user_rehearse_turn_budget_and_parse_error(tiny_model_dir, one_call_task
 
 
 def test_user_rows_get_the_trajectory_reward_and_their_own_baseline():
-    from envace_core.training.grpo import role_advantages
-    from envace_core.training.rewards import generation_rewards
+    from envace_core.training.grpo import estimate_advantages
+    from envace_core.training.rows import rows_from_group
     from envace_core.types import Generation, Trajectory
 
     def traj(r, roles_):
@@ -153,10 +153,10 @@ def test_user_rows_get_the_trajectory_reward_and_their_own_baseline():
             Generation(role=x, prompt_ids=[1], completion_ids=[2], logprobs=[0.0]) for x in roles_])
 
     trajs = [traj(1.0, [Role.ACT, Role.USER, Role.ACT]), traj(0.0, [Role.ACT, Role.USER, Role.ACT, Role.USER])]
-    rows = generation_rewards(trajs)
-    adv, _valid, stats = role_advantages([r for *_, r in rows], [g.role.value for _, g, _ in rows],
-                                        [t.task_id for t, _, _ in rows])
-    user = [a for (_, g, _), a in zip(rows, adv.tolist()) if g.role == Role.USER]
+    rows = rows_from_group("g", trajs)
+    assert [r.reward for r in rows] == [1.0] * 3 + [0.0] * 4 and [r.trajectory_index for r in rows] == [0] * 3 + [1] * 4
+    stats = estimate_advantages(rows)
+    user = [r.advantage for r in rows if r.role == "user"]
     assert user == pytest.approx([1 - 1 / 3, -1 / 3, -1 / 3])  # baseline = mean over the 3 USER rows
     assert stats["reward_mean/user"] == pytest.approx(1 / 3) and stats["reward_mean/act"] == pytest.approx(0.5)
 

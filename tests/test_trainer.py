@@ -68,6 +68,7 @@ def test_from_generation_keeps_exact_ids():
     row = TrainingRow.from_generation(gen, 0.5)
     assert (row.role, row.prompt_ids, row.completion_ids, row.old_logprobs, row.advantage,
             row.temperature) == ("rehearse", [1, 2], [3, 4, 5], [-0.1, -0.2, -0.3], 0.5, 0.8)
+    assert row.prompt_ids is not gen.prompt_ids  # a copy: the trajectory is written out unchanged
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -128,23 +129,25 @@ def test_gradient_accumulation_equals_one_big_batch(tiny_model_dir, agg):
     assert m1["clip_frac"] > 0 and m1["grad_norm"] > 0
 
 
-def test_frozen_role_rows_and_empty_completions_are_ignored(tiny_model_dir):
+def test_frozen_role_invalid_and_empty_rows_are_ignored(tiny_model_dir):
     act = make_rows(3, seed=1)
     user = make_rows(3, seed=2, role="user")
     for r in user:
         r.advantage = 10.0
     empty = TrainingRow("act", [1, 2, 3], [], [], 5.0)
+    failed = TrainingRow("act", [1, 2, 3], [4, 5], [0.0, 0.0], 5.0, valid=False)  # reward None: masked
     grads = []
-    for rows in (act, act + user + [empty]):
+    for rows in (act, act + user + [empty, failed]):
         trainer = make_trainer(tiny_model_dir, trained_roles=["act"])
         captured = capture_grads(trainer)
         m = trainer.step(rows)
         grads.append(captured[0])
-    assert m["rows"] == 3 and m["rows_skipped"] == 4
+    assert m["rows"] == 3 and m["rows_skipped"] == 5 and m["tokens"] == sum(len(r.completion_ids) for r in act)
     for a, b in zip(*grads):
         assert torch.equal(a, b)
-    with pytest.raises(ValueError, match="no trainable row"):
-        trainer.step(user + [empty])
+    with pytest.raises(ValueError, match="no trainable row.*1 invalid"):
+        trainer.step(user + [empty, failed])
+    assert trainer.update([failed])["optimizer_steps"] == 0
 
 
 def test_kl_to_reference_uses_the_disabled_adapter(tiny_model_dir):

@@ -1,12 +1,51 @@
-"""RNG state capture and restore for exact resume of training from a checkpoint."""
+"""A training run's checkpoint in the artifact store: what it holds (`RunState`, the RNG states) and
+how it is written (`save_run_state`) and read back (`resume_run_state`) for an exact resume."""
 
 from __future__ import annotations
 
 import base64
 import random
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+
+
+@dataclass
+class RunState:
+    """The loop's position: `iteration` iterations done, the data `cursor` {"epoch", "position"} of
+    the next draw, and the per-iteration metric records so far (`history[k]` is iteration k + 1's)."""
+
+    iteration: int = 0
+    cursor: dict[str, int] = field(default_factory=lambda: {"epoch": 0, "position": 0})
+    history: list[dict[str, Any]] = field(default_factory=list)
+
+
+def resume_run_state(trainer, store, key: str) -> RunState | None:
+    """Restore the checkpoint committed at store `key` into `trainer` (a `PolicyTrainer`:
+    adapter, optimizer, scheduler, counters, RNG states) and return its `RunState`; None when no
+    checkpoint is there (a fresh run).
+
+    Raises:
+        trainer.CheckpointError: the checkpoint is corrupt or incompatible (nothing is changed);
+        store.StoreError for storage failures.
+    """
+    if not store.exists(f"{key}/state.json"):
+        return None
+    state = trainer.load_checkpoint(str(store.get_dir(key)))
+    done = state["iteration"]
+    return RunState(done, state["cursor"], state["history"][:done])
+
+
+def save_run_state(trainer, store, key: str, run_id: str, state: RunState) -> None:
+    """Write `trainer`'s checkpoint (`PolicyTrainer.save_checkpoint`) with `state` and `run_id` in its
+    state.json to a temp directory, then commit it to store `key` (`put_dir`: atomic for readers)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trainer.save_checkpoint(str(Path(tmp) / "ckpt"), {
+            "run_id": run_id, "iteration": state.iteration, "cursor": state.cursor, "history": state.history})
+        store.put_dir(Path(tmp) / "ckpt", key)
 
 
 def _b64(t: torch.Tensor) -> str:

@@ -6,9 +6,9 @@ GPU per worker (cuda:LOCAL_RANK) when CUDA is available, gloo on CPU otherwise. 
 WORLD_SIZE=1, nothing is initialised and every helper here is a no-op: the single-process path makes
 no collective call at all.
 
-How the training loop uses it (`stages.rollout_and_train`, `trainer.PolicyTrainer.step`):
+How the training loop uses it (`training.loop.train_iteration`, `trainer.PolicyTrainer.step`):
   - rollouts: rank r rolls out the contiguous share `shard_range(T, r, W)` of the iteration's T tasks
-    (whole GRPO groups), then `all_gather_objects` gives every rank the union in task order, so the
+    (whole GRPO groups), then `World.gather_shards` gives every rank the union in task order, so the
     role-wise advantages and rollout metrics are exactly those of one process;
   - each optimizer step: every rank holds the step's rows, trains its contiguous, cost-balanced share
     (`balanced_slices`) with the *global* loss normaliser (tokens or rows of the whole step), and the
@@ -94,6 +94,13 @@ class World:
         out: list[Any] = [None] * self.size
         dist.all_gather_object(out, obj)
         return out
+
+    def gather_shards(self, items: list[Any], count: int) -> tuple[list[Any], int]:
+        """Every rank's `items` concatenated in rank order, and the sum of the ranks' `count`s, on
+        every rank (one `all_gather_objects`). With `shard_range` shares, rank order is item order,
+        so the result is what one process would have produced; (items, count) for one process."""
+        parts = self.all_gather_objects((items, count))
+        return [x for xs, _ in parts for x in xs], sum(n for _, n in parts)
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], src: int = 0) -> None:
         """Overwrite `tensors` on every rank with rank `src`'s values, in place."""

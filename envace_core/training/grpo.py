@@ -1,29 +1,53 @@
-"""Role-wise GRPO: advantages, per-token log-probs and the PPO-clip policy loss (METHOD.md §3).
+"""Role-wise GRPO: advantage estimators over rows, per-token log-probs and the PPO-clip loss (METHOD.md §3).
 
-Pure tensor functions, no model and no state. Conventions used throughout:
+No model and no state beyond the estimator registry. Conventions used throughout:
   B rows (one generated completion each), T token positions, V vocabulary entries;
   `mask` [B, T] bool marks the generated tokens that carry loss; log-probs are natural logs.
 
 Formulas and their sources:
   - advantage   A_i = R_i - mean_{j in bucket(i)} R_j                    (METHOD.md §3; Dr. GRPO style)
                 optionally / (std_bucket + eps)                          (GRPO, Shao et al. 2024)
+                bucket = (group, role) for "role_wise" and "std_scaled", the group for
+                "shared_baseline" (the `shared_baseline` ablation, METHOD.md §3)
   - ratio       r_t = exp(logp_t - logp_old_t)
   - PPO-clip    l_t = -min(r_t A, clip(r_t, 1-eps, 1+eps) A)            (Schulman et al. 2017, eq. 7)
   - KL (k3)     k3_t = exp(ref_t - logp_t) - (ref_t - logp_t) - 1        (Schulman, "Approximating KL
                 divergence", 2020: unbiased, non-negative estimator of KL(pi || pi_ref))
+
+Advantage estimators are registered functions ``fn(rows, **options) -> stats`` over
+`rows.TrainingRow`s: they set `advantage` on every row (0 on invalid rows) and return
+{"frac_zero_std": ...}; `estimate_advantages` calls one by name and adds the shared statistics.
+Adding one is a function decorated with ``@register_advantage("name")``.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from enum import Enum
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
+from envace_core import EnvaceError
 
-def _name(role) -> str:
-    return role.value if isinstance(role, Enum) else str(role)
+if TYPE_CHECKING:
+    from envace_core.config import TrainConfig
+    from envace_core.training.rows import TrainingRow
+
+AdvantageFn = Callable[..., dict]
+ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {}
+
+
+def register_advantage(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Decorator: register ``fn(rows, **options) -> {"frac_zero_std": float}`` as estimator `name`.
+    Raises EnvaceError if `name` is taken by another function."""
+    def deco(fn: AdvantageFn) -> AdvantageFn:
+        if name in ADVANTAGE_ESTIMATORS and ADVANTAGE_ESTIMATORS[name] is not fn:
+            raise EnvaceError(f"advantage estimator {name!r} is already registered "
+                              f"({ADVANTAGE_ESTIMATORS[name].__name__})")
+        ADVANTAGE_ESTIMATORS[name] = fn
+        return fn
+    return deco
 
 
 def _unbiased_std(xs: list[float]) -> float:
@@ -35,75 +59,100 @@ def _unbiased_std(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
 
 
-def role_advantages(
-    rewards: Sequence[float | None],
-    roles: Sequence[str],
-    groups: Sequence[str],
-    scale: str = "none",
-    shared_baseline: bool = False,
-    eps: float = 1e-6,
-) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """Group-relative advantages with one baseline per (group, role) (METHOD.md §3).
+def baseline_advantages(rows: Sequence[TrainingRow], bucket: Callable[[TrainingRow], Hashable],
+                        scale: str = "none", eps: float = 1e-6) -> dict:
+    """A = R - b over buckets of valid rows (b = the bucket's mean reward), in place.
 
     Args:
-        rewards: N trajectory rewards, one per generation row (the trajectory's R goes to every row
-            it produced); `None` marks a failed score: that row is masked, never scored 0.
-        roles: N role names (`Role` members or their string values).
-        groups: N group ids (a group = the G rollouts of one task).
-        scale: "none": A = R - b (the reference's choice, the default); "std": A = (R - b) / (s + eps)
-            with s the sample (unbiased, ddof=1) std of the bucket, as in GRPO/TRL/verl.
-        shared_baseline: ablation: one bucket per group over all roles instead of one per (group, role).
-        eps: added to the std when scale="std".
+        rows: rows with `reward` and `valid` set (`rows.rows_from_group`).
+        bucket: row -> the key of its baseline bucket; rows of one bucket share b.
+        scale: "none": A = R - b (the reference's choice); "std": A = (R - b) / (s + eps) with s the
+            bucket's sample (unbiased, ddof=1) std, as in GRPO/TRL/verl.
+        eps: added to s when scale="std".
+
+    Sets `advantage` = 0 on invalid rows, on a bucket of one valid row and on a bucket whose rewards
+    are all equal (exactly 0, no NaN).
 
     Returns:
-        advantages: [N] float32; 0 for masked rows, for a bucket of one valid row, and for a bucket
-            whose rewards are all equal (exactly 0, no NaN).
-        valid: [N] bool; False where the reward is None (the trainer drops those rows).
-        stats: "frac_zero_std" (fraction of buckets with >= 1 valid row whose rewards are all equal:
-            they carry no learning signal), "adv_mean", "adv_std", "adv_abs_max" (over valid rows),
-            "reward_mean/<role>", "reward_std/<role>" (over valid rows, sample std).
+        {"frac_zero_std": fraction of buckets whose rewards are all equal (no learning signal)}.
 
     Raises:
-        ValueError: lengths differ, or `scale` is not "none"/"std".
+        ValueError: `scale` is not "none"/"std".
     """
-    n = len(rewards)
-    if len(roles) != n or len(groups) != n:
-        raise ValueError(f"rewards, roles and groups must have one entry per row: got "
-                         f"{n}, {len(roles)}, {len(groups)}")
     if scale not in ("none", "std"):
         raise ValueError(f"scale must be 'none' or 'std', got {scale!r}")
-    role_names = [_name(r) for r in roles]
-    valid = [r is not None and math.isfinite(float(r)) for r in rewards]
-
-    buckets: dict[tuple, list[int]] = {}
-    for i in range(n):
-        if valid[i]:
-            key = (groups[i],) if shared_baseline else (groups[i], role_names[i])
-            buckets.setdefault(key, []).append(i)
-
-    adv = [0.0] * n
+    buckets: dict[Hashable, list[TrainingRow]] = {}
+    for r in rows:
+        r.advantage = 0.0
+        if r.valid:
+            buckets.setdefault(bucket(r), []).append(r)
     zero_std = 0
-    for idx in buckets.values():
-        rs = [float(rewards[i]) for i in idx]
+    for members in buckets.values():
+        rs = [float(r.reward) for r in members]
         if max(rs) == min(rs):  # exact test: float mean of equal values can be off by an ulp
             zero_std += 1
             continue
         b = sum(rs) / len(rs)
         denom = _unbiased_std(rs) + eps if scale == "std" else 1.0
-        for i, r in zip(idx, rs):
-            adv[i] = (r - b) / denom
+        for r, x in zip(members, rs):
+            r.advantage = (x - b) / denom
+    return {"frac_zero_std": zero_std / len(buckets) if buckets else 0.0}
 
-    stats: dict = {"frac_zero_std": zero_std / len(buckets) if buckets else 0.0}
-    va = [adv[i] for i in range(n) if valid[i]]
+
+@register_advantage("role_wise")
+def role_wise(rows: Sequence[TrainingRow], scale: str = "none", eps: float = 1e-6) -> dict:
+    """World Rehearsal's default (METHOD.md §3): b_r = mean R over role r's valid rows in the group."""
+    return baseline_advantages(rows, lambda r: (r.group_id, r.role), scale, eps)
+
+
+@register_advantage("shared_baseline")
+def shared_baseline(rows: Sequence[TrainingRow], scale: str = "none", eps: float = 1e-6) -> dict:
+    """The `shared_baseline` ablation (METHOD.md §3): one b per group over the rows of all roles."""
+    return baseline_advantages(rows, lambda r: r.group_id, scale, eps)
+
+
+@register_advantage("std_scaled")
+def std_scaled(rows: Sequence[TrainingRow], eps: float = 1e-6) -> dict:
+    """Role-wise with GRPO's std division (METHOD.md §3 `scale="std"`): A = (R - b_r) / (s_r + eps)."""
+    return baseline_advantages(rows, lambda r: (r.group_id, r.role), "std", eps)
+
+
+def advantage_estimator(cfg: TrainConfig) -> tuple[str, dict]:
+    """(estimator name, its options) that `train.shared_baseline` and `train.advantage_scale` select:
+    shared_baseline -> "shared_baseline" with scale=advantage_scale; else advantage_scale "std" ->
+    "std_scaled"; else "role_wise"."""
+    if cfg.shared_baseline:
+        return "shared_baseline", {"scale": cfg.advantage_scale}
+    return ("std_scaled", {}) if cfg.advantage_scale == "std" else ("role_wise", {})
+
+
+def estimate_advantages(rows: Sequence[TrainingRow], estimator: str = "role_wise", **options) -> dict:
+    """Fill every row's `advantage` with the registered `estimator` and summarise.
+
+    Returns:
+        the estimator's stats ("frac_zero_std": fraction of buckets with >= 1 valid row whose
+        rewards are all equal), then "adv_mean", "adv_std", "adv_abs_max" (over valid rows; sample
+        std) and "reward_mean/<role>", "reward_std/<role>" (over each role's valid rows).
+
+    Raises:
+        EnvaceError: unknown `estimator` (the message lists the registered ones); ValueError: bad options.
+    """
+    try:
+        fn = ADVANTAGE_ESTIMATORS[estimator]
+    except KeyError:
+        raise EnvaceError(f"unknown advantage estimator {estimator!r}; registered: "
+                          f"{', '.join(sorted(ADVANTAGE_ESTIMATORS))}") from None
+    stats = dict(fn(rows, **options))
+    va = [r.advantage for r in rows if r.valid]
     stats["adv_mean"] = sum(va) / len(va) if va else 0.0
     stats["adv_std"] = _unbiased_std(va)
     stats["adv_abs_max"] = max((abs(a) for a in va), default=0.0)
-    for role in sorted(set(role_names)):
-        rs = [float(rewards[i]) for i in range(n) if valid[i] and role_names[i] == role]
+    for role in sorted({r.role for r in rows}):
+        rs = [float(r.reward) for r in rows if r.valid and r.role == role]
         if rs:
             stats[f"reward_mean/{role}"] = sum(rs) / len(rs)
             stats[f"reward_std/{role}"] = _unbiased_std(rs)
-    return (torch.tensor(adv, dtype=torch.float32), torch.tensor(valid, dtype=torch.bool), stats)
+    return stats
 
 
 def token_logprobs(logits: torch.Tensor, target_ids: torch.Tensor,

@@ -1,20 +1,192 @@
-"""One World Rehearsal / GRPO iteration, read top to bottom (METHOD.md §3), and the helpers it calls."""
+"""One World Rehearsal / GRPO training iteration, read top to bottom (METHOD.md §3), and the helpers it calls.
+
+`train_iteration` is the whole iteration: draw tasks -> rollouts (scored: rewards) -> rows ->
+advantages -> update -> metrics -> checkpoint. What it needs lives in a `TrainingRun` (built by
+`stages.train.rollout_and_train`); where it stands lives in a `checkpoint.RunState`. Resume and
+warm start (`start_or_resume`), the data-parallel gather (`roll_out`), the vLLM weight sync
+(`sync_engine`) and checkpoint writes (`checkpoint_if_due`) are the helpers below it.
+"""
 
 from __future__ import annotations
 
 import json
 import random
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
-    pass
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
 from envace_core.evaluation.stats import mean_or_none
 from envace_core.store.files import dir_checksums, sha256_bytes
 from envace_core.store.uri import open_store
+from envace_core.training.checkpoint import RunState, resume_run_state, save_run_state
 from envace_core.types import Role, Task, Trajectory
+
+if TYPE_CHECKING:
+    from envace_core.engines.base import Engine
+    from envace_core.store.local import LocalStore
+    from envace_core.store.s3 import S3Store
+    from envace_core.training.distributed import World
+    from envace_core.training.rollout import RolloutParams
+    from envace_core.training.trainer import PolicyTrainer
+
+
+@dataclass
+class TrainingRun:
+    """Everything an iteration uses: the config, the train tasks, the trainer and the engine sharing
+    its model, the rollout parameters, this worker's `World`, the artifact store and the run id."""
+
+    cfg: RunConfig
+    tasks: list[Task]
+    trainer: PolicyTrainer
+    engine: Engine
+    params: RolloutParams
+    world: World
+    store: LocalStore | S3Store
+    run_id: str
+
+    @property
+    def checkpoint_key(self) -> str:
+        return f"runs/{self.run_id}/checkpoint"
+
+    def say(self, *args, **kwargs) -> None:
+        """print, on rank 0 only."""
+        if self.world.is_main:
+            print(*args, **kwargs)
+
+
+def train_iteration(run: TrainingRun, state: RunState) -> dict[str, Any]:
+    """Iteration `state.iteration + 1`: appends its metrics record to `state.history`, returns it."""
+    import torch
+
+    from envace_core.training.grpo import advantage_estimator, estimate_advantages
+    from envace_core.training.rows import rows_from_group, trainable_rows
+
+    cfg, it, t0 = run.cfg, state.iteration, time.perf_counter()
+    torch.manual_seed(cfg.train.seed + it)
+    # 1. draw the next tasks from the data cursor (one GRPO group each)
+    data_at = dict(state.cursor)
+    picked, state.cursor = next_tasks(len(run.tasks), cfg.train.seed, state.cursor, cfg.rollout.tasks_per_iteration)
+    batch = [run.tasks[i] for i in picked]
+    # 2-3. rollouts, each trajectory scored by the configured reward (`rollout.training_group`)
+    gen_before = dict(run.engine.stats)
+    groups = roll_out(run, batch, it)
+    gen_tokens = run.engine.stats.get("generated_tokens", 0) - gen_before.get("generated_tokens", 0)
+    groups, gen_tokens = run.world.gather_shards(groups, gen_tokens)  # every rank: all groups, task order
+    t_roll = time.perf_counter() - t0
+    # 4. rows: one per generation; R (+ lambda * fidelity on REHEARSE rows); the group id is the
+    #    group's place in this batch, so a task drawn twice gets two groups and two baselines
+    rows = [row for k, group in enumerate(groups)
+            for row in rows_from_group(group_id(it, k, batch[k]), group, cfg.reward.fidelity_lambda)]
+    # 5. advantages: the configured registered estimator (role-wise baseline by default)
+    name, options = advantage_estimator(cfg.train)
+    adv_stats = estimate_advantages(rows, name, **options)
+    # 6. update: PPO epochs over the valid rows of the trained roles, then the vLLM weight sync
+    train_rows = trainable_rows(rows, cfg.train.trained_roles)
+    run.say(f"[train] iteration {it + 1}: updating the policy on {len(train_rows)} rows "
+            f"({cfg.train.ppo_epochs} epoch(s)) after {t_roll:.0f}s of rollouts", flush=True)
+    train_metrics = run.trainer.update(train_rows)
+    train_metrics.update(sync_engine(run))
+    # 7. metrics
+    trajs = [t for group in groups for t in group]
+    rec = {"iteration": it + 1, "data/epoch": data_at["epoch"], "data/position": data_at["position"],
+           **rollout_metrics(trajs), **adv_stats,
+           **{f"train/{k}": v for k, v in train_metrics.items()},
+           "rollout_seconds": t_roll, "rollout_tokens_per_s": gen_tokens / max(t_roll, 1e-9),
+           "seconds": time.perf_counter() - t0}
+    state.history.append(rec)
+    state.iteration = it + 1
+    # 8. the rollouts, and a checkpoint every `train.checkpoint_every` iterations and after the last
+    if run.world.is_main:  # one writer; the ranks hold the same trajectories and weights
+        run.store.write_bytes(f"runs/{run.run_id}/rollouts/iteration-{it + 1:04d}.jsonl",
+                              "".join(t.model_dump_json() + "\n" for t in trajs).encode())
+    checkpoint_if_due(run, state)
+    return rec
+
+
+# --------------------------------------------------------------------- helpers of the iteration
+def group_id(iteration: int, k: int, task: Task) -> str:
+    """The id of the k-th group of 0-based `iteration`: "<iteration + 1>/<k>/<task id>"."""
+    return f"{iteration + 1}/{k}/{task.id}"
+
+
+def roll_out(run: TrainingRun, batch: list[Task], iteration: int) -> list[list[Trajectory]]:
+    """This rank's GRPO groups of `batch`: the contiguous share `shard_range` of its tasks, each
+    rolled out by `rollout.training_group` (rollout.source, rollout.user_rehearse and reward.*
+    select the branch) and scored. The seed follows the task's place k in the batch, so it does not
+    depend on the rank."""
+    from tqdm.auto import tqdm
+
+    from envace_core.training.distributed import shard_range
+    from envace_core.training.rollout import training_group
+
+    cfg, world = run.cfg, run.world
+    mine = shard_range(len(batch), world.rank, world.size)
+    return [training_group(run.engine, batch[k], cfg, run.params, seed=cfg.train.seed * 100003 + iteration * 1009 + k)
+            for k in tqdm(mine, desc=f"rollouts iteration {iteration + 1}", leave=False, unit="task",
+                          disable=not world.is_main)]
+
+
+def sync_engine(run: TrainingRun) -> dict[str, float]:
+    """Give an engine that serves its own copy of the weights (vLLM: `sync_from`) the trainer's
+    current ones; {"weight_sync_seconds": s} for it, {} for an engine sharing the model (HF)."""
+    sync = getattr(run.engine, "sync_from", None)
+    return {"weight_sync_seconds": sync(run.trainer.model)} if sync else {}
+
+
+def checkpoint_if_due(run: TrainingRun, state: RunState) -> None:
+    """After every `train.checkpoint_every`-th iteration and the last: rank 0 writes the checkpoint
+    (`checkpoint.save_run_state`), every rank waits for it at a barrier (nobody runs ahead, or
+    returns the adapter path, before it is written)."""
+    done, cfg = state.iteration, run.cfg.train
+    if done % cfg.checkpoint_every == 0 or done == cfg.iterations:
+        if run.world.is_main:
+            save_run_state(run.trainer, run.store, run.checkpoint_key, run.run_id, state)
+        run.world.barrier()
+
+
+def start_or_resume(run: TrainingRun) -> RunState:
+    """The run's checkpoint restored (`checkpoint.resume_run_state`), or, for a fresh run, the warm
+    start (`warm_start`) and an empty state."""
+    state = resume_run_state(run.trainer, run.store, run.checkpoint_key)
+    uri = run.store.uri(run.checkpoint_key)
+    if state is not None:
+        run.say(f"[train] resuming run {run.run_id} at iteration {state.iteration + 1} (epoch "
+                f"{state.cursor['epoch']}, task {state.cursor['position']}, "
+                f"{run.trainer.optimizer_steps} optimizer steps done; checkpoint {uri})")
+        return state
+    run.say(f"[train] run {run.run_id}: checkpoints -> {uri} (re-run the same command to resume)")
+    warm_start(run)
+    return RunState()
+
+
+def warm_start(run: TrainingRun) -> None:
+    """Fresh runs only (a checkpoint already holds the result): load `train.init_adapter` into the
+    LoRA, then `train.sft_warmup_steps` SFT steps on the train tasks' gold ACT turns (`sft`).
+
+    Raises:
+        EnvaceError: SFT warm-up asked for but no gold ACT turn fits rollout.max_turns and
+            train.sft_max_tokens; trainer.AdapterLoadError for an unusable init adapter.
+    """
+    from envace_core.training.sft import act_examples, sft_warmup
+
+    cfg, trainer = run.cfg, run.trainer
+    if cfg.train.init_adapter:
+        load_init_adapter(trainer, cfg.train.init_adapter)
+        run.say(f"[train] starting from the LoRA adapter {cfg.train.init_adapter}")
+    if cfg.train.sft_warmup_steps > 0:
+        examples = act_examples(run.tasks, trainer.tokenizer, cfg.data.policy_max_chars,
+                                max_turns=cfg.rollout.max_turns, max_tokens=cfg.train.sft_max_tokens)
+        if not examples:
+            raise EnvaceError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps} but no train task has a "
+                              f"gold ACT turn within rollout.max_turns={cfg.rollout.max_turns} and "
+                              f"train.sft_max_tokens={cfg.train.sft_max_tokens} tokens")
+        losses = sft_warmup(trainer, examples, cfg.train.sft_warmup_steps, cfg.train.sft_learning_rate,
+                            cfg.train.sft_batch_rows, seed=cfg.train.seed)
+        run.say(f"[train] SFT warm-up: {len(losses)} steps on {len(examples)} gold ACT turns, "
+                f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
 
 
 def score(task: Task, traj: Trajectory, format_penalty: float = 0.0, reward_fn=None) -> Trajectory:
@@ -48,7 +220,7 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
     return out
 
 
-# ------------------------------------------------------------------------------ rollout + train
+# ----------------------------------------------------------------- run identity, init adapter, data
 def training_run_id(cfg: RunConfig, dataset: dict[str, Any]) -> str:
     d = cfg.to_dict()
     d.pop("store", None)

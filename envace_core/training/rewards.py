@@ -1,6 +1,7 @@
 """Trajectory rewards (METHOD.md §2): `replay` (verifiable, default), `actions` (gold-action match),
 `judge` (an LLM judge over the task's checklist, `envace_core.judge`), the rehearsal-fidelity metric
-F(ô_t, o_t), and the per-row rewards GRPO uses (optional fidelity bonus for REHEARSE rows).
+F(ô_t, o_t), and the per-row rewards GRPO uses (optional fidelity bonus for REHEARSE rows;
+`rows.rows_from_group` puts them on the training rows).
 
 Reward functions have the signature ``fn(task, trajectory, **resources) -> RewardResult | None`` and
 also write ``trajectory.reward / sub_rewards / reward_info``. ``None`` (and ``trajectory.reward =
@@ -20,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from envace_core import EnvaceError
 from envace_core.envs.base import RewardResult, ToolEnvironment
-from envace_core.types import Generation, Observation, Role, Task, ToolCall, Trajectory
+from envace_core.types import Observation, Role, Task, ToolCall, Trajectory
 
 if TYPE_CHECKING:
     from envace_core.config import RunConfig
@@ -357,9 +358,3 @@ def row_rewards(trajectory: Trajectory, fidelity_lambda: float = 0.0) -> list[fl
         out.append(None if f is None else R + fidelity_lambda * f)
     return out
 
-
-def generation_rewards(trajectories: list[Trajectory], fidelity_lambda: float = 0.0
-                       ) -> list[tuple[Trajectory, Generation, float | None]]:
-    """(trajectory, generation, row reward) for every generation of `trajectories`, in order:
-    the rows role-wise GRPO baselines per (group, role) (`row_rewards`)."""
-    return [(t, g, r) for t in trajectories for g, r in zip(t.generations, row_rewards(t, fidelity_lambda))]

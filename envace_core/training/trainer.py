@@ -10,7 +10,7 @@
 `PolicyTrainer.step` reads top to bottom: cut rows into micro-batches of `micro_batch_rows` (the
 memory bound only: the accumulated gradient equals that of one big batch, so the optimization does
 not depend on it), forward (autocast bf16 when asked; LoRA master weights stay float32), per-token
-log-probs of exactly the generated ids, PPO-clip loss from `envace_core.grpo`, backward, clip the
+log-probs of exactly the generated ids, PPO-clip loss from `training.grpo`, backward, clip the
 global gradient norm to `max_grad_norm`, AdamW step.
 
 The options (`TrainConfig`) and their math, per generated token t of row i with advantage A_i:
@@ -33,7 +33,7 @@ The options (`TrainConfig`) and their math, per generated token t of row i with 
     "rehearse") and the loss is normalised per adapter, so each adapter's update is exactly that of a
     separate policy trained on its own rows. An `HFEngine` over this model generates each role with
     its adapter (`SamplingParams.role`).
-  - data parallel (`envace_core.distributed`, WORLD_SIZE > 1): `update`/`step` take the same global
+  - data parallel (`training.distributed`, WORLD_SIZE > 1): `update`/`step` take the same global
     rows on every rank; each rank computes a cost-balanced share of every step with the global
     normaliser and the LoRA gradients are summed over ranks before clipping, so each optimizer step
     equals the one-process step over all rows; `mini_batch_rows` counts global rows.
@@ -69,7 +69,7 @@ from envace_core.store.files import CHECKSUMS, atomic_dir, dir_checksums
 from envace_core.training.checkpoint import capture_rng_state, restore_rng_state
 from envace_core.training.distributed import World, balanced_slices
 from envace_core.training.grpo import policy_loss, token_logprobs
-from envace_core.training.rows import TrainingRow, role_name
+from envace_core.training.rows import TrainingRow, role_name, trainable_rows
 
 CHECKPOINT_FORMAT = 2  # 1 (adapter + history only) cannot resume exactly
 
@@ -250,8 +250,7 @@ class PolicyTrainer:
         """
         cfg, t0 = self.cfg, time.perf_counter()
         lr = float(self.scheduler.get_last_lr()[0])
-        trained = {role_name(r) for r in cfg.trained_roles}
-        if not any(r.completion_ids and role_name(r.role) in trained for r in rows):
+        if not trainable_rows(rows, cfg.trained_roles):
             self._advance_schedule()
             self.updates += 1
             return {"note": "no trainable rows", "lr": lr, "optimizer_steps": 0}
@@ -281,7 +280,8 @@ class PolicyTrainer:
     def step(self, rows: Sequence[TrainingRow]) -> dict:
         """One optimizer step over all trainable rows (gradient accumulation over micro-batches).
 
-        Rows with an empty completion or a role outside `cfg.trained_roles` are skipped. The loss
+        Rows with an empty completion, `valid=False` (a failed reward) or a role outside
+        `cfg.trained_roles` are skipped (`rows.trainable_rows`). The loss
         equals `policy_loss` over all rows as one batch: "token-mean" divides by the completion
         tokens of the whole step, "seq-mean-token-mean" by its row count. With `policy_per_role`
         each adapter's rows form their own batch (own normalisation, own gradient clipping).
@@ -392,13 +392,14 @@ class PolicyTrainer:
         out.update(zip(keys, sums.tolist()))
 
     def _trainable(self, rows: Sequence[TrainingRow]) -> list[TrainingRow]:
-        trained = {role_name(r) for r in self.cfg.trained_roles}
-        keep = [r for r in rows if r.completion_ids and role_name(r.role) in trained]
+        keep = trainable_rows(rows, self.cfg.trained_roles)
         if not keep:
             roles = sorted({role_name(r.role) for r in rows})
             empty = sum(1 for r in rows if not r.completion_ids)
-            raise ValueError(f"no trainable row among {len(rows)}: roles present {roles}, "
-                             f"cfg.trained_roles {sorted(trained)}, {empty} with empty completion")
+            invalid = sum(1 for r in rows if not r.valid)
+            raise ValueError(f"no trainable row among {len(rows)}: roles present {roles}, cfg.trained_roles "
+                             f"{sorted(role_name(r) for r in self.cfg.trained_roles)}, {empty} with empty "
+                             f"completion, {invalid} invalid (failed reward)")
         for r in keep:
             if not r.prompt_ids:
                 raise ValueError("a training row has an empty prompt: the first completion token "
