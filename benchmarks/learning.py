@@ -243,7 +243,7 @@ def measure(cfg, dataset: dict[str, Any], adapter_dir: str | None, held: list,
     res = [r for r in ev["results"] if r["condition"] == "no_rehearsal"]
     fid = rehearse_fidelity(cfg, adapter_dir, held, max_transitions)
     return {"success": [r["success"] for r in res], "task_ids": [r["task_id"] for r in res],
-            "terminations": [r["termination"] for r in res],
+            "terminations": [r["termination_reason"] for r in res],
             "fidelity": [r["fidelity"] for r in fid], "json_validity": [r["json_valid"] for r in fid]}
 
 

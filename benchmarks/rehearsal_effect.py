@@ -2,12 +2,14 @@
 
     .venv/bin/python benchmarks/rehearsal_effect.py [--trained REF] [--limit 3]
         [--conditions none,parallel:2,parallel:4,parallel:8,sequential:2,sequential:4]
-        [--benches tau2:airline,tau2:retail,bfcl:multi_turn_base] [--user policy|REF|URL] [--no-append]
+        [--benches tau2:airline,tau2:retail,bfcl:multi_turn_base] [--user policy|REF|URL]
+        [--protocol tau2_orchestrator|opening_request] [--no-append]
 
 For every model (``--models``, default ``base=bundled:smollm2-135m-instruct``, plus ``trained=REF`` from
 ``--trained``: any ``envace eval --model`` reference, e.g. ``registry:NAME@VERSION`` or a local LoRA adapter
-folder over the profile's base) and every rehearsal condition, `eval_run.run_eval` runs the benches on the
-first ``--limit`` items of each (tau2: the test split, tau2's Orchestrator and evaluator; BFCL multi-turn:
+folder over the profile's base) and every rehearsal condition, `evaluation.harness.run_eval` runs the benches on
+the first ``--limit`` items of each (tau2: the test split through the tau2 harness under ``--protocol``,
+`evaluation.protocols`, default tau2_orchestrator = tau2's Orchestrator with a simulated user; BFCL multi-turn:
 bfcl's loop and checker, a rehearsal round per user turn). The model is loaded once per model; run_eval's
 cache (``<out>/eval/cache/<fingerprint>``: per tau2 task, per BFCL entry) makes a rerun resume.
 
@@ -40,6 +42,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
+from envace_core.evaluation.protocols import MAX_STEPS, PROTOCOLS, TAU2_ORCHESTRATOR
 from envace_core.evaluation.stats import mean_ci
 from envace_core.store.files import atomic_write_text
 
@@ -55,7 +58,7 @@ class BenchmarkError(EnvaceError):
 
 # ---------------------------------------------------------------------------------------- arguments
 def parse_conditions(text: str) -> list[str]:
-    """``none,parallel:2,...`` -> canonical condition names (`eval_run.parse_rehearsal` syntax), ``none``
+    """``none,parallel:2,...`` -> canonical condition names (`evaluation.options.parse_rehearsal` syntax), ``none``
     first. Raises `BenchmarkError` for a bad item, a duplicate, or no ``none`` (the paired baseline)."""
     from envace_core.evaluation.options import parse_rehearsal
 
@@ -96,7 +99,7 @@ def parse_models(models: str, trained: str | None) -> list[tuple[str, str]]:
 
 
 def parse_benches(text: str) -> list[str]:
-    """Bench labels via `eval_run.parse_benches`; only tau2 domains and BFCL multi-turn categories (the
+    """Bench labels via `evaluation.options.parse_benches`; only tau2 domains and BFCL multi-turn categories (the
     ones Private Rehearsal acts on). Raises `BenchmarkError`."""
     from envace_core.evaluation.bfcl import MULTI_TURN_CATEGORIES
     from envace_core.evaluation.options import parse_benches as parse
@@ -132,17 +135,16 @@ def parse_user(text: str | None) -> dict[str, str]:
 def item_outcomes(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     """{bench label: {item id: success in [0, 1]}} from one `run_eval` result.
 
-    tau2: mean over trials of tau2's ``is_successful(reward)`` per task (records with reward None, i.e.
-    judged only by NL assertions, are left out); BFCL: ``valid`` per entry of each category."""
-    from tau2.metrics.agent_metrics import is_successful
-
+    tau2: mean over trials of the harness's ``success`` (tau2's ``is_successful(reward)``) per task; records
+    left unscored (success None, i.e. judged only by NL assertions) are left out; BFCL: ``valid`` per entry of
+    each category."""
     out: dict[str, dict[str, float]] = {}
     for b in result["benches"]:
         if b["bench"] == "tau2":
             per: dict[str, list[float]] = {}
             for r in b["results"]:
-                if r.get("reward") is not None:
-                    per.setdefault(str(r["task_id"]), []).append(float(is_successful(r["reward"])))
+                if r.get("success") is not None:
+                    per.setdefault(str(r["task_id"]), []).append(float(r["success"]))
             out[f"tau2:{b['name']}"] = {k: statistics.fmean(v) for k, v in per.items()}
         elif b["bench"] == "bfcl":
             for cat, c in b["report"]["categories"].items():
@@ -303,8 +305,8 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
         timing: dict[tuple[str, str], dict[str, Any]] = {}
         for cond in conditions:
             opts = EvalOptions(model=ref, benches=",".join(benches), out=str(Path(args.out) / "eval"), rehearsal=cond,
-                               limit=args.limit, max_steps=args.max_steps, seed=args.seed, profile=args.profile,
-                               overrides=args.overrides, **user)
+                               limit=args.limit, protocol=args.protocol, max_steps=args.max_steps, seed=args.seed,
+                               profile=args.profile, overrides=args.overrides, **user)
             res = run_eval(opts, engine=engine, n_params=n_params, log=log)
             user_desc = res["user_simulator"]
             meta[label] = res["model"]
@@ -326,7 +328,7 @@ def run(args: argparse.Namespace, log: Callable[[str], None] = print) -> dict[st
             "machine": {"cpus": os.cpu_count(), "torch_threads": _torch_threads(), "load_avg_start": load0,
                         "load_avg_end": os.getloadavg()},
             "settings": {"conditions": conditions, "benches": benches, "limit": args.limit, "split": "test",
-                         "max_steps": args.max_steps, "seed": args.seed, "profile": args.profile,
+                         "protocol": args.protocol, "max_steps": args.max_steps, "seed": args.seed, "profile": args.profile,
                          "overrides": args.overrides, "n_boot": args.n_boot,
                          "bfcl_rehearsal": "a round at the start of every user turn (every step with rehearsal.reenter)"},
             "user_simulator": user_desc + (" (each model simulates its own user; --user REF fixes one)"
@@ -349,7 +351,7 @@ def results_section(report: dict[str, Any]) -> str:
     return "\n".join([
         f"## Private Rehearsal effect (issue 4 item 7), {report['date']}", "",
         (f"Command: `{report['command']}`; wall {report['wall_s']:.0f} s; first {s['limit']} items per bench "
-         f"(tau2 {s['split']} split, ≤ {s['max_steps']} orchestrator steps; BFCL rehearsal: {s['bfcl_rehearsal']}); "
+         f"(tau2 {s['split']} split, {_protocol_text(s)}; BFCL rehearsal: {s['bfcl_rehearsal']}); "
          f"models: {models}; user simulator: {report['user_simulator']}; {m['cpus']} CPUs, "
          f"{m['torch_threads']} torch threads, load average "
          f"(1/5/15 min) {load(m['load_avg_start'])} at start, {load(m['load_avg_end'])} at end. Success: tau2 "
@@ -358,6 +360,16 @@ def results_section(report: dict[str, Any]) -> str:
         markdown(report["cells"]), "",
         (f"Full scale ({', '.join(f'{b}: {n}' for b, n in est['items'].items())} items per model and condition), "
          f"estimated from the measured seconds per episode: {estimate_text(est)}."), ""])
+
+
+def _protocol_text(settings: dict[str, Any]) -> str:
+    """The tau2 protocol in a few words (reports written before ``--protocol`` existed: the orchestrator)."""
+    from envace_core.evaluation.protocols import TAU2_ORCHESTRATOR
+
+    protocol = settings.get("protocol", TAU2_ORCHESTRATOR)
+    if protocol == TAU2_ORCHESTRATOR:
+        return f"protocol {protocol}, ≤ {settings['max_steps']} orchestrator steps"
+    return f"protocol {protocol} (opening request only, no user simulator)"
 
 
 def _append(path: Path, text: str) -> None:
@@ -380,7 +392,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--limit", type=int, default=3, help="first N items per bench (default 3; full scale is hours)")
     ap.add_argument("--user", default="policy", help="user simulator: policy (run_eval's default: the evaluated "
                     "model itself), a model ref, or an OpenAI-compatible base URL")
-    ap.add_argument("--max-steps", type=int, default=30, help="tau2 orchestrator steps per task")
+    ap.add_argument("--protocol", default=TAU2_ORCHESTRATOR, choices=list(PROTOCOLS),
+                    help="tau2 protocol (envace_core.evaluation.protocols; default: %(default)s)")
+    ap.add_argument("--max-steps", type=int, default=MAX_STEPS, help="tau2_orchestrator steps per task")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-boot", type=int, default=2000)
     ap.add_argument("--profile", default="cpu-smoke")
@@ -394,9 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(args: argparse.Namespace) -> None:
     """Everything checkable before a model loads: the options, the profile and overrides
     (`config.load_config`), --max-steps (`EvalOptions.check`), and every model reference (--models,
-    --trained, --user REF) with `eval_run.check_model_ref` (registry versions verified, adapter folders
+    --trained, --user REF) with `models.check_model_ref` (registry versions verified, adapter folders
     checked, base model folders found). Raises `EnvaceError` (`BenchmarkError`, `config.ConfigError`,
-    `eval_run.ModelRefError`, `models.ModelNotFoundError`)."""
+    `models.ModelRefError`, `models.ModelNotFoundError`)."""
     from envace_core.config import load_config
     from envace_core.evaluation.options import EvalOptions
     from envace_core.models import check_model_ref
@@ -409,8 +423,8 @@ def check_args(args: argparse.Namespace) -> None:
     parse_benches(args.benches)
     models = parse_models(args.models, args.trained)
     cfg = load_config(args.profile, args.overrides)
-    EvalOptions(model="", benches=args.benches, out=args.out, limit=args.limit, max_steps=args.max_steps,
-                seed=args.seed, **parse_user(args.user)).check()
+    EvalOptions(model="", benches=args.benches, out=args.out, limit=args.limit, protocol=args.protocol,
+                max_steps=args.max_steps, seed=args.seed, **parse_user(args.user)).check()
     user = parse_user(args.user).get("user_model")
     for what, ref in [(f"model {label}", ref) for label, ref in models] + ([("--user", user)] if user else []):
         try:

@@ -8,7 +8,8 @@
                     [--reenter] [--no-verifier] [--max-turns K]      Private Rehearsal on one tau2 task
     envace rehearse --list [DOMAIN]  list the tau2 task ids per split
     envace eval --model REF --bench tau2:airline,bfcl:simple [--rehearsal parallel:4] [--out DIR]
-                [--trials K] [--split test|full] [--limit N] [--user-model REF | --user-url URL]
+                [--protocol tau2_orchestrator|opening_request] [--trials K] [--split test|full] [--limit N]
+                [--user-model REF | --user-url URL]
                                      benchmarks with their own scorers; results.json + report.md + PNGs
     envace adapt-tools --model REF --tools tools.json [--examples ex.jsonl] [--domain retail] [--tasks N]
                 [--config PROFILE] [--set k=v ...] [--name NAME] [--registry PATH] [--measure]
@@ -24,6 +25,7 @@ import sys
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
 from envace_core.config import PROFILES, load_config
+from envace_core.evaluation.protocols import MAX_STEPS, PROTOCOLS, TAU2_ORCHESTRATOR
 
 
 def _train(args) -> int:
@@ -87,7 +89,7 @@ def _registry(args) -> int:
 
 
 def _rehearse(args) -> int:
-    """Private Rehearsal on one tau2 task, shown step by step (`envace_core.rehearse_run`)."""
+    """Private Rehearsal on one tau2 task, shown step by step (`envace_core.rehearsal.inspect`)."""
     from envace_core.rehearsal.inspect import (
         LIST_HINT,
         find_task,
@@ -125,7 +127,7 @@ def _rehearse(args) -> int:
 
 
 def _eval(args) -> int:
-    """Benchmark evaluation (`envace_core.eval_run`), then the report (`evaluation.report`)."""
+    """Benchmark evaluation (`evaluation.harness.run_eval`), then the report (`evaluation.report`)."""
     from envace_core.evaluation import report
     from envace_core.evaluation.harness import run_eval
     from envace_core.evaluation.options import EvalOptions
@@ -133,8 +135,8 @@ def _eval(args) -> int:
     opts = EvalOptions(
         model=args.model, benches=args.bench, out=args.out, rehearsal=args.rehearsal, user_model=args.user_model,
         user_url=args.user_url, user_url_model=args.user_url_model, judge_model=args.judge_model,
-        judge_url=args.judge_url, trials=args.trials, split=args.split, limit=args.limit, max_steps=args.max_steps,
-        seed=args.seed, profile=args.profile, overrides=args.overrides)
+        judge_url=args.judge_url, trials=args.trials, split=args.split, limit=args.limit, protocol=args.protocol,
+        max_steps=args.max_steps, seed=args.seed, profile=args.profile, overrides=args.overrides)
     res = run_eval(opts)
     paths = report.write_report(res, args.out)
     report.print_summary(res)
@@ -254,7 +256,11 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--trials", type=int, default=1, help="k trials per task (pass^k)")
     e.add_argument("--split", default="test", choices=["test", "full"], help="tau2 split (full = every task)")
     e.add_argument("--limit", type=int, help="first N tasks / entries / samples per bench (smoke runs)")
-    e.add_argument("--max-steps", type=int, default=30, help="tau2 orchestrator steps per task")
+    e.add_argument("--protocol", default=TAU2_ORCHESTRATOR, choices=list(PROTOCOLS),
+                   help="how tau2 runs: tau2_orchestrator = tau2's Orchestrator with a simulated user (tau2-bench's "
+                   "own protocol); opening_request = the opening request only, at most eval.max_turns ACT turns, "
+                   "no user simulator (fast; what the main job's evaluate stage uses by default)")
+    e.add_argument("--max-steps", type=int, default=MAX_STEPS, help="tau2_orchestrator steps per task")
     e.add_argument("--user-model", help="user simulator model ref (default: the evaluated policy)")
     e.add_argument("--user-url", help="user simulator as an OpenAI-compatible base URL (…/v1)")
     e.add_argument("--user-url-model", default="default", help="model name sent to --user-url / --judge-url")

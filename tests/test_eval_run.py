@@ -151,7 +151,8 @@ def test_tiny_model_end_to_end_then_resume(tiny_model_dir, over, tmp_path, capsy
     assert all(w["ran"] >= 1 and w["cached"] == 0 for w in first["work"].values())
     tau = next(b for b in first["benches"] if b["bench"] == "tau2")
     [rec] = tau["results"]
-    assert rec["task_id"] == "2" and rec["error"] is None and rec["reward"] in (0.0, 1.0)
+    assert rec["task_id"] == "airline/2" and rec["error"] is None and rec["reward"] in (0.0, 1.0)
+    assert rec["protocol"] == first["settings"]["protocol"] == "tau2_orchestrator"  # envace eval's default
     assert tau["summary"]["pass_hat_k"]["1"] == rec["reward"]
     assert rec["agent_stats"]["rehearsal_rounds"] >= (1 if rec["agent_stats"]["act_calls"] else 0)
     bfcl = next(b for b in first["benches"] if b["bench"] == "bfcl")["report"]
@@ -197,3 +198,52 @@ def test_evaluate_workflow_runs_locally_with_a_deck(tiny_model_dir, over, tmp_pa
                               profile="test", overrides=over))
     assert out["benches"][0]["report"]["categories"]["simple_python"]["n"] == 1
     assert Path(out["report_paths"]["report"]).is_file() and len(out["report_paths"]["plots"]) == 2
+
+
+# ------------------------------------------------------------------- one harness, two callers
+@pytest.mark.parametrize("protocol", ["opening_request", "tau2_orchestrator"])
+def test_evaluate_stage_and_envace_eval_give_the_same_records_and_the_manifest_names_the_protocol(
+        tiny_model_dir, tmp_path, protocol):
+    """The main job's evaluate stage and `envace eval` on the same model, task, protocol and seed give the
+    same per-task records (with and without rehearsal); the registered manifest names the protocol."""
+    from envace_core.config import load_config
+    from envace_core.evaluation.protocols import PROTOCOLS
+    from envace_core.stages.curate import curate
+    from envace_core.stages.evaluate import evaluate
+    from envace_core.stages.register import register
+
+    over = {"model": {"ref": str(tiny_model_dir), "compute_dtype": "float32"},
+            "eval": {"protocol": protocol, "max_turns": 2}, "rollout": {"max_new_tokens_act": 6},
+            "store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "registry")}}
+    cfg = load_config("test", over)
+    ds = curate(cfg)
+    stage = evaluate(cfg, ds, {"adapter_dir": None})
+    assert stage["protocol"]["name"] == protocol and stage["protocol"]["skips"] == PROTOCOLS[protocol].skips
+    by_cond = {c: [r for r in stage["results"] if r["condition"] == c] for c in ("no_rehearsal", "parallel:2")}
+    assert all(len(rs) == 1 for rs in by_cond.values())  # the test profile's one test task, each condition
+    for cond, rehearsal in (("no_rehearsal", "none"), ("parallel:2", "parallel:2")):
+        out = tmp_path / f"eval-{rehearsal.replace(':', '')}"
+        assert main(["--profile", "test", "--overrides", json.dumps(over), "eval", "--model", str(tiny_model_dir),
+                     "--bench", "tau2:airline", "--protocol", protocol, "--rehearsal", rehearsal, "--limit", "1",
+                     "--seed", str(cfg.train.seed), "--out", str(out)]) == 0
+        res = json.loads((out / "results.json").read_text())
+        assert res["protocol"]["tau2"]["name"] == protocol and res["settings"]["protocol"] == protocol
+        [cli] = res["benches"][0]["results"]
+        [job] = [{k: v for k, v in r.items() if k != "condition"} for r in by_cond[cond]]
+        assert cli["protocol"] == protocol and cli["task_id"] == job["task_id"] == "airline/2"
+        assert cli == json.loads(json.dumps(job, default=str))  # every field: reward, stats, terminations, ...
+        if rehearsal != "none" and cli["agent_stats"]["act_calls"]:
+            assert cli["agent_stats"]["rehearsals"] == 2  # the rehearsal condition did rehearse, in both
+    summary = stage["summary"]["no_rehearsal|all"]
+    assert summary["n"] == 1 and summary["pass^1"] == by_cond["no_rehearsal"][0]["success"]
+
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"lora")
+    trained = {"adapter_dir": str(adapter), "base_model_dir": str(tiny_model_dir), "run_id": "r1", "history": []}
+    reg = register(cfg, ds, trained, {"metrics": {}, "gate": {}}, stage)
+    manifest = json.loads(Path(reg["manifest"]).read_text())
+    assert set(manifest["metrics"]["evaluation"]) == {"no_rehearsal|airline", "no_rehearsal|all",
+                                                      "parallel:2|airline", "parallel:2|all"}
+    assert manifest["metrics"]["evaluation_protocol"]["name"] == protocol
+    assert manifest["metrics"]["evaluation_protocol"]["turns"] == PROTOCOLS[protocol].turns

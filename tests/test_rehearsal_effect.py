@@ -129,13 +129,14 @@ def test_conditions_must_score_the_same_items():
 def test_item_outcomes_and_rehearsal_counts_from_a_run_eval_result():
     res = {"benches": [
         {"bench": "tau2", "name": "airline", "results": [
-            {"task_id": "1", "reward": 1.0, "agent_stats": {"rehearsals": 2}},
-            {"task_id": "2", "reward": 0.0, "agent_stats": {"rehearsals": 2}},
-            {"task_id": "3", "reward": None, "agent_stats": {}}]},  # judged only by NL assertions: left out
+            {"task_id": "airline/1", "reward": 1.0, "success": 1.0, "agent_stats": {"rehearsals": 2}},
+            {"task_id": "airline/2", "reward": 0.0, "success": 0.0, "agent_stats": {"rehearsals": 2}},
+            {"task_id": "airline/3", "reward": None, "success": None,  # judged only by NL assertions: left out
+             "agent_stats": {}}]},
         {"bench": "bfcl", "name": "bfcl", "report": {"categories": {"multi_turn_base": {"entries": [
             {"id": "multi_turn_base_0", "valid": True, "rehearsal": {"rehearsals": 6}},
             {"id": "multi_turn_base_1", "valid": False, "rehearsal": None}]}}}}]}
-    assert re_.item_outcomes(res) == {"tau2:airline": {"1": 1.0, "2": 0.0},
+    assert re_.item_outcomes(res) == {"tau2:airline": {"airline/1": 1.0, "airline/2": 0.0},
                                       "bfcl:multi_turn_base": {"multi_turn_base_0": 1.0, "multi_turn_base_1": 0.0}}
     assert re_.rehearsals_run(res) == {"tau2:airline": 4, "bfcl:multi_turn_base": 6}
 

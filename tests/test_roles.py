@@ -346,7 +346,7 @@ def test_user_prompt_is_tau2s_user_simulator_prompt(tok, airline_task):
     """Same system prompt and role flipping as tau2's UserSimulator (as our eval user simulator sends it)."""
     from tau2.data_model.message import AssistantMessage, UserMessage
 
-    from envace_core.evaluation.tau2 import EnvaceUserSimulator
+    from envace_core.evaluation.tau2_agents import EnvaceUserSimulator
 
     instr = user_instructions(airline_task.user_scenario)
     assert "Known info:" in instr and "anya_garcia_5901" in instr and "Unknown info:" in instr

@@ -1,4 +1,5 @@
-"""Our agent and user simulator under tau2's OWN Orchestrator and evaluator (METHOD.md §4, §6)."""
+"""The tau2 harness: our agent and user simulator under tau2's OWN Orchestrator and evaluator (METHOD.md §4, §6),
+and the opening-request protocol scored by the same evaluator."""
 
 from __future__ import annotations
 
@@ -9,14 +10,11 @@ import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
 from envace_core.engines.base import Completion
-from envace_core.evaluation.tau2 import (
-    AGENT_NAME,
-    EnvaceTau2Agent,
-    EnvaceUserSimulator,
-    build_orchestrator,
-    run_tau2,
-    summarize,
-)
+from envace_core import EnvaceError
+from envace_core.envs.tau2.tasks import load_tasks
+from envace_core.evaluation.protocols import OPENING_REQUEST, TAU2_ORCHESTRATOR
+from envace_core.evaluation.tau2 import build_orchestrator, run_tau2, summarize
+from envace_core.evaluation.tau2_agents import AGENT_NAME, EnvaceTau2Agent, EnvaceUserSimulator, SimulatedUser
 from envace_core.rehearsal.agent import RehearsalAgent
 from envace_core.training.rollout import RolloutParams
 from tests.scripted import ScriptedEngine
@@ -59,10 +57,21 @@ def tok(bundled_tokenizer_dir):
     return AutoTokenizer.from_pretrained(bundled_tokenizer_dir)
 
 
-def _task19():
-    from tau2.registry import registry
+RP = RolloutParams(max_turns=3, max_new_tokens_act=64, max_new_tokens_rehearse=32, temperature=0.0)
 
-    return next(t for t in registry.get_tasks_loader("airline")("test") if t.id == "19")
+
+def _task19():
+    return next(t for t in load_tasks("airline", "test") if t.id == "airline/19")
+
+
+def plain(engine, rp=RP):
+    """`run_tau2`'s agent_for: the engine as a plain ACT agent (no rehearsal)."""
+    return lambda domain, seed: RehearsalAgent(engine, "none", 0, 200, rp, rp, seed=seed)
+
+
+def orchestrated(engine, user_engine, **kw):
+    return run_tau2([_task19()], plain(engine), TAU2_ORCHESTRATOR, user=SimulatedUser(engine=user_engine),
+                    raise_errors=True, **kw)
 
 
 def test_registered_in_tau2_registry():
@@ -76,8 +85,9 @@ def test_registered_in_tau2_registry():
 
 def test_gold_script_gets_db_reward_1_through_tau2_orchestrator(tok):
     agent, user = ScriptedEngine(tok, [GOLD, FINAL]), UserEngine(tok, USER)
-    rep = run_tau2(agent, "airline", task_ids=["airline/19"], user_engine=user, raise_errors=True)
+    rep = orchestrated(agent, user)
     [r] = rep["results"]
+    assert r["protocol"] == TAU2_ORCHESTRATOR and r["task_id"] == "airline/19" and r["success"] == 1.0
     assert r["reward"] == 1.0 and r["reward_breakdown"]["DB"] == 1.0 and r["db_match"] is True
     assert r["termination_reason"] == "user_stop"
     assert r["agent_stats"]["tool_calls"] == 1 and r["agent_stats"]["parse_errors"] == 0
@@ -95,8 +105,7 @@ def test_wrong_write_gets_db_0(tok):
     db = registry.get_env_constructor("airline")().tools.db
     other = next(rid for rid, r in db.reservations.items() if rid != "Z7GOZK" and r.status != "cancelled")
     wrong = GOLD.replace("Z7GOZK", other)
-    rep = run_tau2(ScriptedEngine(tok, [wrong, FINAL]), "airline", task_ids=["19"],
-                   user_engine=UserEngine(tok, USER), raise_errors=True)
+    rep = orchestrated(ScriptedEngine(tok, [wrong, FINAL]), UserEngine(tok, USER))
     [r] = rep["results"]
     assert r["reward_breakdown"]["DB"] == 0.0 and r["reward"] == 0.0 and r["db_match"] is False
     assert rep["domains"]["airline"]["pass_hat_k"] == {1: 0.0}
@@ -104,7 +113,8 @@ def test_wrong_write_gets_db_0(tok):
 
 def test_parse_failure_becomes_a_text_message_and_is_counted(tok):
     bad = '<tool_call>{"name": "cancel_reservation", "arguments": {"reservation_id": 7}}</tool_call>'
-    orch, agent, _ = build_orchestrator("airline", _task19(), ScriptedEngine(tok, [bad]), UserEngine(tok, USER))
+    orch, agent, _ = build_orchestrator(_task19(), plain(ScriptedEngine(tok, [bad]))("airline", 0),
+                                        SimulatedUser(engine=UserEngine(tok, USER)))
     sim = orch.run()
     assert agent.stats["parse_errors"] == 1 and agent.stats["tool_calls"] == 0
     texts = [m.content for m in sim.messages if m.role == "assistant"]
@@ -116,14 +126,12 @@ def test_rehearsal_makes_no_real_env_calls_and_keeps_db_hash(tok, reenter):
     from tau2.registry import registry
 
     engine = ScriptedEngine(tok, [GOLD, FINAL])
-    rp = RolloutParams(max_turns=3, max_new_tokens_act=64, max_new_tokens_rehearse=32, temperature=0.0)
-    reh = RehearsalAgent(engine, "parallel", 2, 200, act=rp, rehearse=rp, reenter=reenter)
+    reh = RehearsalAgent(engine, "parallel", 2, 200, act=RP, rehearse=RP, reenter=reenter)
     env = registry.get_env_constructor("airline")()
     calls = []
     real_get_response = env.get_response
     env.get_response = lambda tc: (calls.append(tc.name), real_get_response(tc))[1]
-    orch, agent, _ = build_orchestrator("airline", _task19(), engine, UserEngine(tok, USER), rehearsal=reh,
-                                        environment=env)
+    orch, agent, _ = build_orchestrator(_task19(), reh, SimulatedUser(engine=UserEngine(tok, USER)), environment=env)
     seen = []
     real_rehearse = agent._rehearse
 
@@ -165,15 +173,13 @@ def test_pass_hat_k_on_hand_numbers():
 
 def test_resume_skips_finished_results(tok, tmp_path):
     cache = tmp_path / "tau2.jsonl"
-    first = run_tau2(ScriptedEngine(tok, [GOLD, FINAL]), "airline", task_ids=["19"],
-                     user_engine=UserEngine(tok, USER), cache_path=cache, raise_errors=True)
+    first = orchestrated(ScriptedEngine(tok, [GOLD, FINAL]), UserEngine(tok, USER), cache_path=cache)
     assert first["skipped"] == 0 and len(cache.read_text().splitlines()) == 1
-    again = run_tau2(Exploding(tok), "airline", task_ids=["19"], cache_path=cache, raise_errors=True)
+    again = orchestrated(Exploding(tok), Exploding(tok), cache_path=cache)
     assert again["skipped"] == 1 and again["results"][0]["reward"] == 1.0
     assert again["domains"]["airline"]["pass_hat_k"] == {1: 1.0}
     # a second trial is new work: only it runs, and is appended
-    more = run_tau2(ScriptedEngine(tok, [GOLD, FINAL]), "airline", task_ids=["19"], trials=2,
-                    user_engine=UserEngine(tok, USER), cache_path=cache, raise_errors=True)
+    more = orchestrated(ScriptedEngine(tok, [GOLD, FINAL]), UserEngine(tok, USER), cache_path=cache, trials=2)
     assert more["skipped"] == 1 and [json.loads(x)["trial"] for x in cache.read_text().splitlines()] == [0, 1]
     assert more["domains"]["airline"]["pass_hat_k"] == {1: 1.0, 2: 1.0}
 
@@ -185,14 +191,14 @@ def test_smoke_real_tiny_hf_model(tiny_model_dir):
     tok = load_tokenizer(tiny_model_dir)
     engine = HFEngine(load_model(tiny_model_dir), tok, compute_dtype="float32", max_batch_size=2)
     # the real model as both agent and user (its random replies may end the dialogue at once) ...
-    rep = run_tau2(engine, "airline", task_ids=["19"], max_steps=6, raise_errors=True,
-                   agent_kwargs={"max_new_tokens": 8}, user_kwargs={"max_new_tokens": 8})
+    rp = RolloutParams(max_turns=3, max_new_tokens_act=8, max_new_tokens_rehearse=8, temperature=0.0)
+    rep = run_tau2([_task19()], plain(engine, rp), TAU2_ORCHESTRATOR, max_steps=6, raise_errors=True,
+                   user=SimulatedUser(max_new_tokens=8))
     [r] = rep["results"]
     assert r["error"] is None and r["reward"] in (0.0, 1.0) and r["user_stats"]["calls"] >= 1
     # ... and as the agent against a scripted user, so it surely acts
-    rep = run_tau2(engine, "airline", task_ids=["19"], max_steps=8, raise_errors=True,
-                   user_engine=UserEngine(tok, [USER[0], "Anything else?", "###STOP###"]),
-                   agent_kwargs={"max_new_tokens": 8})
+    rep = run_tau2([_task19()], plain(engine, rp), TAU2_ORCHESTRATOR, max_steps=8, raise_errors=True,
+                   user=SimulatedUser(engine=UserEngine(tok, [USER[0], "Anything else?", "###STOP###"])))
     [r] = rep["results"]
     assert r["error"] is None and r["reward"] in (0.0, 1.0) and r["agent_stats"]["act_calls"] >= 1
     assert r["termination_reason"] in ("user_stop", "max_steps", "too_many_errors")
@@ -202,7 +208,7 @@ def test_user_through_an_openai_compatible_loopback_endpoint(tok):
     import threading
     from http.server import BaseHTTPRequestHandler, HTTPServer
 
-    from envace_core.evaluation.tau2 import OpenAIChatClient
+    from envace_core.evaluation.tau2_agents import OpenAIChatClient
 
     bodies = []
 
@@ -224,11 +230,48 @@ def test_user_through_an_openai_compatible_loopback_endpoint(tok):
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         client = OpenAIChatClient(f"http://127.0.0.1:{server.server_port}/v1", "local-user")
-        rep = run_tau2(ScriptedEngine(tok, [GOLD, FINAL]), "airline", task_ids=["19"], user_client=client,
-                       raise_errors=True)
+        rep = run_tau2([_task19()], plain(ScriptedEngine(tok, [GOLD, FINAL])), TAU2_ORCHESTRATOR,
+                       user=SimulatedUser(client=client), raise_errors=True)
     finally:
         server.shutdown()
     assert rep["results"][0]["reward"] == 1.0
     path, body = bodies[0]
     assert path == "/v1/chat/completions" and body["model"] == "local-user"
     assert body["messages"][0]["role"] == "system" and "<scenario>" in body["messages"][0]["content"]
+
+
+# ------------------------------------------------------------------------------ opening_request
+def test_opening_request_scores_the_gold_script_1_and_a_wrong_write_0_with_tau2s_evaluator(tok):
+    from tau2.registry import registry
+
+    rep = run_tau2([_task19()], plain(ScriptedEngine(tok, [GOLD, FINAL])), OPENING_REQUEST, raise_errors=True)
+    [r] = rep["results"]
+    assert r["protocol"] == OPENING_REQUEST and r["task_id"] == "airline/19" and r["error"] is None
+    assert r["reward"] == 1.0 and r["success"] == 1.0 and r["reward_breakdown"]["DB"] == 1.0 and r["db_match"]
+    assert r["termination_reason"] == "agent_message" and r["user_stats"] == {}
+    assert r["agent_stats"] == {"act_calls": 2, "tool_calls": 1, "messages": 1, "parse_errors": 0,
+                                "rehearsal_rounds": 0, "rehearsals": 0, "rejected": 0}
+    db = registry.get_env_constructor("airline")().tools.db
+    other = next(rid for rid, x in db.reservations.items() if rid != "Z7GOZK" and x.status != "cancelled")
+    wrong = run_tau2([_task19()], plain(ScriptedEngine(tok, [GOLD.replace("Z7GOZK", other), FINAL])),
+                     OPENING_REQUEST, raise_errors=True)["results"][0]
+    assert wrong["reward"] == 0.0 and wrong["success"] == 0.0 and wrong["db_match"] is False
+
+
+def test_opening_request_with_rehearsal_records_isolation_and_a_turn_limit_scores_0(tok):
+    engine = ScriptedEngine(tok, [GOLD])  # calls the tool on every turn: never ends by itself
+    reh = lambda domain, seed: RehearsalAgent(engine, "parallel", 2, 200, act=RP, rehearse=RP, seed=seed)
+    [r] = run_tau2([_task19()], reh, OPENING_REQUEST, raise_errors=True)["results"]
+    assert r["termination_reason"] == "max_turns" and r["reward"] == 0.0 and r["agent_stats"]["act_calls"] == 3
+    assert r["agent_stats"]["rehearsals"] == 2 and r["agent_stats"]["rehearsal_rounds"] == 1
+    assert r["isolation"] == {"real_calls_during_rehearsal": 0, "db_hash_unchanged": True}
+
+
+def test_run_tau2_refuses_bad_protocol_trials_and_hooks_for_the_orchestrator(tok):
+    agent = plain(ScriptedEngine(tok, [FINAL]))
+    with pytest.raises(EnvaceError, match="tau2_orchestrator, opening_request"):
+        run_tau2([_task19()], agent, "full")
+    with pytest.raises(EnvaceError, match="trials"):
+        run_tau2([_task19()], agent, OPENING_REQUEST, trials=0)
+    with pytest.raises(EnvaceError, match="opening_request only"):
+        run_tau2([_task19()], agent, TAU2_ORCHESTRATOR, score=lambda task, traj: traj)

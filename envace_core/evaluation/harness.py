@@ -21,6 +21,7 @@ from envace_core.evaluation.options import (
     parse_benches,
     parse_rehearsal,
 )
+from envace_core.evaluation.protocols import TAU2_ORCHESTRATOR, describe
 from envace_core.evaluation.vita import LLMJudge
 from envace_core.models import (
     resolve_model_ref,
@@ -100,44 +101,38 @@ class _Ctx:
         w["cached"] += cached
 
     def rehearsal_agent(self, domain: str):
-        """A `RehearsalAgent` with the `--rehearsal` mode/n and the config's memory budget, verifier,
-        re-entry and temperatures; None for mode "none"."""
-        if self.mode == "none":
-            return None
-        from envace_core.rehearsal.agent import RehearsalAgent
-        from envace_core.rehearsal.verifier import default_checks
-        from envace_core.training.policy import rollout_params
+        """The policy with the `--rehearsal` mode/n (`tau2.policy_agent`; seed ``--seed``); None for mode
+        "none" (the BFCL runner's "no rehearsal")."""
+        return None if self.mode == "none" else self.agent(domain)
 
-        c = self.cfg
-        act = rollout_params(c, temperature=c.eval.temperature, max_turns=c.eval.max_turns)
-        reh = rollout_params(c, temperature=c.rehearsal.temperature, max_turns=c.eval.max_turns)
-        return RehearsalAgent(self.engine, self.mode, self.n, c.rehearsal.memory_max_tokens, act, reh,
-                              seed=self.opts.seed, verifier=default_checks(domain) if c.rehearsal.verifier else None,
-                              reenter=c.rehearsal.reenter)
+    def agent(self, domain: str):
+        """The policy as a `RehearsalAgent` (`tau2.policy_agent`) with the `--rehearsal` mode/n, seed ``--seed``."""
+        from envace_core.evaluation.tau2 import policy_agent
+
+        return policy_agent(self.cfg, self.engine, self.mode, self.n, domain=domain, seed=self.opts.seed)
 
 
 def run_tau2_bench(ctx: _Ctx, domain: str) -> dict:
-    """tau2 `domain` through `run_tau2`, one task at a time (progress bar; cached per (task, trial))."""
+    """tau2 `domain` through `tau2.evaluate_policy` under ``--protocol``, one task at a time (progress bar;
+    cached per (task, trial))."""
     from envace_core.envs.tau2.tasks import load_tasks
-    from envace_core.evaluation.tau2 import run_tau2, summarize
+    from envace_core.evaluation.tau2 import evaluate_policy, summarize
+    from envace_core.evaluation.tau2_agents import SimulatedUser
 
     split = _tau2_split(domain, ctx.opts.split)
     tasks = load_tasks(domain, split, ctx.opts.limit)
     cache = ctx.cache / f"tau2_{domain}.jsonl"
-    c = ctx.cfg
+    user = SimulatedUser(engine=ctx.user_engine, client=ctx.user_client,
+                         max_new_tokens=ctx.opts.user_max_new_tokens)
     results: list[dict] = []
     for task in _progress(tasks, f"tau2:{domain}", len(tasks)):
-        r = run_tau2(ctx.engine, domain, task_ids=[task.id], split=split, trials=ctx.opts.trials,
-                     user_engine=ctx.user_engine, user_client=ctx.user_client,
-                     rehearsal=ctx.rehearsal_agent(domain), max_steps=ctx.opts.max_steps, seed=ctx.opts.seed,
-                     cache_path=cache,
-                     agent_kwargs={"max_new_tokens": c.rollout.max_new_tokens_act, "temperature": c.eval.temperature,
-                                   "policy_max_chars": c.data.policy_max_chars},
-                     user_kwargs={"max_new_tokens": ctx.opts.user_max_new_tokens})
+        r = evaluate_policy(ctx.cfg, ctx.engine, [task], ctx.opts.protocol, mode=ctx.mode, n=ctx.n,
+                            trials=ctx.opts.trials, seed=ctx.opts.seed, user=user, max_steps=ctx.opts.max_steps,
+                            cache_path=cache)
         ctx.count(f"tau2:{domain}", len(r["results"]) - r["skipped"], r["skipped"])
         results += r["results"]
     summary = summarize(results, ctx.opts.trials).get(domain, {})
-    return {"bench": "tau2", "name": domain, "split": split, "summary": summary,
+    return {"bench": "tau2", "name": domain, "split": split, "protocol": ctx.opts.protocol, "summary": summary,
             "results": results}
 
 
@@ -249,7 +244,7 @@ def run_vita_bench(ctx: _Ctx, path: str) -> dict:
                 results.append(have[(task.id, trial)])
                 ctx.count("vita", 0, 1)
                 continue
-            agent = ctx.rehearsal_agent(task.domain) or _plain_agent(ctx)
+            agent = ctx.agent(task.domain)
             agent.seed = ctx.opts.seed + trial
             env = VitaEnvironment()
             env.reset(task)
@@ -270,15 +265,6 @@ def run_vita_bench(ctx: _Ctx, path: str) -> dict:
     return {"bench": "vita", "name": path, "metrics": vita_metrics(by_task), "results": results,
             "terminations": dict(Counter(r["termination"] for r in results)),
             "judge_stats": dict(getattr(ctx.judge, "stats", {}))}
-
-
-def _plain_agent(ctx: _Ctx):
-    from envace_core.rehearsal.agent import RehearsalAgent
-    from envace_core.training.policy import rollout_params
-
-    c = ctx.cfg
-    act = rollout_params(c, temperature=c.eval.temperature, max_turns=c.eval.max_turns)
-    return RehearsalAgent(ctx.engine, "none", 0, c.rehearsal.memory_max_tokens, act, act, seed=ctx.opts.seed)
 
 
 def run_finmcp_bench(ctx: _Ctx, path: str) -> dict:
@@ -315,7 +301,7 @@ def run_finmcp_bench(ctx: _Ctx, path: str) -> dict:
 # -------------------------------------------------------------------------------------------- run
 def _user(opts: EvalOptions, cfg: RunConfig, engine):
     """(user engine, user client, description) from --user-model / --user-url (default: the policy)."""
-    from envace_core.evaluation.tau2 import OpenAIChatClient
+    from envace_core.evaluation.tau2_agents import OpenAIChatClient
 
     if opts.user_url:
         return None, OpenAIChatClient(opts.user_url, opts.user_url_model), \
@@ -328,7 +314,7 @@ def _user(opts: EvalOptions, cfg: RunConfig, engine):
 
 
 def _judge(opts: EvalOptions, cfg: RunConfig, user_engine, user_client, user_desc: str):
-    from envace_core.evaluation.tau2 import OpenAIChatClient
+    from envace_core.evaluation.tau2_agents import OpenAIChatClient
 
     if opts.judge_url:
         return LLMJudge(client=OpenAIChatClient(opts.judge_url, opts.user_url_model)), f"endpoint {opts.judge_url}"
@@ -360,7 +346,8 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
     judge, judge_desc = _judge(opts, cfg, user_engine, user_client, user_desc) \
         if any(s.bench == "vita" for s in specs) else (None, None)
     load_s = time.perf_counter() - t0
-    log(f"[eval] model {model.label}; rehearsal {opts.rehearsal}; user {user_desc}; cache {cache}")
+    log(f"[eval] model {model.label}; tau2 protocol {opts.protocol}; rehearsal {opts.rehearsal}; user {user_desc}; "
+        f"cache {cache}")
     ctx = _Ctx(opts, cfg, mode, n, engine, user_engine, user_client, judge, cache)
     benches: list[dict] = []
     bench_seconds: dict[str, float] = {}
@@ -376,15 +363,18 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
         elif s.arg == bfcl_cats[0]:  # all BFCL categories in one report (bfcl's overall spans them)
             benches.append(run_bfcl_benches(ctx, bfcl_cats))
         bench_seconds[s.label] = time.perf_counter() - t1
+    tau2_limits = {"max_steps": opts.max_steps, "user_model": user_desc} if opts.protocol == TAU2_ORCHESTRATOR \
+        else {"max_turns": cfg.eval.max_turns}
     return {
         "model": {"ref": model.ref, "base": model.base_ref, "adapter": model.adapter_dir, "label": model.label,
                   "n_params": n_params, "registry_version": (model.manifest or {}).get("version")},
         "settings": {"benches": [s.label for s in specs],
                      "rehearsal": {"mode": mode, "n": n, "applies_to": REHEARSAL_APPLIES_TO},
-                     "trials": opts.trials, "split": opts.split, "limit": opts.limit, "max_steps": opts.max_steps,
+                     "protocol": opts.protocol, "trials": opts.trials, "split": opts.split, "limit": opts.limit,
+                     "max_steps": opts.max_steps,
                      "seed": opts.seed, "profile": opts.profile, "overrides": opts.overrides},
         "user_simulator": user_desc, "judge": judge_desc, "fingerprint": fp, "cache": str(cache),
-        "protocol": {"tau2": "tau2 Orchestrator + evaluate_simulation; NL assertions skipped (no judge offline)",
+        "protocol": {"tau2": describe(opts.protocol, trials=opts.trials, seed=opts.seed, **tau2_limits),
                      "bfcl": "bfcl-eval AST / multi-turn checkers; Private Rehearsal (as --rehearsal) in "
                              "multi-turn categories only, single-turn categories never rehearse",
                      "vita": "opening request only, generated read-only tools (not the official ones), "

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
+from envace_core.evaluation.protocols import MAX_STEPS, TAU2_ORCHESTRATOR, USER_MAX_NEW_TOKENS, check_protocol
 from envace_core.models import (
     ResolvedModel,
 )
@@ -96,7 +97,8 @@ def parse_rehearsal(text: str) -> tuple[str, int]:
 class EvalOptions:
     """What `envace eval` takes (see the CLI help). `limit`: first N tasks/entries/samples per bench (None =
     all); `trials`: k for pass^k (tau2, VitaBench); `split`: tau2 only (the other benches have one set);
-    `max_steps`: tau2 orchestrator steps (agent + user messages); `user_url_model`:
+    `protocol`: how tau2 is run and scored (`evaluation.protocols`: tau2_orchestrator, opening_request);
+    `max_steps`: tau2_orchestrator steps (agent + user messages); `user_url_model`:
     the model name sent to `user_url`; `judge_url`/`judge_model`: VitaBench rubric judge (default: the user
     simulator)."""
 
@@ -112,8 +114,9 @@ class EvalOptions:
     trials: int = 1
     split: str = "test"
     limit: int | None = None
-    max_steps: int = 30
-    user_max_new_tokens: int = 128
+    protocol: str = TAU2_ORCHESTRATOR
+    max_steps: int = MAX_STEPS
+    user_max_new_tokens: int = USER_MAX_NEW_TOKENS
     seed: int = 0
     profile: str = "cpu-smoke"
     overrides: str = ""
@@ -126,6 +129,7 @@ class EvalOptions:
             raise EnvaceError(f"--split {self.split!r}: choose one of {', '.join(SPLITS)}")
         if self.limit is not None and self.limit < 1:
             raise EnvaceError(f"--limit must be >= 1 (or omitted for all), got {self.limit}")
+        check_protocol(self.protocol)
         if self.max_steps < 2:
             raise EnvaceError(f"--max-steps must be >= 2, got {self.max_steps}")
         if self.user_model and self.user_url:

@@ -1,4 +1,4 @@
-"""The benchmark report of `eval_run.run_eval`: ``results.json``, ``report.md``, PNG plots, ``report.html``.
+"""The benchmark report of `harness.run_eval`: ``results.json``, ``report.md``, PNG plots, ``report.html``.
 
 Headline numbers (percent, as the paper prints them):
   * tau2-bench: mean over the domains run (mock excluded) of pass^1 (tau2's ``pass_hat_k`` with k = 1);
@@ -129,6 +129,16 @@ def _tau2_md(results: dict) -> list[str]:
             "reward basis). NL assertions need an LLM judge, unavailable offline: they are left out of the basis.", ""]
 
 
+def _protocol_md(results: dict) -> list[str]:
+    """The tau2 protocol lines of the settings list (`evaluation.protocols`): its name, user and what it skips."""
+    p = (results.get("protocol") or {}).get("tau2")
+    if not isinstance(p, dict):  # results written before the protocol was an option
+        return [f"- user simulator (tau2): {results['user_simulator']}"]
+    user = f"user simulator (tau2): {results['user_simulator']}" if p.get("user_model") else \
+        f"user (tau2): {p['user']}"
+    return [f"- tau2 protocol: `{p['name']}` ({p['turns']}); skips: {p['skips']}", f"- {user}"]
+
+
 def _bfcl_md(results: dict) -> list[str]:
     bs = _by(results, "bfcl")
     if not bs:
@@ -223,7 +233,7 @@ def markdown(results: dict, plots: list[str]) -> str:
              + f" ({reh.get('applies_to', 'tau2 and VitaBench only')})",
              *([(f"- no rehearsal ran for {', '.join(not_rehearsed(results))} in this run (single-turn BFCL and "
                  "FinMCP never rehearse)")] if not_rehearsed(results) else []),
-             f"- user simulator (tau2): {results['user_simulator']}",
+             *_protocol_md(results),
              f"- trials k = {s['trials']}; split {s['split']}; limit {s['limit'] or 'none'} per bench; "
              f"tau2 max steps {s['max_steps']}; seed {s['seed']}",
              "- work: " + ", ".join(f"{b}: {w['ran']} ran, {w['cached']} from cache" for b, w in results["work"].items()),

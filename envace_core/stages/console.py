@@ -2,11 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    pass
-
+from typing import Any
 
 
 def _console():
@@ -37,15 +33,18 @@ def print_training_table(history: list[dict[str, Any]]) -> None:
     _console().print(table)
 
 
-def print_eval_table(summary: dict[str, dict[str, Any]]) -> None:
+def print_eval_table(summary: dict[str, dict[str, Any]], protocol: str) -> None:
+    """One row per "<condition>|<domain>" of `stages.evaluate.summarise_eval`: tasks, scored, pass^1
+    (— when none was scored), mean sub-rewards, termination reasons; the title names the protocol."""
     from rich.table import Table
 
-    table = Table(title="tau2-bench evaluation (test split)")
-    for c in ("condition", "domain", "tasks", "pass^1", "sub-rewards", "terminations"):
+    table = Table(title=f"tau2-bench evaluation (test split, protocol {protocol})")
+    for c in ("condition", "domain", "tasks", "scored", "pass^1", "sub-rewards", "terminations"):
         table.add_column(c)
     for key, s in summary.items():
         cond, dom = key.split("|")
-        table.add_row(cond, dom, str(s["n"]), f"{s['pass^1']:.3f}",
-                      ", ".join(f"{k}={v:.2f}" for k, v in s["sub_rewards"].items()),
-                      ", ".join(f"{k}:{v}" for k, v in s["terminations"].items()))
+        table.add_row(cond, dom, str(s["n"]), str(s["n_scored"]),
+                      "—" if s["pass^1"] is None else f"{s['pass^1']:.3f}",
+                      ", ".join(f"{k}={v:.2f}" for k, v in s["reward_breakdown"].items()),
+                      ", ".join(f"{k}:{v}" for k, v in s["termination_reasons"].items()))
     _console().print(table)

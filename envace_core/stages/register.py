@@ -6,10 +6,8 @@ import json
 import tempfile
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
-if TYPE_CHECKING:
-    pass
 from envace_core.config import RunConfig
 from envace_core.store.files import dir_checksums, sha256_bytes
 from envace_core.store.uri import open_store
@@ -27,8 +25,11 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
     sha256 of every artifact, and an HMAC when a key is set) records the base model and its hash,
     the dataset version, counts and DVC md5 (`dataset.dvc`, {"tracked": False, "reason"} if curate
     ran outside a DVC repo), git commit and dirty flag, the full resolved config, the Flyte
-    execution id, metrics and both gates' per-expectation results. Works with a local or an
-    s3:// registry (`store.registry`); returns {"name", "version", "path", "manifest"}.
+    execution id, metrics and both gates' per-expectation results. ``metrics.evaluation`` holds
+    pass^1 per "<condition>|<domain>" and ``metrics.evaluation_protocol`` the tau2 protocol that
+    measured them (`evaluation.protocols.describe`: name, user, turns, scoring, skips, trials, seed;
+    None when `evaluation` names none, e.g. tool learning's registration, which measures separately).
+    Works with a local or an s3:// registry (`store.registry`); returns {"name", "version", "path", "manifest"}.
     `extra_manifest` adds top-level manifest keys (tool learning: `parent`, `tools`, ...) and
     `extra_artifacts` ({relative path: text}) adds hashed artifact files.
     """
@@ -62,7 +63,8 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
             "metrics": {"training": trained["history"][-1] if trained["history"] else {},
                         "learning_signal": trained.get("learning_signal"),
                         "validation": validation["metrics"],
-                        "evaluation": {k: v["pass^1"] for k, v in evaluation["summary"].items()}},
+                        "evaluation": {k: v["pass^1"] for k, v in evaluation["summary"].items()},
+                        "evaluation_protocol": evaluation.get("protocol")},
             "gates": {"dataset": dataset.get("gate"), "rehearsal": validation["gate"]},
             "run_id": trained["run_id"],
             **(extra_manifest or {}),
