@@ -472,7 +472,7 @@ PROFILES: dict[str, dict[str, Any]] = {
                     "max_new_tokens_act": 512, "max_new_tokens_rehearse": 512},
         "train": {"iterations": 50, "learning_rate": 1e-6, "micro_batch_rows": 8},
         "rehearsal": {"mode": "parallel", "n": 4, "memory_max_tokens": 1024},
-        "eval": {"max_turns": 30},
+        "eval": {"max_turns": 30, "protocol": "tau2_orchestrator"},
         "validate": {"max_transitions": 200, "min_json_validity": 0.9, "min_fidelity": 0.5,
                      "max_parse_error_rate": 0.1},
     },

@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field
 import envace_core  # noqa: F401  (offline environment before tau2)
 from envace_core import EnvaceError
 from envace_core.engines.base import Engine, SamplingParams
-from envace_core.envs.tau2.tasks import truncate_policy
+from envace_core.envs.tau2.tasks import tool_spec, truncate_policy
 from envace_core.rehearsal.agent import RehearsalAgent, RehearsalRound
 from envace_core.roles.act import CALL_FORMAT, act_prompt_ids, parse_act
 from envace_core.roles.errors import ParseError, format_error
@@ -54,7 +54,6 @@ from envace_core.types import (
     Step,
     TaskContext,
     ToolCall,
-    ToolSpec,
 )
 
 # isort: off
@@ -75,13 +74,6 @@ from tau2.user.user_simulator import UserSimulator
 AGENT_NAME = "envace_agent"
 USER_NAME = "envace_user_simulator"
 NO_OUTPUT = "(no output)"
-
-
-def tool_spec(tool: Any) -> ToolSpec:
-    """Our `ToolSpec` of a tau2 ``Tool`` (its OpenAI schema)."""
-    fn = tool.openai_schema["function"]
-    return ToolSpec(name=fn["name"], description=fn.get("description", "") or "",
-                    parameters=fn.get("parameters") or {"type": "object", "properties": {}})
 
 
 def to_envace_history(messages: Sequence[Any]) -> list[Message]:

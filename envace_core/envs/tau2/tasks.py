@@ -135,11 +135,12 @@ def tau2_task(task: Task):
 def domain_static(domain: str) -> tuple[tuple[ToolSpec, ...], str]:
     """(agent tool specs, policy text) of a domain; read once per process from a throwaway env."""
     env = tau2_registry().get_env_constructor(check_domain(domain))()
-    tools = tuple(_tool_spec(t) for t in env.get_tools())
+    tools = tuple(tool_spec(t) for t in env.get_tools())
     return tools, env.get_policy()
 
 
-def _tool_spec(tool: Any) -> ToolSpec:
+def tool_spec(tool: Any) -> ToolSpec:
+    """Our `ToolSpec` of a tau2 ``Tool`` (its OpenAI function schema)."""
     fn = tool.openai_schema["function"]
     return ToolSpec(
         name=fn["name"],
