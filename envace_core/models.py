@@ -173,9 +173,9 @@ def check_adapter_dir(path: str | Path) -> list[Path]:
     """The adapter folders to load from `path`: ``[path]``, or ``[path/act, path/rehearse]`` for a per-role
     policy (`train.policy_per_role`). Reads only the configs and the safetensors headers, no weights.
 
-    Raises `AdapterError` naming the folder: it does not exist, has no ``adapter_config.json`` (or only one
-    of act/ and rehearse/), the config is not JSON / not a JSON object / has no ``peft_type``, or the
-    weights (`ADAPTER_WEIGHTS`) are missing or unreadable.
+    Raises `AdapterError` naming the folder or file: it does not exist, has no ``adapter_config.json`` (or
+    only one of act/ and rehearse/), the config is damaged (`read_adapter_config`), or the weights
+    (`ADAPTER_WEIGHTS`) are missing, unreadable, truncated, or of another LoRA rank than the config's.
     """
     d = Path(path).expanduser()
     if not d.is_dir():
@@ -193,34 +193,109 @@ def _check_one_adapter(d: Path) -> None:
     if not cfg_path.is_file():
         raise AdapterError(f"{d} has no adapter_config.json (nor per-role act/ and rehearse/ ones): not a LoRA "
                            "adapter folder; give the folder the train stage saved (or re-run it)")
+    conf = read_adapter_config(cfg_path)
+    weights = [d / w for w in ADAPTER_WEIGHTS if (d / w).is_file()]
+    if not weights:
+        raise AdapterError(f"LoRA adapter {d}: weights missing (no {' or '.join(ADAPTER_WEIGHTS)} beside "
+                           "adapter_config.json)")
+    shapes = _weight_shapes(weights[0])
+    if conf.get("peft_type") == "LORA":
+        _check_lora_ranks(weights[0], shapes, conf)
+
+
+def read_adapter_config(cfg_path: Path) -> dict:
+    """`adapter_config.json` as a dict, checked: a JSON object with a string `peft_type`; for LoRA a positive
+    integer `r`, a positive number `lora_alpha`, `target_modules` a string or a list of strings, and a
+    `rank_pattern`, when present, mapping to positive integers (peft's `LoraConfig` fields).
+
+    Raises `AdapterError` naming the file and the field."""
     try:
         conf = json.loads(cfg_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise AdapterError(f"{cfg_path} is not JSON ({e}); the adapter folder is damaged") from None
     if not isinstance(conf, dict):
         raise AdapterError(f"{cfg_path} is not a JSON object (got a {type(conf).__name__}); "
                            "the adapter folder is damaged")
     if "peft_type" not in conf:
         raise AdapterError(f"{cfg_path} has no peft_type: not a peft adapter config")
-    weights = [d / w for w in ADAPTER_WEIGHTS if (d / w).is_file()]
-    if not weights:
-        raise AdapterError(f"LoRA adapter {d}: weights missing (no {' or '.join(ADAPTER_WEIGHTS)} beside "
-                           "adapter_config.json)")
+    if not isinstance(conf["peft_type"], str):
+        raise AdapterError(f"{cfg_path}: peft_type is {conf['peft_type']!r}, not a name such as \"LORA\"")
+    if conf["peft_type"] != "LORA":
+        return conf
+
+    def positive(v, integer: bool) -> bool:
+        return isinstance(v, int if integer else (int, float)) and not isinstance(v, bool) and v > 0
+    if not positive(conf.get("r"), True):
+        raise AdapterError(f"{cfg_path}: LoRA rank r is {conf.get('r')!r}, not a positive integer; "
+                           "the adapter config is damaged")
+    if "lora_alpha" in conf and not positive(conf["lora_alpha"], False):
+        raise AdapterError(f"{cfg_path}: lora_alpha is {conf['lora_alpha']!r}, not a positive number; "
+                           "the adapter config is damaged")
+    tm = conf.get("target_modules")
+    if tm is not None and not isinstance(tm, str) and not (isinstance(tm, list) and tm
+                                                          and all(isinstance(x, str) for x in tm)):
+        raise AdapterError(f"{cfg_path}: target_modules is {tm!r}, not a module name, pattern or list of names; "
+                           "the adapter config is damaged")
+    rp = conf.get("rank_pattern") or {}
+    if not isinstance(rp, dict) or not all(positive(v, True) for v in rp.values()):
+        raise AdapterError(f"{cfg_path}: rank_pattern is {rp!r}, not a mapping to positive ranks")
+    return conf
+
+
+def _weight_shapes(weights: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of an adapter weights file; a safetensors file's header only (its length is
+    checked against the file size), a `.bin` file is loaded (`weights_only`). Raises `AdapterError`."""
     import pickle
 
     from safetensors import SafetensorError, safe_open
 
     try:
-        if weights[0].suffix == ".safetensors":
-            with safe_open(str(weights[0]), framework="pt") as f:
-                list(f.keys())
-        else:
-            import torch
+        if weights.suffix == ".safetensors":
+            _check_safetensors_size(weights)
+            with safe_open(str(weights), framework="pt") as f:
+                return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
+        import torch
 
-            torch.load(weights[0], map_location="cpu", weights_only=True)
-    except (SafetensorError, pickle.UnpicklingError, EOFError, OSError, ValueError, RuntimeError) as e:
-        raise AdapterError(f"LoRA adapter weights {weights[0]} are unreadable ({type(e).__name__}: "
+        state = torch.load(weights, map_location="cpu", weights_only=True)
+        return {k: tuple(getattr(v, "shape", ())) for k, v in state.items()}  # AttributeError: not a dict
+    except (SafetensorError, pickle.UnpicklingError, EOFError, OSError, ValueError, RuntimeError,
+            AttributeError) as e:
+        raise AdapterError(f"LoRA adapter weights {weights} are unreadable ({type(e).__name__}: "
                            f"{str(e).splitlines()[0][:200] if str(e) else ''}); the adapter folder is damaged") from None
+
+
+def _check_safetensors_size(path: Path) -> None:
+    """A safetensors file is 8 bytes of header length (little-endian u64), the JSON header, then the data
+    whose extent the header's `data_offsets` give (safetensors format spec); a shorter file was cut off."""
+    size = path.stat().st_size
+    with path.open("rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 0 or n > size:
+            raise AdapterError(f"LoRA adapter weights {path} are unreadable: truncated or not safetensors ({size} "
+                               "bytes, the header does not fit); the adapter folder is damaged")
+        try:  # a header we cannot read is left to safe_open, which names the problem
+            end = max((int(v["data_offsets"][1]) for k, v in json.loads(f.read(n)).items() if k != "__metadata__"),
+                      default=0)
+        except (ValueError, TypeError, KeyError, IndexError, AttributeError, RecursionError):
+            return
+    if size < 8 + n + end:
+        raise AdapterError(f"LoRA adapter weights {path} are truncated ({size} of {8 + n + end} bytes); "
+                           "the adapter folder is damaged")
+
+
+def _check_lora_ranks(weights: Path, shapes: dict[str, tuple[int, ...]], conf: dict) -> None:
+    """Every `lora_A` weight is (r, in) and every `lora_B` weight (out, r) for the config's rank `r` (or one of
+    its `rank_pattern` ranks), as peft's LoRA layers are built."""
+    ranks = {conf["r"], *(conf.get("rank_pattern") or {}).values()}
+    for k, shape in shapes.items():
+        if len(shape) != 2 or (".lora_A." not in k and ".lora_B." not in k):
+            continue
+        got = shape[0] if ".lora_A." in k else shape[1]
+        if got not in ranks:
+            raise AdapterError(f"LoRA adapter {weights}: tensor {k} has rank {got} (shape {list(shape)}) but "
+                               f"{weights.parent / 'adapter_config.json'} says r={conf['r']}; the config and "
+                               "the weights do not belong together")
 
 
 def adapter_load_error(adapter_dir: str | Path, base_ref: str, err: Exception) -> AdapterError:
@@ -242,7 +317,6 @@ def is_adapter_dir(path: Path) -> bool:
         return False
     per_role = all((path / r / "adapter_config.json").is_file() for r in ("act", "rehearse"))
     return (path / "adapter_config.json").is_file() or per_role
-
 
 
 # ------------------------------------------------------------------------------------------ models

@@ -5,6 +5,7 @@ report says where no rehearsal ran and shows truncated turns and rehearsals per 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -233,3 +234,79 @@ def test_bfcl_single_turn_cache_of_the_wrong_shape_is_recomputed(tmp_path, monke
         rep = run_bfcl_benches(ctx, ["simple_python"])
     assert calls == [["simple_python"]] and rep["report"]["categories"]["simple_python"]["accuracy"] == 1.0
     assert CategoryResult.model_validate_json(path.read_text()).n == 1  # the cache now holds a good one
+
+
+# ------------------------------------------------------------------------- train.init_adapter preflight
+def _truncate(d: Path) -> None:
+    w = d / "adapter_model.safetensors"
+    w.write_bytes(w.read_bytes()[:-100])
+
+
+def _set_config(d: Path, **fields) -> None:
+    p = d / "adapter_config.json"
+    p.write_text(json.dumps({**json.loads(p.read_text()), **fields}))
+
+
+INIT_BREAKAGES = {  # breakage -> (file the error names, phrase)
+    "truncated": (_truncate, "adapter_model.safetensors", "are truncated"),
+    "header_only": (lambda d: (d / "adapter_model.safetensors").write_bytes(b"\x10\x00"), "adapter_model.safetensors",
+                    "truncated or not safetensors"),
+    "rank_is_text": (lambda d: _set_config(d, r="sixteen"), "adapter_config.json", "LoRA rank r is 'sixteen'"),
+    "alpha_negative": (lambda d: _set_config(d, lora_alpha=-1), "adapter_config.json", "lora_alpha is -1"),
+    "targets_garbage": (lambda d: _set_config(d, target_modules=7), "adapter_config.json", "target_modules is 7"),
+    "peft_type_garbage": (lambda d: _set_config(d, peft_type=[1]), "adapter_config.json", "peft_type is [1]"),
+    "binary_config": (lambda d: (d / "adapter_config.json").write_bytes(b"\xff\xfe\x00garbage"),
+                      "adapter_config.json", "is not JSON"),
+    "rank_mismatch": (lambda d: _set_config(d, r=4), "adapter_model.safetensors", "has rank 2"),
+}
+
+
+def _init_cfg(adapter, tmp_path, tiny_model_dir, **train):
+    from envace_core.config import load_config
+
+    return load_config("test", {"model": {"ref": str(tiny_model_dir)},
+                                "store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "registry")},
+                                "train": {"init_adapter": str(adapter), "lora_r": 2, "lora_alpha": 8,
+                                          "lora_target_modules": ["q_proj", "v_proj"], **train}})
+
+
+def test_preflight_accepts_a_good_init_adapter(adapter, tmp_path, tiny_model_dir):
+    from envace_core.stages.preflight import preflight
+
+    preflight(_init_cfg(adapter, tmp_path, tiny_model_dir))
+
+
+@pytest.mark.parametrize("name", sorted(INIT_BREAKAGES))
+def test_preflight_names_a_damaged_init_adapter_in_one_line(name, adapter, tmp_path, tiny_model_dir, capsys):
+    from envace_core.stages.preflight import preflight
+
+    breaks, file, phrase = INIT_BREAKAGES[name]
+    breaks(adapter)
+    with pytest.raises(AdapterError, match=re.escape(phrase)) as e:
+        preflight(_init_cfg(adapter, tmp_path, tiny_model_dir))
+    assert str(adapter / file) in str(e.value) and "train.init_adapter=" in str(e.value)
+    assert "Use the parent's LoRA settings" not in str(e.value)  # the training-time hint does not apply
+    over = json.dumps({"model": {"ref": str(tiny_model_dir)}, "store": {"root": str(tmp_path / "store"),
+                       "registry": str(tmp_path / "registry")},
+                       "train": {"init_adapter": str(adapter), "lora_r": 2, "lora_alpha": 8}})
+    assert main(["--profile", "test", "--overrides", over, "config", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("envace: error: ") and phrase in err and len(err.strip().splitlines()) == 1
+
+
+def test_preflight_checks_the_init_adapter_against_train_settings(adapter, good_adapter, tmp_path, tiny_model_dir):
+    from envace_core.stages.preflight import preflight
+
+    with pytest.raises(AdapterError, match=r"\(r, lora_alpha, target_modules\) = \(2, 8, .*lora_r.*\(4, 8"):
+        preflight(_init_cfg(adapter, tmp_path, tiny_model_dir, lora_r=4))
+    with pytest.raises(AdapterError, match="one shared adapter, but train.policy_per_role=true"):
+        preflight(_init_cfg(adapter, tmp_path, tiny_model_dir, policy_per_role=True))
+    per_role = tmp_path / "per_role"
+    for r in ("act", "rehearse"):
+        shutil.copytree(good_adapter, per_role / r)
+    preflight(_init_cfg(per_role, tmp_path, tiny_model_dir, policy_per_role=True))
+    with pytest.raises(AdapterError, match="per-role act/ and rehearse/ adapters, but train.policy_per_role=false"):
+        preflight(_init_cfg(per_role, tmp_path, tiny_model_dir))
+    _truncate(per_role / "rehearse")
+    with pytest.raises(AdapterError, match="rehearse/adapter_model.safetensors are truncated"):
+        preflight(_init_cfg(per_role, tmp_path, tiny_model_dir, policy_per_role=True))
