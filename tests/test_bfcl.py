@@ -217,6 +217,34 @@ def test_python_style_calls():
         assert e.value.reason == reason, bad
 
 
+def test_a_positional_dict_is_a_decode_error_not_a_nested_argument():
+    """`get_weather({"city": "Paris"})` is the keyword arguments written as a dict: naming it `city` would score
+    a wrong answer ({"city": {"city": "Paris"}}) instead of a decode error (bfcl's `ast_parse` reads keywords only)."""
+    for text in ('get_weather({"city": "Paris"})', "<tool_call>get_weather({'city': 'Paris', 'unit': 'C'})</tool_call>",
+                 '[get_weather({"city": "Paris"})]'):
+        with pytest.raises(DecodeError) as e:
+            decode_calls(text, TOOLS)
+        assert e.value.reason == "positional_arguments" and "positional dict" in str(e.value), text
+    takes_dict = [{"name": "book", "description": "", "parameters": {"type": "dict", "properties": {
+        "options": {"type": "dict"}, "note": {"type": "string"}}}}]
+    assert decode_calls('book({"seat": "12A"})', takes_dict) == [{"book": {"options": {"seat": "12A"}}}]
+
+
+@pytest.mark.parametrize("text", [
+    '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}',
+    '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+    '<function=get_weather>{"city": "Paris"}</function>',
+    '<tool_calls>[{"name": "get_weather", "arguments": {"city": "Paris"}}]</tool_calls>',
+    "Action: get_weather\nAction Input: {\"city\": \"Paris\"}",
+    "<get_weather><city>Paris</city></get_weather>",
+])
+def test_foreign_formats_are_decode_errors_not_no_call(text):
+    """Scored as "no call" these would count as correct in the irrelevance categories."""
+    with pytest.raises(DecodeError) as e:
+        decode_calls(text, TOOLS)
+    assert e.value.reason == "foreign_format"
+
+
 def test_nested_quotes():
     text = r'<tool_call>{"name": "say", "arguments": {"text": "He said \"hi\" and it' + "'" + r's fine"}}</tool_call>'
     assert decode_calls(text, TOOLS) == [{"say": {"text": 'He said "hi" and it\'s fine'}}]

@@ -264,3 +264,24 @@ def test_deep_and_long_outputs_are_typed_errors_fast(text):
                    reason="training/judge.py parse_verdict: json.loads lets RecursionError out; catch it there")
 def test_parse_verdict_deep_nesting_is_a_parse_error():
     _typed(lambda t: parse_verdict(t, 1), '{"met": ' + "[" * 100_000)
+
+
+# ---------------------------------------------------------------------------------- where they are counted
+@pytest.mark.parametrize("text", ['<|python_tag|>{"name": "get_user_details", "parameters": {"user_id": "x"}}',
+                                  '[TOOL_CALLS][{"name": "get_user_details", "arguments": {"user_id": "x"}}]',
+                                  'get_user_details(user_id="x")'])
+def test_a_foreign_call_in_training_is_a_penalised_counted_parse_error(text, tiny_model_dir):
+    from envace_core.envs.tau2.tasks import load_tasks, task_context
+    from envace_core.models import load_tokenizer
+    from envace_core.training.loop import rollout_metrics, score
+    from envace_core.training.rollout import RolloutParams, rehearsal_rollouts
+    from tests.scripted import ScriptedEngine
+
+    task = load_tasks("airline", "test", limit=1)[0]
+    p = RolloutParams(max_turns=2, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
+    t = rehearsal_rollouts(ScriptedEngine(load_tokenizer(tiny_model_dir), [text]), task_context(task, 300), 1, p)[0]
+    assert t.termination == "parse_error" and t.steps == []  # not an agent_message
+    assert t.generations[0].parse_error.startswith("ForeignToolCallFormat: ")
+    assert score(task, t, format_penalty=-0.5).reward == -0.5
+    m = rollout_metrics([t])
+    assert m["parse_error_rate/act"] == 1.0 and m["parse_error_rate"] == 1.0
