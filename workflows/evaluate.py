@@ -5,7 +5,7 @@
     pyflyte run workflows/evaluate.py evaluate --model bundled:smollm2-135m-instruct \
         --bench tau2:mock,bfcl:simple --limit 2 --out /tmp/evalrun
 
-Same inputs as `envace eval` (limit 0 = all; empty user_model / user_url = the policy plays the user).
+Same inputs as `envace eval`, `--protocol` included (limit 0 = all; empty user_model / user_url = the policy plays the user).
 Returns the results as JSON; the task's Flyte Deck shows the report (tables, plots, published figures).
 """
 
@@ -18,8 +18,11 @@ from tasks.eval_bench import eval_bench
 @workflow
 def evaluate(model: str, bench: str, rehearsal: str = "none", trials: int = 1, split: str = "test", limit: int = 0,
              user_model: str = "", user_url: str = "", max_steps: int = 30, out: str = ".envace/eval",
-             profile: str = "cpu-smoke", overrides: str = "") -> str:
-    """Evaluate `model` on `bench` (comma-separated BENCH:ARG); returns the JSON results."""
+             profile: str = "cpu-smoke", overrides: str = "", protocol: str = "tau2_orchestrator") -> str:
+    """Evaluate `model` on `bench` (comma-separated BENCH:ARG); returns the JSON results.
+
+    `protocol` is how tau2 benches are run and scored (`envace_core.evaluation.protocols`):
+    ``tau2_orchestrator`` (tau2's Orchestrator with a simulated user) or ``opening_request``."""
     return eval_bench(model=model, bench=bench, rehearsal=rehearsal, trials=trials, split=split, limit=limit,
                       user_model=user_model, user_url=user_url, max_steps=max_steps, out=out, profile=profile,
-                      overrides=overrides)
+                      overrides=overrides, protocol=protocol)
