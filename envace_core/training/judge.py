@@ -33,6 +33,7 @@ from envace_core.engines.base import Completion, Engine, SamplingParams
 from envace_core.envs.base import RewardResult
 from envace_core.roles.chat import chat_ids
 from envace_core.roles.errors import EmptyOutput, ParseError, format_error
+from envace_core.roles.strict_json import strict_json
 from envace_core.types import Role, Task, Trajectory
 
 if TYPE_CHECKING:
@@ -116,8 +117,9 @@ _FENCE = re.compile(r"\A```[A-Za-z0-9_-]*[ \t]*\n(.*?)\n?```\Z", re.DOTALL)
 def parse_verdict(text: str, n_items: int) -> list[bool]:
     """Parse a judge output strictly (module docstring). Returns the n_items booleans.
 
-    Raises `EmptyOutput` (empty/whitespace) or `InvalidVerdict` (not one JSON object, keys other than
-    "met", "met" not a list of exactly `n_items` JSON booleans).
+    Raises `EmptyOutput` (empty/whitespace) or `InvalidVerdict` (not one JSON value (`strict_json`:
+    NaN/Infinity and nesting deeper than the interpreter allows included), keys other than "met",
+    "met" not a list of exactly `n_items` JSON booleans).
     """
     if not text or not text.strip():
         raise EmptyOutput("empty verdict", text or "")
@@ -126,8 +128,8 @@ def parse_verdict(text: str, n_items: int) -> list[bool]:
     if fence:
         body = fence.group(1).strip()
     try:
-        obj = json.loads(body)
-    except ValueError as e:
+        obj = strict_json(body)
+    except ValueError as e:  # strict_json: also NaN/Infinity and nesting too deep for the interpreter
         raise InvalidVerdict(f"not a single JSON object: {e}", text) from None
     if not isinstance(obj, dict) or set(obj) != {"met"}:
         raise InvalidVerdict('the verdict must be exactly {"met": [...]}', text)
