@@ -158,6 +158,19 @@ def test_decode_rules(samples):
     assert d.names == ["get_stock_price"] * 2 and d.over_cap == 1 and d.text_outside
 
 
+@pytest.mark.parametrize("text, fmt", [
+    ('<|python_tag|>{"name": "get_stock_price", "parameters": {"symbol": "1"}}', "llama3"),
+    ('[TOOL_CALLS][{"name": "get_stock_price", "arguments": {"symbol": "1"}}]', "mistral"),
+    ('get_stock_price(symbol="1")', "pythonic"),
+    ('<function=get_stock_price>{"symbol": "1"}</function>', "function"),
+])
+def test_a_foreign_format_call_is_a_decode_error_not_no_call(samples, text, fmt):
+    tools = samples["fin-single-1"].tools
+    d = decode_tool_calls(text, tools)
+    assert d.names == [] and len(d.decode_errors) == 1
+    assert d.decode_errors[0].startswith("ForeignToolCallFormat: ") and fmt in d.decode_errors[0]
+
+
 # ---------------------------------------------------------------------------------------- evaluation
 def test_right_calls_score_one(tok, samples):
     s1, s2, s3 = samples.values()

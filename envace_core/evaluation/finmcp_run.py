@@ -110,11 +110,22 @@ class DecodedTurn:
 
 
 def decode_tool_calls(text: str, tools: list[ToolSpec], max_calls: int = 10) -> DecodedTurn:
-    """Decode every `<tool_call>` block of `text` strictly (see the module docstring for what counts as a
-    decode failure vs an invalid call). Never raises on model output."""
+    """Decode every `<tool_call>` block of `text` strictly. Never raises on model output.
+
+    Decode failures (`decode_errors`, "Class: message"): an empty output (`EmptyOutput`); broken tags
+    (the whole turn fails); a block that is not a well-formed call (`MalformedToolCall`); a turn without
+    our tags that holds a call in another model family's format (`roles.act.parse_act`, strict:
+    `ForeignToolCallFormat`, one per turn), which is never "no call". Invalid calls (`invalid_calls`):
+    a well-formed call of an unknown tool or with invalid arguments; its name still counts as
+    predicted. Text without any call is a plain answer: no tool predicted.
+    """
     if not text or not text.strip():
         return DecodedTurn([], [format_error(EmptyOutput("empty output", text or ""))], [])
     if "<tool_call" not in text and TOOL_CALL_CLOSE not in text:
+        try:
+            parse_act(text, tools, strict=True, lenient=False)  # a message, unless another family's call
+        except ParseError as e:  # ForeignToolCallFormat
+            return DecodedTurn([], [format_error(e)], [])
         return DecodedTurn([], [], [])  # a plain answer: no tool predicted
     blocks: list[str] = []
     outside: list[str] = []
