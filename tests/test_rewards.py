@@ -174,11 +174,11 @@ def test_a_new_reward_is_one_function_and_selectable_by_config(retail5, monkeypa
 
     cfg = load_config("test", "reward.name=n_calls")
     fn = reward_fn_from_config(cfg)
-    traj = Trajectory(task_id=retail5.id, steps=[Step(action=a) for a in retail5.gold_actions],
-                      termination="agent_message")
+    traj = Trajectory(task_id=retail5.id, steps=[Step(action=a) for a in retail5.gold_actions]
+                      + [Step(message="Done.")], termination="agent_message")
     score_trajectory(retail5, traj, fn)
     assert traj.reward == len(retail5.gold_actions)
-    assert all(s.real_observation is not None for s in traj.steps)  # fidelity/replay filled anyway
+    assert all(s.real_observation is not None for s in traj.steps[:-1])  # fidelity/replay filled anyway
     with pytest.raises(EnvaceError, match="already registered"):
         register_reward("replay")(n_calls)
     with pytest.raises(ConfigError, match="unknown reward 'nope'"):
@@ -234,3 +234,38 @@ def test_tool_call_ids_do_not_need_to_be_unique(retail5):
     steps = [Step(action=ToolCall(name=a.name, arguments=a.arguments, id="same")) for a in retail5.gold_actions]
     traj = Trajectory(task_id=retail5.id, steps=steps)
     assert replay_reward(retail5, traj).sub_rewards["DB"] == 1.0
+
+
+def test_sub_rewards_agree_with_a_reward_the_termination_rule_overrode(retail5):
+    # every gold call made, then the turn limit cut it off: replay alone scores DB 1.0
+    gold = [Step(action=a) for a in retail5.gold_actions]
+    cut = score_trajectory(retail5, Trajectory(task_id=retail5.id, steps=list(gold), termination="max_turns"))
+    assert cut.reward == 0.0 and cut.reward_info["replay_reward"] == 1.0
+    assert cut.sub_rewards == {"DB": 0.0, "COMMUNICATE": 0.0}  # not DB: 1.0 beside reward 0
+    assert cut.reward_info["replay_sub_rewards"]["DB"] == 1.0  # what the evaluator said is kept
+    bad = score_trajectory(retail5, Trajectory(task_id=retail5.id, steps=list(gold), termination="parse_error"),
+                           format_penalty=-0.5)
+    assert bad.reward == -0.5 and set(bad.sub_rewards.values()) == {0.0}
+    clean = score_trajectory(retail5, Trajectory(task_id=retail5.id, steps=gold + [Step(message="Done.")],
+                                                 termination="agent_message"))
+    assert clean.reward == 1.0 == clean.sub_rewards["DB"] and "replay_sub_rewards" not in clean.reward_info
+
+
+def test_a_run_ending_in_an_unanswered_tool_call_is_a_named_termination(retail5):
+    from envace_core.training.rewards import CLEAN_TERMINATIONS, DANGLING_TOOL_CALL
+
+    gold = [Step(action=a, observation=O("ok")) for a in retail5.gold_actions]
+    gold[-1].observation = None  # the last call never got its result back
+    for termination in ("agent_message", "user_stop", ""):
+        t = score_trajectory(retail5, Trajectory(task_id=retail5.id, steps=[s.model_copy() for s in gold],
+                                                 termination=termination))
+        assert t.termination == DANGLING_TOOL_CALL == t.reward_info["termination"] and t.reward == 0.0
+        assert set(t.sub_rewards.values()) == {0.0} and t.reward_info["replay_reward"] == 1.0
+    assert DANGLING_TOOL_CALL not in CLEAN_TERMINATIONS
+    # an unparseable REHEARSE output also leaves the call unanswered: the format error is the cause
+    t = score_trajectory(retail5, Trajectory(task_id=retail5.id, steps=list(gold), termination="parse_error"),
+                         format_penalty=-0.5)
+    assert (t.termination, t.reward) == ("parse_error", -0.5)
+    answered = [s.model_copy(update={"observation": O("ok")}) for s in gold]  # cut by the turn limit
+    assert score_trajectory(retail5, Trajectory(task_id=retail5.id, steps=answered,
+                                                termination="max_turns")).termination == "max_turns"

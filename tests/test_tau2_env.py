@@ -224,3 +224,44 @@ def test_gold_replay_of_every_test_task_scores_db_1(tasks, domain, tau2_id):
     steps = [Step(action=a, real_observation=env.step(a)) for a in task.gold_actions]
     res = env.score(task, steps, "Done.")
     assert res.sub_rewards["DB"] == 1.0 and res.info["db_match"] is True
+
+
+# ------------------------------------------------------------------------- unanswered tool calls
+def _tau2_messages(task, *, answered: bool):
+    from tau2.data_model.message import AssistantMessage, ToolMessage, UserMessage
+    from tau2.data_model.message import ToolCall as Tau2ToolCall
+
+    g = task.gold_actions[0]
+    msgs = [UserMessage(role="user", content=task.first_user_message),
+            AssistantMessage(role="assistant", content=None, tool_calls=[
+                Tau2ToolCall(id="c1", name=g.name, arguments=g.arguments, requestor="assistant")])]
+    if answered:
+        msgs.append(ToolMessage(id="c1", role="tool", content="{}", requestor="assistant"))
+    return msgs
+
+
+def test_unanswered_tool_calls_follow_tau2s_pairing_rule(tasks):
+    from envace_core.envs.tau2.environment import unanswered_tool_calls
+
+    task = _by_id(tasks, "retail", "5")
+    assert unanswered_tool_calls(_tau2_messages(task, answered=True)) == []
+    assert unanswered_tool_calls(_tau2_messages(task, answered=False)) == ["c1"]
+    assert unanswered_tool_calls([]) == []
+
+
+@pytest.mark.parametrize("reason", ["agent_stop", "user_stop", "max_steps"])
+def test_scoring_a_simulation_that_ends_in_an_unanswered_call_never_raises(tasks, reason):
+    from tau2.data_model.simulation import SimulationRun, TerminationReason
+
+    from envace_core.envs.tau2.tasks import tau2_task
+    from envace_core.evaluation.tau2 import score_simulation
+
+    task = _by_id(tasks, "retail", "5")
+    sim = SimulationRun(id="s", task_id=tau2_task(task).id, start_time="t0", end_time="t1", duration=0.0,
+                        termination_reason=TerminationReason(reason), messages=_tau2_messages(task, answered=False))
+    rec = score_simulation("retail", tau2_task(task), sim)  # tau2 alone: ValueError "Tool message expected"
+    assert rec["reward"] == 0.0 and rec["reward_breakdown"] == {}
+    if reason != "max_steps":  # tau2 scores stops only; a premature end keeps tau2's own reason
+        assert rec["termination_reason"] == "dangling_tool_call" and "c1" in rec["note"]
+    else:
+        assert "termination_reason" not in rec

@@ -94,11 +94,22 @@ def build_orchestrator(task: Task, agent: RehearsalAgent, user: SimulatedUser | 
 def score_simulation(domain: str, task, simulation) -> dict:
     """tau2's ``evaluate_simulation(EvaluationType.ALL)`` of a tau2 ``task``'s simulation, NL_ASSERTION
     dropped from the basis (`protocols`). Returns reward (None if judged only by NL assertions),
-    reward_breakdown, db_match, nl_assertions, note."""
+    reward_breakdown, db_match, nl_assertions, note; a stop (agent_stop, user_stop) whose messages end
+    in a tool call without its result (`unanswered_tool_calls`, which tau2's evaluator cannot replay)
+    scores 0 with termination_reason `rewards.DANGLING_TOOL_CALL`."""
+    from tau2.data_model.simulation import TerminationReason
     from tau2.data_model.tasks import RewardType
     from tau2.evaluator.evaluator import EvaluationType, evaluate_simulation
 
+    from envace_core.envs.tau2.environment import unanswered_tool_calls
+    from envace_core.training.rewards import DANGLING_TOOL_CALL
+
     out: dict[str, Any] = {"nl_assertions": None}
+    stopped = simulation.termination_reason in (TerminationReason.AGENT_STOP, TerminationReason.USER_STOP)
+    if stopped and (dangling := unanswered_tool_calls(simulation.messages)):
+        return {**out, "reward": 0.0, "reward_breakdown": {}, "db_match": None,
+                "termination_reason": DANGLING_TOOL_CALL,
+                "note": f"the run stopped before the result of tool call(s) {dangling} came back"}
     ec = task.evaluation_criteria
     if ec is not None and RewardType.NL_ASSERTION in ec.reward_basis:
         basis = [b for b in ec.reward_basis if b != RewardType.NL_ASSERTION]
@@ -124,8 +135,8 @@ def orchestrated_trial(task: Task, agent: RehearsalAgent, seed: int, *, user: Si
     orch, player, sim_user = build_orchestrator(task, agent, user, max_steps=max_steps, max_errors=max_errors,
                                                 seed=seed, policy_max_chars=policy_max_chars)
     sim = orch.run()
-    return {**score_simulation(task.domain, tau2_task(task), sim),
-            "termination_reason": str(getattr(sim.termination_reason, "value", sim.termination_reason)),
+    return {"termination_reason": str(getattr(sim.termination_reason, "value", sim.termination_reason)),
+            **score_simulation(task.domain, tau2_task(task), sim),
             "agent_stats": dict(player.stats), "user_stats": dict(sim_user.stats), "n_messages": len(sim.messages),
             "isolation": None}
 

@@ -33,6 +33,9 @@ RewardFn = Callable[..., RewardResult | None]
 # Terminations tau2 scores (AGENT_STOP / USER_STOP); any other keeps no reward (tau2's
 # evaluate_simulation gives 0 to e.g. MAX_STEPS): see `score_trajectory`.
 CLEAN_TERMINATIONS = ("agent_message", "user_stop")
+# The run ended on a tool call whose result never came back (`ends_in_unanswered_call`): the agent
+# did not finish, so it keeps no reward (tau2's evaluator cannot even replay such a message list).
+DANGLING_TOOL_CALL = "dangling_tool_call"
 
 
 def _default_env_factory(domain: str) -> ToolEnvironment:
@@ -293,20 +296,34 @@ def reward_fn_from_config(cfg: RunConfig, engine: Optional[Engine] = None) -> Re
 # ------------------------------------------------------------------------ termination, row rewards
 
 
+def ends_in_unanswered_call(trajectory: Trajectory) -> bool:
+    """True when the last step is a tool call with no observation: the run stopped before the call's
+    result (imagined or real) came back to the agent."""
+    last = trajectory.steps[-1] if trajectory.steps else None
+    return last is not None and last.action is not None and last.observation is None
+
+
 def score_trajectory(task: Task, trajectory: Trajectory, reward_fn: RewardFn | None = None,
                      format_penalty: float = 0.0, replay_fidelity: bool = True) -> Trajectory:
     """Score `trajectory` with `reward_fn` (default `replay_reward`) and apply tau2's termination rule.
 
     As in tau2's `evaluate_simulation`, only a trajectory that ended cleanly (`CLEAN_TERMINATIONS`:
     the agent's message, or the rehearsed user's stop token) keeps its score: one stopped by the turn
-    limit gets 0, one stopped by an unparseable output gets `format_penalty` (METHOD.md §2, format);
-    the function's own score is kept in ``reward_info["<fn>_reward"]``. A scoring failure leaves
-    ``reward=None`` (masked). When the function did not replay (e.g. `actions`, `judge`), the tool
+    limit gets 0, one stopped by an unparseable output gets `format_penalty` (METHOD.md §2, format).
+    A trajectory whose termination is clean or unset but that ends in a tool call without a result
+    (`ends_in_unanswered_call`) is renamed `DANGLING_TOOL_CALL` and gets 0; one that ended in a parse
+    error keeps "parse_error" (an unparseable REHEARSE output also leaves its call unanswered). When
+    the rule overrides the score, every sub-reward becomes 0.0 too (they must agree with the reward);
+    the function's own score and sub-rewards are kept in ``reward_info["<fn>_reward"]`` and
+    ``reward_info["<fn>_sub_rewards"]``. A scoring failure leaves ``reward=None`` (masked).
+    When the function did not replay (e.g. `actions`, `judge`), the tool
     calls are replayed privately anyway to fill real observations and fidelity (METHOD.md §2:
     fidelity is logged always); a failure there only leaves fidelity unset. `replay_fidelity=False`
     (``reward.replay_fidelity``; tool learning: no real call to the new tools during training) skips
     that replay: no environment is built, real observations and fidelity stay unset.
     """
+    if trajectory.termination in (*CLEAN_TERMINATIONS, "") and ends_in_unanswered_call(trajectory):
+        trajectory.termination = DANGLING_TOOL_CALL
     fn = reward_fn or replay_reward
     fn(task, trajectory)
     name = trajectory.reward_info.get("reward_fn", getattr(fn, "__name__", "reward"))
@@ -320,7 +337,9 @@ def score_trajectory(task: Task, trajectory: Trajectory, reward_fn: RewardFn | N
             trajectory.reward_info["fidelity_error"] = f"{type(e).__name__}: {e}"
     if trajectory.reward is not None and trajectory.termination not in CLEAN_TERMINATIONS:
         trajectory.reward_info[f"{name}_reward"] = trajectory.reward
+        trajectory.reward_info[f"{name}_sub_rewards"] = dict(trajectory.sub_rewards)
         trajectory.reward = format_penalty if trajectory.termination == "parse_error" else 0.0
+        trajectory.sub_rewards = {k: 0.0 for k in trajectory.sub_rewards}
     return trajectory
 
 

@@ -17,6 +17,30 @@ from envace_core.envs.tau2.tasks import (
 )
 from envace_core.types import Observation, Step, Task, ToolCall, ToolSpec
 
+# ------------------------------------------------------------------------------ message lists
+
+
+def unanswered_tool_calls(messages: list[Any]) -> list[str]:
+    """Ids of the tool calls in a tau2 message list that no ToolMessage answers, in order.
+
+    tau2's pairing rule (``Environment.set_state``, which ``EnvironmentEvaluator`` runs on the whole
+    message list): each tool call of an assistant or user message is followed at once by the
+    ToolMessage with its id. A list that ends in a call (the run stopped before its result came back)
+    makes tau2's evaluator raise ``ValueError("Tool message expected ...")``; scorers check this first.
+    """
+    from tau2.data_model.message import AssistantMessage, ToolMessage, UserMessage
+
+    out: list[str] = []
+    for i, m in enumerate(messages):
+        if isinstance(m, (AssistantMessage, UserMessage)) and m.is_tool_call():
+            after = messages[i + 1:i + 1 + len(m.tool_calls)]
+            for k, tc in enumerate(m.tool_calls):
+                answer = after[k] if k < len(after) else None
+                if not (isinstance(answer, ToolMessage) and answer.id == tc.id):
+                    out.append(tc.id)
+    return out
+
+
 # ---------------------------------------------------------------------------------- environment
 
 
