@@ -25,6 +25,7 @@ from pydantic import (
 from pydantic.fields import FieldInfo
 
 from envace_core import EnvaceError
+from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
 
 KNOWN_DOMAINS = ("airline", "retail", "telecom", "mock")
 
@@ -199,6 +200,21 @@ class RolloutConfig(_Strict):
         "(tau2 tasks with a user scenario); off: ACT's first message to the user ends the trajectory")
     max_new_tokens_user: int = Field(64, ge=1, description="token budget of one imagined user turn "
                                      "(USER-REHEARSE)")
+    max_observation_tokens: Optional[int] = Field(
+        MAX_OBSERVATION_TOKENS, ge=32, description="most tokens of one tool result in any prompt (ACT "
+        "history, REHEARSE transcript and examples, SELF-EVAL summaries, rehearsal memory, judge), real or "
+        "imagined alike: a longer one keeps its first tokens and ends with the marker '…[tool result "
+        "truncated: k of n tokens shown]' (envace_core/roles/bounds.py); None = never cut")
+    max_prompt_tokens: Optional[int] = Field(
+        None, ge=1, description="most tokens of any role's prompt; the limit is min(this, the model's "
+        "context − the role's max_new_tokens), the context being max_position_embeddings (HF) or "
+        "max_model_len (vLLM). A prompt over it ends its trajectory as 'prompt_too_long' (reward None: "
+        "its rows are masked, counted in the iteration's termination/prompt_too_long); None = the "
+        "context alone")
+    lenient_tool_format: bool = Field(
+        False, description="take tool calls written in another model family's format (Llama, Mistral, "
+        "pythonic, ...; envace_core/roles/foreign.py) as calls; off in training by default so that such "
+        "outputs are parse errors, ending the trajectory with train.format_penalty")
 
     @model_validator(mode="after")
     def _real_is_act_only(self) -> RolloutConfig:
@@ -385,6 +401,10 @@ class EvalConfig(_Strict):
         "tool calls replayed and scored by tau2's evaluate_simulation (fast, CPU); tau2_orchestrator = tau2's own "
         "Orchestrator with a simulated user (the policy itself), as tau2-bench's run_task; NL assertions are "
         "skipped in both (no judge offline)")
+    lenient_tool_format: bool = Field(
+        False, description="when evaluating on tau2, take ACT's tool calls written in another model "
+        "family's format (envace_core/roles/foreign.py) as calls, e.g. for a model prompted in its own "
+        "format; off by default so that they count as parse errors, as in training")
 
 
 class ValidateConfig(_Strict):

@@ -235,3 +235,88 @@ def test_frozen_roles_get_no_rows_and_no_gradient(tiny_model_dir, one_call_task)
     frozen = [r for r in rows if r.role != "act"]
     with pytest.raises(ValueError, match="no trainable row"):
         PolicyTrainer(load_model(tiny_model_dir), tok, cfg.train, compute_dtype="float32").step(frozen)
+
+
+# ------------------------------------------------------------------------- long tool results, long prompts
+class ContextEngine(ScriptedEngine):
+    """ScriptedEngine with a context window: like `HFEngine`, it rejects a prompt that leaves no room for
+    max_new_tokens (ValueError), so a prompt the rollout does not bound crashes here as it does for real."""
+
+    context_tokens = 4096
+
+    def generate(self, prompts, params):
+        for i, p in enumerate(prompts):
+            if len(p) > self.context_tokens - params.max_new_tokens:
+                raise ValueError(f"prompt {i} has {len(p)} tokens; with max_new_tokens={params.max_new_tokens} it "
+                                 f"must be at most {self.context_tokens - params.max_new_tokens}")
+        return super().generate(prompts, params)
+
+
+def _huge_result() -> str:  # ~200 KB of JSON, as a search tool over a big table returns
+    return json.dumps({"flights": [{"flight_number": f"HAT{i:04d}", "origin": "JFK", "destination": "SFO",
+                                    "status": "available", "prices": {"economy": 100 + i, "business": 900 + i},
+                                    "seats": {"economy": i % 17, "business": i % 5}} for i in range(1300)]})
+
+
+def test_a_200kb_real_tool_result_is_cut_with_a_marker_and_the_real_rollout_completes(tiny_model_dir, one_call_task):
+    from envace_core.envs.tau2.environment import Tau2Environment
+    from envace_core.training.rollout import training_group
+    from envace_core.types import Observation
+
+    class HugeResults(Tau2Environment):
+        def step(self, call):
+            super().step(call)
+            return Observation(content=_huge_result())
+
+    task, tok = one_call_task, load_tokenizer(tiny_model_dir)
+    assert len(_huge_result()) > 190_000 and len(tok.encode(_huge_result())) > 60_000
+    cfg = load_config("test", {"rollout": {"source": "real", "group_size": 2, "max_turns": 3,
+                                           "max_observation_tokens": 512}})
+    p = RolloutParams(max_turns=3, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
+    engine = ContextEngine(tok, [_gold_text(task.gold_actions[0]), "All done."])
+    trajs = training_group(engine, task, cfg, p, seed=0, env_factory=HugeResults)  # raised ValueError before
+    for t in trajs:
+        assert t.termination == "agent_message" and t.reward is not None
+        assert t.steps[0].observation.content == _huge_result()  # the trajectory keeps the whole result
+        second = t.generations[1].prompt_ids
+        text = tok.decode(second)
+        assert "…[tool result truncated: " in text and f"tokens shown]" in text
+        first_len = len(t.generations[0].prompt_ids)
+        assert len(second) <= first_len + 512 + 64  # + the call, the tool turn's template tokens
+
+
+def test_a_prompt_that_cannot_fit_is_a_masked_prompt_too_long_trajectory(tiny_model_dir, one_call_task):
+    """An uncut 200 KB result (max_observation_tokens=None) against the real HFEngine's context: the
+    trajectory ends as prompt_too_long, reward None (masked), counted in the rollout metrics; no exception."""
+    from envace_core.envs.tau2.environment import Tau2Environment
+    from envace_core.training.loop import rollout_metrics
+    from envace_core.training.rollout import training_group
+    from envace_core.training.rows import rows_from_group
+    from envace_core.types import Observation
+
+    class HugeResults(Tau2Environment):
+        def step(self, call):
+            super().step(call)
+            return Observation(content=_huge_result())
+
+    task, tok = one_call_task, load_tokenizer(tiny_model_dir)
+    cfg = load_config("test", {"rollout": {"source": "real", "group_size": 2, "max_turns": 3,
+                                           "max_observation_tokens": None}, "train": {"format_penalty": -1.0}})
+    p = RolloutParams(max_turns=3, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0)
+    engine = ContextEngine(tok, [_gold_text(task.gold_actions[0]), "All done."])
+    trajs = training_group(engine, task, cfg, p, seed=0, env_factory=HugeResults)
+    for t in trajs:
+        assert t.termination == "prompt_too_long" and t.reward is None and t.reward_info["masked"] == "prompt_too_long"
+        info = t.reward_info["prompt_too_long"]
+        assert info["role"] == "act" and info["tokens"] > info["limit"] == 4096 - 64
+        assert len(t.generations) == 1  # the second ACT turn was never generated
+    rows = rows_from_group("g", trajs)
+    assert rows and not any(r.valid for r in rows)  # masked, not scored 0 or penalised
+    m = rollout_metrics(trajs)
+    assert m["termination/prompt_too_long"] == 2 and m["masked_trajectories"] == 2
+    # the real engine: a policy too long for its context is the same typed trajectory, not a ValueError
+    model = load_model(tiny_model_dir)
+    ctx = task_context(task, None).model_copy(update={"policy": "Rule. " * 5000})
+    t = rehearsal_rollouts(HFEngine(model, tok, compute_dtype="float32"), ctx, 2, p, seed=0)
+    assert [x.termination for x in t] == ["prompt_too_long"] * 2 and all(not x.generations for x in t)
+    assert t[0].reward_info["prompt_too_long"]["limit"] == model.config.max_position_embeddings - 64

@@ -11,7 +11,11 @@
   tau2 ``ToolCall``; a plain message becomes a text ``AssistantMessage``.
   **Parse failure**: the raw generated text is sent to the user as the message content (tau2's own
   ``LLMAgent`` would likewise pass a malformed reply through), or ``"(no output)"`` when it is empty
-  (tau2 rejects empty messages); it is counted in ``agent.stats["parse_errors"]``.
+  (tau2 rejects empty messages); it is counted in ``agent.stats["parse_errors"]`` (a call in another
+  family's format is one, ``ForeignToolCallFormat``, unless the ``act`` settings are ``lenient``:
+  ``eval.lenient_tool_format``). Tool results in the prompt are cut to ``act.max_observation_tokens``;
+  an ACT prompt that still does not fit the model's context is not generated: the agent sends
+  `PROMPT_TOO_LONG`, which ends the dialogue (``is_stop``), counted in ``stats["prompt_too_long"]``.
   With a rehearsal mode other than "none" the agent rehearses before its first real ACT step (with
   ``reenter``: before each) from a `TaskContext` plus the real history only, never from the tau2
   environment (the agent holds no handle to it); the rehearsal memory goes into the ACT system prompt
@@ -21,8 +25,11 @@
   (``###STOP###``, ``###TRANSFER###``, ``###OUT-OF-SCOPE###`` via ``UserSimulator.is_stop``), but the
   reply comes from one of our `Engine`s, or from an OpenAI-compatible ``/chat/completions`` endpoint the
   user names (`OpenAIChatClient`, ``urllib`` only). User tools (telecom) are offered as text in the
-  system prompt with our ``<tool_call>`` form and parsed leniently; a reply that is empty becomes
-  ``###STOP###`` (counted in ``stats["empty"]``) since tau2 rejects empty messages.
+  system prompt with our ``<tool_call>`` form and parsed (`roles.act.parse_act`, text around the call
+  allowed) whenever the user has tools; a reply that fails to parse, a call in another family's format
+  included, is sent as a message and counted in ``stats["parse_errors"]`` (and by class in
+  ``parse_error_classes``); a reply that is empty becomes ``###STOP###`` (counted in ``stats["empty"]``)
+  since tau2 rejects empty messages.
   `SimulatedUser` says which model plays it.
 
 Running and scoring them is `evaluation.tau2` (the harness).
@@ -46,6 +53,7 @@ from envace_core.engines.base import Engine, SamplingParams
 from envace_core.envs.tau2.tasks import tool_spec, truncate_policy
 from envace_core.rehearsal.agent import RehearsalAgent, RehearsalRound
 from envace_core.roles.act import CALL_FORMAT, act_prompt_ids, parse_act
+from envace_core.roles.bounds import PromptTooLong, check_prompt, prompt_limit
 from envace_core.roles.errors import ParseError, format_error
 from envace_core.roles.tools import format_tool_call, render_tool
 from envace_core.types import (
@@ -74,6 +82,9 @@ from tau2.user.user_simulator import UserSimulator
 AGENT_NAME = "envace_agent"
 USER_NAME = "envace_user_simulator"
 NO_OUTPUT = "(no output)"
+# The agent's last message when its ACT prompt no longer fits the model's context: `is_stop` ends the
+# dialogue on it (tau2's AGENT_STOP), and tau2's evaluator scores what was done so far.
+PROMPT_TOO_LONG = "(prompt too long: the conversation no longer fits the model's context)"
 
 
 def to_envace_history(messages: Sequence[Any]) -> list[Message]:
@@ -134,8 +145,8 @@ class EnvaceTau2Agent(LocalAgent[EnvaceAgentState]):
         seed: ACT call i uses ``seed + i`` (None: unseeded); tau2's Orchestrator sets it (`set_seed`).
         policy_max_chars: truncate the policy text in prompts (`envs.tau2.truncate_policy`).
     Attributes:
-        stats: ``act_calls``, ``tool_calls``, ``messages``, ``parse_errors``, ``rehearsal_rounds``,
-            ``rehearsals``, ``rejected`` (rehearsals the verifier dropped).
+        stats: ``act_calls``, ``tool_calls``, ``messages``, ``parse_errors``, ``prompt_too_long``,
+            ``rehearsal_rounds``, ``rehearsals``, ``rejected`` (rehearsals the verifier dropped).
         parse_errors: the formatted parse errors, in order.
         rounds: every `RehearsalRound` run (its imagined trajectories, rejections and memory).
     """
@@ -148,7 +159,7 @@ class EnvaceTau2Agent(LocalAgent[EnvaceAgentState]):
         self.specs = [tool_spec(t) for t in tools]
         self.policy = truncate_policy(domain_policy, policy_max_chars)
         self.stats: dict[str, int] = Counter(act_calls=0, tool_calls=0, messages=0, parse_errors=0,
-                                             rehearsal_rounds=0, rehearsals=0, rejected=0)
+                                             prompt_too_long=0, rehearsal_rounds=0, rehearsals=0, rejected=0)
         self.parse_errors: list[str] = []
         self.rounds: list[RehearsalRound] = []
 
@@ -157,6 +168,11 @@ class EnvaceTau2Agent(LocalAgent[EnvaceAgentState]):
 
     def set_seed(self, seed: int):
         self.seed = seed
+
+    @classmethod
+    def is_stop(cls, message: AssistantMessage) -> bool:
+        """True for the agent's `PROMPT_TOO_LONG` message only (our agent ends a dialogue by no token)."""
+        return message.content == PROMPT_TOO_LONG
 
     def context(self, history: Sequence[Message]) -> TaskContext:
         first = next((m.content for m in history if m.role == "user"), "")
@@ -182,14 +198,22 @@ class EnvaceTau2Agent(LocalAgent[EnvaceAgentState]):
         if self.agent.mode != "none" and (turn == 0 or self.agent.reenter):
             state.memory = self._rehearse(ctx, history, turn)
         tok, act = self.engine.tokenizer, self.agent.act
-        prompt = act_prompt_ids(tok, ctx, history, state.memory or None)
+        prompt = act_prompt_ids(tok, ctx, history, state.memory or None, act.max_observation_tokens)
+        try:
+            check_prompt("act", prompt, prompt_limit(self.engine, act.max_new_tokens_act, act.max_prompt_tokens))
+        except PromptTooLong as e:
+            self.stats["prompt_too_long"] += 1
+            self.parse_errors.append(format_error(e))
+            msg = AssistantMessage(role="assistant", content=PROMPT_TOO_LONG, cost=0.0)
+            state.messages.append(msg)
+            return msg, state
         sp = SamplingParams(max_new_tokens=act.max_new_tokens_act, temperature=act.temperature,
                             top_p=act.top_p, seed=None if self.seed is None else self.seed + turn)
         c = self.engine.generate([prompt], sp)[0][0]
         text = tok.decode(c.token_ids, skip_special_tokens=True)
         self.stats["act_calls"] += 1
         try:
-            out = parse_act(text, ctx.tools, strict=act.strict)
+            out = parse_act(text, ctx.tools, strict=act.strict, lenient=act.lenient)
         except ParseError as e:
             self.stats["parse_errors"] += 1
             self.parse_errors.append(format_error(e))
@@ -239,6 +263,7 @@ class SimulatedUser:
     max_new_tokens: int = 128
     temperature: float = 0.0
     description: str = "the evaluated policy itself (its own engine)"
+    lenient: bool = False  # user tool calls in another family's format: parsed (True) or parse errors
 
     def simulator(self, tools, instructions: str, policy_engine: Engine, seed: int | None) -> "EnvaceUserSimulator":
         """The `EnvaceUserSimulator` of one dialogue (tau2 user `tools`, the task's scenario text)."""
@@ -247,25 +272,30 @@ class SimulatedUser:
         return EnvaceUserSimulator(tools=tools, instructions=instructions,
                                    engine=None if self.client is not None else (self.engine or policy_engine),
                                    client=self.client, max_new_tokens=self.max_new_tokens,
-                                   temperature=self.temperature, seed=seed)
+                                   temperature=self.temperature, seed=seed, lenient=self.lenient)
 
 
 class EnvaceUserSimulator(UserSimulator):
     """tau2's user simulator with the reply generated locally (module docstring).
 
     Exactly one of `engine` (an `Engine`) or `client` (e.g. `OpenAIChatClient`) must be given.
+    `lenient`: `parse_act`'s lenient mode for the user's tool calls. ``stats``: ``calls``, ``empty``,
+    ``tool_calls``, ``parse_errors``; ``parse_error_classes`` counts the parse errors by class
+    (e.g. ``ForeignToolCallFormat``).
     """
 
     def __init__(self, tools=None, instructions=None, engine: Engine | None = None,
                  client: OpenAIChatClient | None = None, max_new_tokens: int = 256,
-                 temperature: float = 0.0, seed: int | None = 0, **_: Any):
+                 temperature: float = 0.0, seed: int | None = 0, lenient: bool = False, **_: Any):
         super().__init__(tools=tools, instructions=instructions, llm=None, llm_args={})
         if (engine is None) == (client is None):
             raise EnvaceError("EnvaceUserSimulator needs exactly one of engine= or client=")
         self.engine, self.client = engine, client
         self.max_new_tokens, self.temperature, self.seed = max_new_tokens, temperature, seed
         self.specs = [tool_spec(t) for t in tools] if tools else []
-        self.stats: dict[str, int] = Counter(calls=0, empty=0, tool_calls=0)
+        self.lenient = lenient
+        self.stats: dict[str, int] = Counter(calls=0, empty=0, tool_calls=0, parse_errors=0)
+        self.parse_error_classes: dict[str, int] = Counter()
 
     def set_seed(self, seed: int):
         self.seed = seed
@@ -309,10 +339,12 @@ class EnvaceUserSimulator(UserSimulator):
             state.messages.append(message)
         text = self._reply(self._chat(state.system_messages + state.flip_roles())).strip()
         msg = None
-        if self.specs and "<tool_call" in text:
+        if self.specs and text:  # any format: a call in another family's format is counted, not sent silently
             try:
-                out = parse_act(text, self.specs, strict=False)
-            except ParseError:
+                out = parse_act(text, self.specs, strict=False, lenient=self.lenient)
+            except ParseError as e:
+                self.stats["parse_errors"] += 1
+                self.parse_error_classes[type(e).__name__] += 1
                 out = None
             if out is not None and out.tool_call is not None:
                 self.stats["tool_calls"] += 1

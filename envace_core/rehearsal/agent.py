@@ -28,6 +28,7 @@ from envace_core import EnvaceError
 from envace_core.engines.base import Engine, SamplingParams
 from envace_core.envs.base import Check, ToolEnvironment
 from envace_core.rehearsal.verifier import verify
+from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, PromptTooLong, bound_text, check_prompt, prompt_limit
 from envace_core.roles.memory import memory_text
 from envace_core.roles.self_eval import SelfEval, parse_self_eval, self_eval_prompt_ids
 from envace_core.training.rollout import (
@@ -79,12 +80,20 @@ class RehearsalResult:
     rounds: list[RehearsalRound] = field(default_factory=list)
 
 
-def summarise(traj: Trajectory, k: int) -> str:
-    """One rehearsal as compact text: the calls tried, the imagined outcomes, how it ended."""
+def summarise(traj: Trajectory, k: int, tokenizer=None,
+              max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS) -> str:
+    """One rehearsal as compact text: the calls tried, the imagined outcomes, how it ended.
+
+    With `tokenizer`, each outcome is cut to `max_observation_tokens` tokens with the marker of
+    `roles.bounds.bound_text` (the cut ACT's and REHEARSE's prompts use), so neither the SELF-EVAL
+    prompt nor a memory line holds a whole long tool result.
+    """
     lines = [f"Rehearsal {k}:"]
     for s in traj.steps:
         if s.action is not None:
             obs = s.observation.content if s.observation else "(no response)"
+            if tokenizer is not None and s.observation:
+                obs = bound_text(obs, tokenizer, max_observation_tokens)
             lines.append(f"- called {s.action.name}({json.dumps(s.action.arguments, sort_keys=True)})"
                          f" -> {'ERROR ' if s.observation and s.observation.error else ''}{obs}")
         elif s.message:
@@ -175,7 +184,8 @@ class RehearsalAgent:
             evals: dict[int, SelfEval] = {}
             if self.self_eval and kept:
                 got = self._self_evaluate(ctx, [trajs[i] for i in kept],
-                                          [summarise(views[i], base + i + 1) for i in kept], seeds)
+                                          [summarise(views[i], base + i + 1, tok, p.max_observation_tokens)
+                                           for i in kept], seeds)
                 evals = dict(zip(kept, got))
             for i, t in enumerate(trajs):
                 rnd.rehearsals.append(t)
@@ -184,7 +194,7 @@ class RehearsalAgent:
                     rnd.rejected.append((t, rejected[id(views[i])]))
                     blocks.append("")
                 else:
-                    text = summarise(t, base + i + 1)
+                    text = summarise(t, base + i + 1, tok, p.max_observation_tokens)
                     if i in evals and evals[i].as_text():
                         text += "\n" + evals[i].as_text()
                     blocks.append(text)
@@ -206,20 +216,34 @@ class RehearsalAgent:
 
     def _self_evaluate(self, ctx: TaskContext, trajs: list[Trajectory], summaries: list[str],
                        seeds: SeedStream) -> list[SelfEval]:
-        """One batched SELF-EVAL call; each output is recorded on its trajectory as a SELF_EVAL generation."""
+        """One batched SELF-EVAL call; each output is recorded on its trajectory as a SELF_EVAL generation.
+
+        A prompt over `roles.bounds.prompt_limit` is not generated: its SelfEval is empty (nothing
+        parsed, no memory line) and the trajectory's ``reward_info["self_eval_error"]`` names the
+        `PromptTooLong`.
+        """
         tok = self.engine.tokenizer
-        prompts = [self_eval_prompt_ids(tok, ctx, s) for s in summaries]
+        limit = prompt_limit(self.engine, self.self_eval_max_tokens, self.rehearse_params.max_prompt_tokens)
+        fits: list[tuple[Trajectory, list[int]]] = []
+        skipped: dict[int, SelfEval] = {}
+        for t, s in zip(trajs, summaries):
+            try:
+                fits.append((t, check_prompt(Role.SELF_EVAL.value, self_eval_prompt_ids(tok, ctx, s), limit)))
+            except PromptTooLong as e:
+                t.reward_info["self_eval_error"] = f"{type(e).__name__}: {e}"
+                skipped[id(t)] = SelfEval(None, "", "", "")
         sp = SamplingParams(max_new_tokens=self.self_eval_max_tokens, temperature=self.self_eval_temperature,
                             seed=seeds.next())
-        out = []
-        for t, prompt, outs in zip(trajs, prompts, self.engine.generate(prompts, sp)):
+        outs_all = self.engine.generate([p for _, p in fits], sp) if fits else []
+        done: dict[int, SelfEval] = {}
+        for (t, prompt), outs in zip(fits, outs_all):
             gen = make_generation(Role.SELF_EVAL, prompt, outs[0], tok, self.self_eval_temperature)
             ev = parse_self_eval(gen.text)
             if ev.reached_goal is None and not ev.blocker and not ev.advice:
                 gen.parse_error = "InvalidSelfEval: no reached_goal, blocker or advice found"
             t.generations.append(gen)
-            out.append(ev)
-        return out
+            done[id(t)] = ev
+        return [done.get(id(t)) or skipped[id(t)] for t in trajs]
 
     # ---------------------------------------------------------------------------------- execution
     def run(self, ctx: TaskContext, env: ToolEnvironment) -> RehearsalResult:

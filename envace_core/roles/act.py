@@ -6,6 +6,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
+from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, bound_history
 from envace_core.roles.chat import chat_ids, render_history
 from envace_core.roles.errors import (
     EmptyOutput,
@@ -64,13 +65,17 @@ def act_messages(ctx: TaskContext, history: list[Message], memory: str | None = 
             *render_history(with_first_user(ctx, history))]
 
 
-def act_prompt_ids(tokenizer, ctx: TaskContext, history: list[Message], memory: str | None = None) -> list[int]:
+def act_prompt_ids(tokenizer, ctx: TaskContext, history: list[Message], memory: str | None = None,
+                   max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS) -> list[int]:
     """Token ids of the ACT prompt (`act_messages`), ending with the assistant generation prompt.
 
-    Uses the template's native tool rendering when `template_supports_tools(tokenizer)`.
+    Every tool result of `history` is cut to `max_observation_tokens` tokens with a visible marker
+    (`roles.bounds.bound_text`; None = uncut). Uses the template's native tool rendering when
+    `template_supports_tools(tokenizer)`.
     """
     native = template_supports_tools(tokenizer)
     tools = [compact_openai_schema(t) for t in ctx.tools] if native else None
+    history = bound_history(history, tokenizer, max_observation_tokens)
     return chat_ids(tokenizer, act_messages(ctx, history, memory, native_tools=native), tools)
 
 

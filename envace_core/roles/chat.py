@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from envace_core.roles.bounds import clean_text
 from envace_core.roles.tools import format_tool_call
 from envace_core.types import Message
 
@@ -24,6 +25,13 @@ def render_history(history: list[Message]) -> list[dict]:
 
 
 def chat_ids(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    """Token ids of `messages` through the tokenizer's chat template with the generation prompt.
+
+    Message contents are `roles.bounds.clean_text`-ed first (lone surrogates, e.g. from bytes decoded
+    with ``surrogateescape``, cannot be encoded).
+    """
+    messages = [{**m, "content": clean_text(m["content"])} if isinstance(m.get("content"), str) else m
+                for m in messages]
     kw = {"tools": tools} if tools else {}
     ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
                                         return_dict=False, **kw)

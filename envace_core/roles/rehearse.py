@@ -7,6 +7,7 @@ import re
 from collections.abc import Sequence
 
 from envace_core.roles.act import with_first_user
+from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, bound_history, bound_text
 from envace_core.roles.chat import chat_ids
 from envace_core.roles.errors import EmptyOutput, InvalidRehearsal
 from envace_core.roles.strict_json import strict_json
@@ -64,12 +65,18 @@ def rehearse_messages(ctx: TaskContext, history: list[Message], call: ToolCall,
 
 
 def rehearse_prompt_ids(tokenizer, ctx: TaskContext, history: list[Message], call: ToolCall,
-                        examples: Sequence[tuple[ToolCall, Observation]] = ()) -> list[int]:
+                        examples: Sequence[tuple[ToolCall, Observation]] = (),
+                        max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS) -> list[int]:
     """Token ids of the REHEARSE prompt (`rehearse_messages`), ending with the generation prompt.
 
     `examples` (optional, METHOD.md §1 "grounding examples") must come from other tasks and be
-    budgeted by the caller.
+    budgeted by the caller. Every tool result, of `history` and of `examples`, is cut to
+    `max_observation_tokens` tokens with a visible marker (`roles.bounds.bound_text`, the same cut
+    as ACT's; None = uncut).
     """
+    history = bound_history(history, tokenizer, max_observation_tokens)
+    examples = [(c, o.model_copy(update={"content": bound_text(o.content, tokenizer, max_observation_tokens)}))
+                for c, o in examples]
     return chat_ids(tokenizer, rehearse_messages(ctx, history, call, examples))
 
 

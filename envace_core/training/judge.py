@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal, Optional
 from envace_core import EnvaceError
 from envace_core.engines.base import Completion, Engine, SamplingParams
 from envace_core.envs.base import RewardResult
+from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, PromptTooLong, bound_text, check_prompt, prompt_limit
 from envace_core.roles.chat import chat_ids
 from envace_core.roles.errors import EmptyOutput, ParseError, format_error
 from envace_core.roles.strict_json import strict_json
@@ -70,11 +71,14 @@ def checklist(task: Task) -> list[ChecklistItem]:
     return items
 
 
-def transcript(task: Task, trajectory: Trajectory) -> str:
+def transcript(task: Task, trajectory: Trajectory, tokenizer=None,
+               max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS) -> str:
     """The conversation as text lines: the user's first message, then per step the agent's call and
     the observation the trajectory continued with (imagined in a rehearsal) or the agent's message,
     each message followed by the imagined user's reply when USER-REHEARSE produced one (the k-th
-    USER row answers the k-th agent message, as `rollout.unroll` orders them)."""
+    USER row answers the k-th agent message, as `rollout.unroll` orders them). With `tokenizer`,
+    each observation is cut to `max_observation_tokens` tokens with the marker of
+    `roles.bounds.bound_text` (the cut every role's prompt uses)."""
     users = [g for g in trajectory.generations if g.role == Role.USER]
     lines = [f"user: {task.first_user_message.strip()}"]
     k = 0
@@ -83,7 +87,9 @@ def transcript(task: Task, trajectory: Trajectory) -> str:
             call = json.dumps({"name": s.action.name, "arguments": s.action.arguments}, ensure_ascii=False)
             lines.append(f"agent called: {call}")
             if s.observation is not None:
-                lines.append(f"tool returned: {s.observation.content.strip()}")
+                obs = s.observation.content if tokenizer is None else \
+                    bound_text(s.observation.content, tokenizer, max_observation_tokens)
+                lines.append(f"tool returned: {obs.strip()}")
             continue
         lines.append(f"agent: {s.message.strip()}")
         if k < len(users):
@@ -101,11 +107,13 @@ _SYSTEM = (
 )
 
 
-def judge_messages(task: Task, trajectory: Trajectory, items: list[ChecklistItem]) -> list[dict]:
-    """The judge's chat messages: the grading rule and format (system), the `transcript` and the
-    numbered checklist (user)."""
+def judge_messages(task: Task, trajectory: Trajectory, items: list[ChecklistItem], tokenizer=None,
+                   max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS) -> list[dict]:
+    """The judge's chat messages: the grading rule and format (system), the `transcript` (tool results
+    cut as there when `tokenizer` is given) and the numbered checklist (user)."""
     numbered = "\n".join(f"{i}. {it.text}" for i, it in enumerate(items, 1))
-    user = (f"# Conversation\n{transcript(task, trajectory)}\n\n# Checklist\n{numbered}\n\n"
+    conversation = transcript(task, trajectory, tokenizer, max_observation_tokens)
+    user = (f"# Conversation\n{conversation}\n\n# Checklist\n{numbered}\n\n"
             "Reply with the JSON object only.")
     return [{"role": "system", "content": _SYSTEM.format(domain=task.domain, n=len(items))},
             {"role": "user", "content": user}]
@@ -146,6 +154,7 @@ class _AdapterOff:
 
     def __init__(self, engine: Engine):
         self.engine, self.tokenizer = engine, engine.tokenizer
+        self.model = getattr(engine, "model", None)  # the context length reads from it (`roles.bounds`)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         model = getattr(self.engine, "model", None)
@@ -161,15 +170,21 @@ class Judge:
         engine: an `Engine` serving the judge model.
         max_new_tokens: verdict budget (tokens).
         aggregate: "mean" (fraction of items met) or "all" (1.0 iff all met).
+        max_observation_tokens: each tool result in the transcript is cut to this many tokens
+            (`roles.bounds.bound_text`; rollout.max_observation_tokens).
+        max_prompt_tokens: prompt cap besides the engine's context (`roles.bounds.prompt_limit`).
 
-    `score(task, trajectory)` -> RewardResult, or None when the task has no checklist or the verdict
-    does not parse (then ``trajectory.reward is None``: masked, and ``reward_info["error"]`` says why).
+    `score(task, trajectory)` -> RewardResult, or None when the task has no checklist, the judge's
+    prompt does not fit (`PromptTooLong`) or the verdict does not parse (then ``trajectory.reward is
+    None``: masked, and ``reward_info["error"]`` says why).
     """
 
-    def __init__(self, engine: Engine, max_new_tokens: int = 64, aggregate: str = "mean"):
+    def __init__(self, engine: Engine, max_new_tokens: int = 64, aggregate: str = "mean",
+                 max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS, max_prompt_tokens: int | None = None):
         if aggregate not in ("mean", "all"):
             raise EnvaceError(f"reward.judge_aggregate must be 'mean' or 'all', got {aggregate!r}")
         self.engine, self.max_new_tokens, self.aggregate = engine, max_new_tokens, aggregate
+        self.max_observation_tokens, self.max_prompt_tokens = max_observation_tokens, max_prompt_tokens
 
     def score(self, task: Task, trajectory: Trajectory) -> Optional[RewardResult]:
         items = checklist(task)
@@ -177,7 +192,11 @@ class Judge:
             return self._fail(trajectory, "the task has no checklist (no gold action, communicate_info "
                                           "or nl_assertion) to judge against")
         tok = self.engine.tokenizer
-        prompt = chat_ids(tok, judge_messages(task, trajectory, items))
+        prompt = chat_ids(tok, judge_messages(task, trajectory, items, tok, self.max_observation_tokens))
+        try:
+            check_prompt("judge", prompt, prompt_limit(self.engine, self.max_new_tokens, self.max_prompt_tokens))
+        except PromptTooLong as e:
+            return self._fail(trajectory, f"{type(e).__name__}: {e}")
         out = self.engine.generate([prompt], SamplingParams(max_new_tokens=self.max_new_tokens,
                                                             temperature=0.0))[0][0]
         text = tok.decode(out.token_ids, skip_special_tokens=True)
@@ -232,4 +251,5 @@ def build_judge(cfg: RunConfig, policy_engine: Optional[Engine] = None) -> Judge
             model = load_model(path).eval()
             _ENGINES[key] = HFEngine(model, load_tokenizer(path), compute_dtype=cfg.model.compute_dtype)
         engine = _ENGINES[key]
-    return Judge(engine, r.judge_max_new_tokens, r.judge_aggregate)
+    return Judge(engine, r.judge_max_new_tokens, r.judge_aggregate, cfg.rollout.max_observation_tokens,
+                 cfg.rollout.max_prompt_tokens)

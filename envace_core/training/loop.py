@@ -92,7 +92,7 @@ def train_iteration(run: TrainingRun, state: RunState) -> dict[str, Any]:
     # 7. metrics
     trajs = [t for group in groups for t in group]
     rec = {"iteration": it + 1, "data/epoch": data_at["epoch"], "data/position": data_at["position"],
-           **rollout_metrics(trajs), **adv_stats,
+           **rollout_metrics(trajs), "rows/masked": sum(not r.valid for r in rows), **adv_stats,
            **{f"train/{k}": v for k, v in train_metrics.items()},
            "rollout_seconds": t_roll, "rollout_tokens_per_s": gen_tokens / max(t_roll, 1e-9),
            "seconds": time.perf_counter() - t0}
@@ -205,6 +205,12 @@ def score(task: Task, traj: Trajectory, format_penalty: float = 0.0, reward_fn=N
 
 
 def rollout_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
+    """Rollout metrics of one iteration: trajectories, fidelity, success_rate, per role
+    ``parse_error_rate/<role>`` and ``rows/<role>``, ``parse_error_rate`` over all generations,
+    ``termination/<name>`` = trajectories ended that way (``termination/prompt_too_long`` always, 0
+    when none), and ``masked_trajectories`` (reward None: their rows carry no loss)."""
+    from envace_core.training.rollout import PROMPT_TOO_LONG
+
     gens = [g for t in trajs for g in t.generations]
     fid = [s.fidelity for t in trajs for s in t.steps if s.fidelity is not None]
     out: dict[str, Any] = {"trajectories": len(trajs), "fidelity": mean_or_none(fid),
@@ -217,6 +223,11 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
         out[f"parse_error_rate/{role.value}"] = mean_or_none([float(g.parse_error is not None) for g in rg])
         out[f"rows/{role.value}"] = len(rg)
     out["parse_error_rate"] = mean_or_none([float(g.parse_error is not None) for g in gens])
+    out[f"termination/{PROMPT_TOO_LONG}"] = 0
+    for t in trajs:
+        key = f"termination/{t.termination or 'unknown'}"
+        out[key] = out.get(key, 0) + 1
+    out["masked_trajectories"] = sum(t.reward is None for t in trajs)
     return out
 
 

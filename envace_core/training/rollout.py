@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Optional
 from envace_core.engines.base import Completion, Engine, SamplingParams
 from envace_core.envs.base import ToolEnvironment
 from envace_core.roles.act import act_prompt_ids, parse_act
+from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, PromptTooLong, check_prompt, prompt_limit
 from envace_core.roles.errors import ParseError, format_error
 from envace_core.roles.rehearse import parse_rehearse, rehearse_prompt_ids
 from envace_core.roles.user import parse_user, user_instructions, user_prompt_ids
@@ -46,8 +47,25 @@ if TYPE_CHECKING:
 
 
 
+# Terminations whose trajectory cannot be judged at all: its reward is None, so its rows are masked
+# (METHOD.md §3), never scored 0 or penalised (`mask_unjudgeable`).
+PROMPT_TOO_LONG = "prompt_too_long"
+MASKED_TERMINATIONS = (PROMPT_TOO_LONG,)
+
+
 @dataclass(frozen=True)
 class RolloutParams:
+    """Rollout settings (``cfg.rollout`` / ``cfg.eval``; see `config.RolloutConfig` for each field).
+
+    max_observation_tokens: each tool result in a prompt is cut to this many tokens with a marker
+        (`roles.bounds.bound_text`); None = uncut.
+    max_prompt_tokens: the most prompt tokens of any role's call; None = only the engine's context
+        minus the role's max_new_tokens (`roles.bounds.prompt_limit`). A longer prompt ends its
+        trajectory as "prompt_too_long".
+    lenient: `parse_act(..., lenient=...)`: take calls in other model families' formats (off: they
+        are `ForeignToolCallFormat` parse errors).
+    """
+
     max_turns: int
     max_new_tokens_act: int
     max_new_tokens_rehearse: int
@@ -55,6 +73,9 @@ class RolloutParams:
     top_p: float = 1.0
     strict: bool = True
     max_new_tokens_user: Optional[int] = None  # USER-REHEARSE turns; None = max_new_tokens_act
+    max_observation_tokens: Optional[int] = MAX_OBSERVATION_TOKENS
+    max_prompt_tokens: Optional[int] = None
+    lenient: bool = False
 
 
 def make_generation(role: Role, prompt: list[int], c: Completion, tokenizer, temperature: float) -> Generation:
@@ -74,26 +95,59 @@ class SeedStream:
         return next(self._it) if self._it is not None else None
 
 
+def end_prompt_too_long(traj: Trajectory, err: PromptTooLong) -> None:
+    """End `traj` as "prompt_too_long" (`MASKED_TERMINATIONS`), the sizes in ``reward_info``."""
+    traj.termination = PROMPT_TOO_LONG
+    traj.reward_info["prompt_too_long"] = {"role": err.role, "tokens": err.n_tokens, "limit": err.limit}
+
+
+def fitting_prompts(engine: Engine, role: Role, trajs: list[Trajectory], idx: list[int], build: Callable,
+                    max_new_tokens: int, p: RolloutParams) -> tuple[list[int], list[list[int]]]:
+    """(the indices of `idx` whose prompt ``build(i)`` fits `roles.bounds.prompt_limit`, their prompts);
+    the trajectories of the others end as "prompt_too_long" (never an exception out of the rollout)."""
+    limit = prompt_limit(engine, max_new_tokens, p.max_prompt_tokens)
+    keep, prompts = [], []
+    for i in idx:
+        try:
+            prompts.append(check_prompt(role.value, build(i), limit))
+            keep.append(i)
+        except PromptTooLong as e:
+            end_prompt_too_long(trajs[i], e)
+    return keep, prompts
+
+
 def act_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory], histories: list[list[Message]],
               p: RolloutParams, seeds: SeedStream, memory: Optional[str], first: bool) -> list[int]:
-    """One batched ACT call for the active trajectories; returns the indices that called a tool."""
+    """One batched ACT call for the active trajectories; returns the indices that called a tool.
+
+    A trajectory whose ACT prompt does not fit (`fitting_prompts`) ends as "prompt_too_long".
+    """
     tok = engine.tokenizer
     sp = SamplingParams(max_new_tokens=p.max_new_tokens_act, temperature=p.temperature, top_p=p.top_p,
                         seed=seeds.next(), role=Role.ACT.value)
     active = [i for i, t in enumerate(trajs) if not t.termination]
+
+    def build(i: int) -> list[int]:
+        return act_prompt_ids(tok, ctx, histories[i], memory, p.max_observation_tokens)
+
     if first and len(active) > 1:  # identical prompts: one prompt, n samples, prefix computed once
-        prompt = act_prompt_ids(tok, ctx, histories[active[0]], memory)
-        outs = engine.generate([prompt], SamplingParams(**{**sp.__dict__, "n": len(active)}))[0]
-        prompts = [prompt] * len(active)
+        fit, prompts = fitting_prompts(engine, Role.ACT, trajs, active[:1], build, p.max_new_tokens_act, p)
+        if not fit:
+            for i in active[1:]:
+                trajs[i].termination, trajs[i].reward_info = trajs[active[0]].termination, \
+                    dict(trajs[active[0]].reward_info)
+            return []
+        outs = engine.generate(prompts, SamplingParams(**{**sp.__dict__, "n": len(active)}))[0]
+        prompts = prompts * len(active)
     else:
-        prompts = [act_prompt_ids(tok, ctx, histories[i], memory) for i in active]
+        active, prompts = fitting_prompts(engine, Role.ACT, trajs, active, build, p.max_new_tokens_act, p)
         outs = [o[0] for o in engine.generate(prompts, sp)] if prompts else []
     calling = []
     for i, prompt, c in zip(active, prompts, outs):
         gen = make_generation(Role.ACT, prompt, c, tok, p.temperature)
         trajs[i].generations.append(gen)
         try:
-            out = parse_act(gen.text, ctx.tools, strict=p.strict)
+            out = parse_act(gen.text, ctx.tools, strict=p.strict, lenient=p.lenient)
         except ParseError as e:
             gen.parse_error = format_error(e)
             trajs[i].termination = "parse_error"
@@ -116,8 +170,12 @@ def _rehearse_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory],
     if not idx:
         return
     tok = engine.tokenizer
-    prompts = [rehearse_prompt_ids(tok, ctx, histories[i][:-1], trajs[i].steps[-1].action)
-               for i in idx]
+    idx, prompts = fitting_prompts(
+        engine, Role.REHEARSE, trajs, idx, lambda i: rehearse_prompt_ids(
+            tok, ctx, histories[i][:-1], trajs[i].steps[-1].action, max_observation_tokens=p.max_observation_tokens),
+        p.max_new_tokens_rehearse, p)
+    if not idx:
+        return
     sp = SamplingParams(max_new_tokens=p.max_new_tokens_rehearse, temperature=p.temperature,
                         top_p=p.top_p, seed=seeds.next(), role=Role.REHEARSE.value)
     for i, prompt, outs in zip(idx, prompts, engine.generate(prompts, sp)):
@@ -143,9 +201,13 @@ def _user_turn(engine: Engine, instructions: str, trajs: list[Trajectory], histo
     if not idx:
         return
     tok = engine.tokenizer
-    prompts = [user_prompt_ids(tok, instructions, histories[i]) for i in idx]
-    sp = SamplingParams(max_new_tokens=p.max_new_tokens_user or p.max_new_tokens_act,
-                        temperature=p.temperature, top_p=p.top_p, seed=seeds.next(), role=Role.USER.value)
+    max_new = p.max_new_tokens_user or p.max_new_tokens_act
+    idx, prompts = fitting_prompts(engine, Role.USER, trajs, idx,
+                                   lambda i: user_prompt_ids(tok, instructions, histories[i]), max_new, p)
+    if not idx:
+        return
+    sp = SamplingParams(max_new_tokens=max_new, temperature=p.temperature, top_p=p.top_p, seed=seeds.next(),
+                        role=Role.USER.value)
     for i, prompt, outs in zip(idx, prompts, engine.generate(prompts, sp)):
         gen = make_generation(Role.USER, prompt, outs[0], tok, p.temperature)
         trajs[i].generations.append(gen)
@@ -164,7 +226,9 @@ def unroll(engine: Engine, ctx: TaskContext, history: list[Message], n: int, p: 
     """n self-unfolded trajectories continuing from `history`, ACT and REHEARSE alternating.
 
     A trajectory ends when ACT speaks to the user ("agent_message"), an output fails to parse
-    ("parse_error": METHOD.md §2, format), or after `p.max_turns` ACT turns ("max_turns").
+    ("parse_error": METHOD.md §2, format), a role's prompt does not fit the engine's context even with
+    its tool results cut ("prompt_too_long", `fitting_prompts`; masked in training), or after
+    `p.max_turns` ACT turns ("max_turns").
     With `user` (the user's instructions, `roles.user_instructions`: USER-REHEARSE), ACT's message
     to the user is answered by an imagined user turn instead, and the trajectory ends when that user
     stops ("user_stop"); a message on the last allowed ACT turn still ends it as "agent_message"
@@ -206,7 +270,9 @@ def real_rollouts(engine: Engine, ctx: TaskContext, envs: list[ToolEnvironment],
 
     The trajectories advance in lockstep like `unroll`'s (one batched ACT call per turn; the first
     turn is one prompt sampled G ways when G > 1), and end by the same rules: "agent_message",
-    "parse_error", "max_turns". Observations are real (`observation` = `real_observation`).
+    "parse_error", "prompt_too_long", "max_turns". Observations are real (`observation` =
+    `real_observation`), kept whole in the trajectory; prompts show them cut to
+    `p.max_observation_tokens` (the same cut as imagined ones).
     """
     trajs = [Trajectory(task_id=ctx.task_id, group_index=g, imagined=False) for g in range(len(envs))]
     histories = [[Message(role="user", content=ctx.first_user_message)] for _ in envs]
@@ -235,6 +301,26 @@ def real_rollout(engine: Engine, ctx: TaskContext, env: ToolEnvironment, p: Roll
     return real_rollouts(engine, ctx, [env], p, seed, memory)[0]
 
 
+def params_from_config(cfg: RunConfig, p: RolloutParams) -> RolloutParams:
+    """`p` with the budgets and the tool-format mode of ``cfg.rollout`` (max_new_tokens_user,
+    max_observation_tokens, max_prompt_tokens, lenient_tool_format)."""
+    r = cfg.rollout
+    return replace(p, max_new_tokens_user=p.max_new_tokens_user or r.max_new_tokens_user,
+                   max_observation_tokens=r.max_observation_tokens, max_prompt_tokens=r.max_prompt_tokens,
+                   lenient=r.lenient_tool_format)
+
+
+def mask_unjudgeable(trajectory: Trajectory) -> Trajectory:
+    """A trajectory ended by one of `MASKED_TERMINATIONS` gets ``reward=None`` (its rows are masked,
+    METHOD.md §3: never scored 0 or format-penalised) and ``reward_info["masked"]`` = the termination;
+    the score it would have had stays in ``reward_info["unmasked_reward"]``. Others are unchanged."""
+    if trajectory.termination in MASKED_TERMINATIONS:
+        trajectory.reward_info["unmasked_reward"] = trajectory.reward
+        trajectory.reward_info["masked"] = trajectory.termination
+        trajectory.reward, trajectory.sub_rewards = None, {}
+    return trajectory
+
+
 def training_group(engine: Engine, task: Task, cfg: RunConfig, p: RolloutParams, seed: Optional[int],
                    reward_fn: Optional[Callable] = None,
                    env_factory: Optional[Callable[[str], ToolEnvironment]] = None) -> list[Trajectory]:
@@ -246,15 +332,17 @@ def training_group(engine: Engine, task: Task, cfg: RunConfig, p: RolloutParams,
       fresh private copy ``env_factory(task.domain)`` (default `Tau2Environment`) reset to `task`; the
       real observations enter the history as context, no REHEARSE rows exist.
 
-    Each trajectory is then scored by `rewards.score_trajectory` with `reward_fn` (default: the
-    one ``cfg.reward`` names, `rewards.reward_fn_from_config`, judge engine built on `engine`'s
-    model), ``cfg.train.format_penalty`` and ``cfg.reward.replay_fidelity``. Same `seed` -> same group.
+    `p` gets ``cfg.rollout``'s budgets and tool-format mode (`params_from_config`). Each trajectory
+    is then scored by `rewards.score_trajectory` with `reward_fn` (default: the one ``cfg.reward``
+    names, `rewards.reward_fn_from_config`, judge engine built on `engine`'s model),
+    ``cfg.train.format_penalty`` and ``cfg.reward.replay_fidelity``; one ended "prompt_too_long" is
+    then masked (`mask_unjudgeable`). Same `seed` -> same group.
     """
     from envace_core.envs.tau2.environment import Tau2Environment
     from envace_core.envs.tau2.tasks import task_context
 
     ctx = task_context(task, cfg.data.policy_max_chars)
-    p = replace(p, max_new_tokens_user=p.max_new_tokens_user or cfg.rollout.max_new_tokens_user)
+    p = params_from_config(cfg, p)
     G = cfg.rollout.group_size
     if cfg.rollout.source == "real":
         envs = [(env_factory or Tau2Environment)(task.domain) for _ in range(G)]
@@ -266,5 +354,10 @@ def training_group(engine: Engine, task: Task, cfg: RunConfig, p: RolloutParams,
             if cfg.rollout.user_rehearse and task.user_scenario else None
         group = rehearsal_rollouts(engine, ctx, G, p, seed=seed, user=user)
     fn = reward_fn if reward_fn is not None else reward_fn_from_config(cfg, engine)
-    return [score_trajectory(task, t, fn, cfg.train.format_penalty, cfg.reward.replay_fidelity)
-            for t in group]
+    out = []
+    for t in group:
+        rollout_info = dict(t.reward_info)  # e.g. the prompt_too_long sizes; reward functions replace reward_info
+        score_trajectory(task, t, fn, cfg.train.format_penalty, cfg.reward.replay_fidelity)
+        t.reward_info = {**rollout_info, **t.reward_info}
+        out.append(mask_unjudgeable(t))
+    return out
