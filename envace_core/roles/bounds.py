@@ -43,8 +43,8 @@ def n_tokens(tokenizer, text: str) -> int:
 def bound_text(text: str, tokenizer, max_tokens: int | None, what: str = "tool result") -> str:
     """`text` (`clean_text`) if it has at most `max_tokens` tokens (`n_tokens`), else its head cut at a
     token boundary and followed by the marker ``…[<what> truncated: <k> of <n> tokens shown]``, the
-    whole at most `max_tokens` tokens. A partial character at the cut is dropped; a budget smaller
-    than the marker gives the marker alone. `max_tokens` None = no bound.
+    whole at most `max_tokens` tokens. The head is a prefix of `text` itself (never a re-decoded
+    one); a budget smaller than the marker gives the marker alone. `max_tokens` None = no bound.
 
     Token counts are of the text alone; in a prompt the boundary tokens may merge with their
     neighbours, so the prompt grows by at most `max_tokens` plus a few tokens per cut text.
@@ -56,17 +56,30 @@ def bound_text(text: str, tokenizer, max_tokens: int | None, what: str = "tool r
     total = len(ids)
     if total <= max_tokens:
         return text
+    head_of = _head_cutter(tokenizer, text, ids)
     keep = max_tokens - n_tokens(tokenizer, TRUNCATION_MARKER.format(what=what, shown=max_tokens, total=total))
     for _ in range(8):  # re-encoding the cut text can merge or split a token at the seam: shrink until it fits
         if keep <= 0:
             return TRUNCATION_MARKER.format(what=what, shown=0, total=total)
-        head = tokenizer.decode(ids[:keep], skip_special_tokens=False).rstrip("\ufffd")
-        out = head + TRUNCATION_MARKER.format(what=what, shown=keep, total=total)
+        out = head_of(keep) + TRUNCATION_MARKER.format(what=what, shown=keep, total=total)
         over = n_tokens(tokenizer, out) - max_tokens
         if over <= 0:
             return out
         keep -= over
     return TRUNCATION_MARKER.format(what=what, shown=0, total=total)
+
+
+def _head_cutter(tokenizer, text: str, ids: list[int]):
+    """k -> the text of the first k tokens: a prefix of `text` itself, cut at the end of token k's
+    characters (a fast tokenizer's offsets), so the head is never re-decoded (decoding is lossy for
+    characters a vocabulary lacks); else the decoded ids, a partial character dropped."""
+    try:
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    except (NotImplementedError, TypeError, KeyError, ValueError):
+        offsets = None
+    if offsets is not None and len(offsets) == len(ids):
+        return lambda k: text[:offsets[k - 1][1]]
+    return lambda k: tokenizer.decode(ids[:k], skip_special_tokens=False).rstrip("\ufffd")
 
 
 def bound_history(history: list[Message], tokenizer, max_observation_tokens: int | None) -> list[Message]:
