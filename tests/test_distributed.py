@@ -7,9 +7,9 @@ MASTER_ADDR=127.0.0.1, a free MASTER_PORT), via `distributed.session()`.
 Tolerances: a rank sums its share of the micro-batch gradients, then the ranks' sums are added,
 where one process adds the micro-batches in another order. float32 addition is not associative:
 a sum of n terms carries an error up to ~n * 6e-8 * max|term|, and with cancellation that is large
-relative to small elements, so each gradient tensor is compared with atol = 1e-5 * its max |g|
-(observed: <= 2e-7 absolute against |g| up to ~5e-2, already in step 1 where the weights are still
-identical). Adam divides each element by its own RMS, so rounding noise on a near-zero element
+relative to small elements, so each gradient tensor is compared with atol = 1e-4 * its max |g|
+(observed with 2 OpenMP threads: max |diff| / max |g| <= 2.6e-5 per tensor, already in step 1 where
+the weights are still identical; a rank that dropped or doubled rows is off by O(1) of max |g|). Adam divides each element by its own RMS, so rounding noise on a near-zero element
 can move that weight by up to lr per step: the final weights (6 steps) are compared with
 atol = lr / 10 (observed <= 2e-5 = lr / 50), and they moved by > 2 lr, so the check is not vacuous.
 The ranks' weights, on the other hand, must be bitwise equal: both apply the one all-reduced gradient.
@@ -125,7 +125,7 @@ def test_two_ranks_step_like_one_process_over_all_rows(two_ranks, tiny_model_dir
     # (b) every optimizer step's gradient, the metrics and the final weights equal one process's
     for step_a, step_b in zip(r0["grads"], grads, strict=True):
         for a, b in zip(step_a, step_b, strict=True):
-            assert (a is None and b is None) or torch.allclose(a, b, rtol=0, atol=1e-5 * float(b.abs().max()))
+            assert (a is None and b is None) or torch.allclose(a, b, rtol=0, atol=1e-4 * float(b.abs().max()))
     for k in ("loss", "clip_frac", "approx_kl", "ratio_mean", "entropy", "grad_norm", "tokens", "rows"):
         assert r0["metrics"][k] == pytest.approx(m[k], rel=1e-5, abs=1e-7), k
     assert m["clip_frac"] > 0 and m["grad_norm"] > UPDATE["max_grad_norm"]  # clipping is exercised
