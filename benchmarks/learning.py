@@ -221,7 +221,8 @@ def rehearse_fidelity(cfg, adapter_dir: str | None, held: list, limit: int) -> l
     trans = held_out_transitions(held, limit)
     model, tok, _ = load_policy(cfg, adapter_dir)
     engine = HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype)
-    prompts = [rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c)
+    prompts = [rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c,
+                                   max_observation_tokens=cfg.rollout.max_observation_tokens)
                for t, h, c, _ in trans]
     sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0, role="rehearse")
     rows = []

@@ -60,7 +60,8 @@ def policy_agent(cfg: RunConfig, engine, mode: str = "none", n: int = 0, *, doma
     from envace_core.rehearsal.verifier import default_checks
     from envace_core.training.policy import rollout_params
 
-    act = rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=cfg.eval.max_turns)
+    act = rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=cfg.eval.max_turns,
+                         lenient=cfg.eval.lenient_tool_format)
     reh = rollout_params(cfg, temperature=cfg.rehearsal.temperature, max_turns=cfg.eval.max_turns)
     checks = default_checks(domain) if cfg.rehearsal.verifier and mode != "none" else None
     return RehearsalAgent(engine, mode, n, cfg.rehearsal.memory_max_tokens, act, reh, seed=seed,

@@ -107,7 +107,8 @@ def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int 
         model, tok, _ = load_policy(cfg, adapter_dir)
         engine = policy_engine(cfg, model, tok)
     load_s = time.perf_counter() - t_load
-    act = rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=turns)
+    act = rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=turns,
+                         lenient=cfg.eval.lenient_tool_format)
     reh = rollout_params(cfg, temperature=cfg.rehearsal.temperature, max_turns=turns)
     agent = RehearsalAgent(engine, mode, n, cfg.rehearsal.memory_max_tokens, act, reh, seed=seed,
                            verifier=default_checks(task.domain) if verifier else None, reenter=reenter)

@@ -53,7 +53,8 @@ def rehearse_rows(cfg: RunConfig, engine: Any, trans: list[tuple[Task, list, Too
     from envace_core.training.rewards import fidelity
 
     tok = engine.tokenizer
-    prompts = [rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c)
+    prompts = [rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c,
+                                   max_observation_tokens=cfg.rollout.max_observation_tokens)
                for t, h, c, _ in trans]
     sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0, role="rehearse")
     rows = []

@@ -96,10 +96,18 @@ def policy_engine(cfg: RunConfig, model, tok):
                     prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
 
 
-def rollout_params(cfg: RunConfig, temperature: Optional[float] = None, max_turns: Optional[int] = None):
-    from envace_core.training.rollout import RolloutParams
+def rollout_params(cfg: RunConfig, temperature: Optional[float] = None, max_turns: Optional[int] = None,
+                   lenient: Optional[bool] = None):
+    """`RolloutParams` from ``cfg.rollout`` (token budgets, observation/prompt bounds, tool-format mode via
+    `rollout.params_from_config`), with `temperature`, `max_turns` and `lenient` (the ACT parser's
+    lenient tool-format mode) overridden where given, e.g. by the ``eval.*`` settings."""
+    from dataclasses import replace
+
+    from envace_core.training.rollout import RolloutParams, params_from_config
 
     r = cfg.rollout
-    return RolloutParams(max_turns=max_turns or r.max_turns, max_new_tokens_act=r.max_new_tokens_act,
-                         max_new_tokens_rehearse=r.max_new_tokens_rehearse,
-                         temperature=r.temperature if temperature is None else temperature, top_p=r.top_p)
+    p = params_from_config(cfg, RolloutParams(
+        max_turns=max_turns or r.max_turns, max_new_tokens_act=r.max_new_tokens_act,
+        max_new_tokens_rehearse=r.max_new_tokens_rehearse,
+        temperature=r.temperature if temperature is None else temperature, top_p=r.top_p))
+    return p if lenient is None else replace(p, lenient=lenient)
