@@ -64,6 +64,30 @@ def test_checkpoint_of_other_lora_config_is_a_clear_error(tiny_model_dir, tmp_pa
         other.load_checkpoint(str(tmp_path / "absent"))
 
 
+def test_a_checkpoint_without_checksums_that_fails_to_load_names_the_file(tiny_model_dir, tmp_path):
+    import shutil
+
+    trainer = make_trainer(tiny_model_dir)
+    trainer.save_checkpoint(str(tmp_path / "good"), {"cursor": {"epoch": 0, "position": 0}})
+    assert not (tmp_path / "good" / "CHECKSUMS.json").exists()  # a local folder, not from the store
+
+    def broken(rel: str, how: str) -> str:
+        d = tmp_path / f"{how}-{rel.replace('/', '-')}"
+        shutil.copytree(tmp_path / "good", d)
+        f = d / rel
+        if how == "missing":
+            f.unlink()
+        else:
+            f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])  # truncated, as by a full disk
+        return str(d)
+
+    for rel in ("state.json", "trainer_state.pt", "adapter/adapter_model.safetensors", "adapter/adapter_config.json"):
+        for how in ("truncated", "missing"):
+            with pytest.raises(CheckpointError) as err:
+                make_trainer(tiny_model_dir).load_checkpoint(broken(rel, how))
+            assert Path(rel).name in str(err.value) and "Nothing was changed" in str(err.value), (rel, how, err.value)
+
+
 # ------------------------------------------------------------------------------- data cursor
 def test_data_cursor_visits_each_task_once_per_epoch_and_crosses_epochs():
     from envace_core.training.loop import epoch_order, next_tasks

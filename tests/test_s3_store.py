@@ -8,7 +8,7 @@ import pytest
 from botocore.exceptions import ConnectionClosedError
 
 from envace_core.store.base import StoreError
-from envace_core.store.files import sha256_bytes
+from envace_core.store.files import dir_checksums, sha256_bytes
 from envace_core.store.local import LocalStore
 from envace_core.store.s3 import S3Store
 from envace_core.store.uri import open_store
@@ -348,3 +348,55 @@ def test_cli_registry_list_show_verify_on_s3(s3_server, tmp_path, capsys):
     assert out.startswith("TAMPERED m@1") and "artifacts/adapter.safetensors" in out
     assert main(["--overrides", over, "registry", "show", "m@2"]) == 2
     assert "not registered" in capsys.readouterr().err
+
+
+def test_the_commit_object_is_the_atomic_pointer_and_recover_dir_cleans_what_a_kill_left(s3_server, tmp_path,
+                                                                                      monkeypatch):
+    """An upload stopped at any point (a BaseException, as a kill: no clean-up runs) leaves the
+    previous commit in force; `recover_dir` deletes the objects no commit names and says so."""
+    store = _store(s3_server, tmp_path, f"t-{uuid.uuid4().hex[:8]}")
+    key = "runs/r/checkpoint"
+    v1 = _src(tmp_path, "v1", **{"a.bin": b"v1-a", "b.bin": b"v1-b", "state.json": '{"it": 1}'})
+    v2 = _src(tmp_path, "v2", **{"a.bin": b"v2-a", "b.bin": b"v2-b", "state.json": '{"it": 2}'})
+    assert store.recover_dir(key) == []  # nothing there yet
+
+    def objects():
+        r = s3_server.client.list_objects_v2(Bucket=s3_server.bucket, Prefix=_obj(store, f"{key}/objects/"))
+        return {o["Key"].rsplit("/", 1)[1] for o in r.get("Contents", [])}
+
+    class Killed(BaseException):
+        pass
+
+    real_upload = store.client.upload_file
+    for n in range(3):  # killed after n of the first upload's 3 objects: nothing is committed
+        calls = []
+
+        def upload(*a, calls=calls, n=n, **k):
+            if len(calls) == n:
+                raise Killed
+            calls.append(a)
+            return real_upload(*a, **k)
+
+        monkeypatch.setattr(store.client, "upload_file", upload)
+        with pytest.raises(Killed):
+            store.put_dir(v1, key)
+        assert not store.exists(f"{key}/state.json") and len(objects()) == n
+        notes = store.recover_dir(key)
+        assert objects() == set() and (notes == [] if n == 0 else
+                                       len(notes) == 1 and f"removed {n} object(s)" in notes[0]
+                                       and "never committed" in notes[0])
+    monkeypatch.setattr(store.client, "upload_file", real_upload)
+    sums1 = store.put_dir(v1, key)
+
+    # killed after the new commit object, before the old objects' garbage collection
+    monkeypatch.setattr(S3Store, "_collect_garbage", lambda self, k, keep: (_ for _ in ()).throw(Killed()))
+    with pytest.raises(Killed):
+        store.put_dir(v2, key)
+    assert store.read_json(f"{key}/state.json") == {"it": 2}  # the pointer moved in one PUT
+    sums2 = set(dir_checksums(v2).values())
+    assert objects() == set(sums1.values()) | sums2
+    monkeypatch.undo()
+    notes = store.recover_dir(key)
+    assert len(notes) == 1 and "removed 3 object(s)" in notes[0] and "not named by its commit" in notes[0]
+    assert objects() == sums2 and store.verify_dir(key) == []
+    assert (store.get_dir(key) / "b.bin").read_bytes() == b"v2-b" and store.recover_dir(key) == []

@@ -1,4 +1,5 @@
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,8 @@ def test_put_dir_is_atomic_and_checksummed(tmp_path):
     assert store.verify_dir("ckpt/1") == []
     (store.path("ckpt/1") / "a.bin").write_bytes(b"tampered")
     assert store.verify_dir("ckpt/1") == ["a.bin"]
-    # no temporary siblings are left behind
-    assert sorted(p.name for p in store.path("ckpt").iterdir()) == ["1"]
+    # nothing beside the key but the one version folder its pointer names
+    assert sorted(p.name for p in store.path("ckpt").iterdir()) == sorted(["1", os.readlink(store.path("ckpt/1"))])
 
 
 def test_failed_copy_leaves_previous_version_intact(tmp_path, monkeypatch):
@@ -40,7 +41,7 @@ def test_failed_copy_leaves_previous_version_intact(tmp_path, monkeypatch):
     with pytest.raises(OSError):
         store.put_dir(src, "ckpt")
     assert (store.path("ckpt") / "w").read_text() == "v1"
-    assert sorted(p.name for p in store.root.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in store.root.iterdir()) == sorted(["ckpt", os.readlink(store.path("ckpt"))])
 
 
 def test_bad_keys_and_corrupt_json(tmp_path):

@@ -373,18 +373,44 @@ class S3Store:
         self._collect_garbage(key, set(sums.values()))
         return sums
 
+    def _unreferenced(self, key: str, keep: set[str]) -> list[str]:
+        """S3 object keys under `<key>/objects/` whose sha256 name is not in `keep`."""
+        prefix = self._obj(f"{key}/objects/")
+        return [o["Key"] for page in self.client.get_paginator("list_objects_v2").paginate(
+                    Bucket=self.bucket, Prefix=prefix)
+                for o in page.get("Contents", []) if o["Key"][len(prefix):] not in keep]
+
+    def _delete(self, objects: list[str]) -> None:
+        for i in range(0, len(objects), 1000):
+            self.client.delete_objects(Bucket=self.bucket, Delete={
+                "Objects": [{"Key": k} for k in objects[i:i + 1000]], "Quiet": True})
+
     def _collect_garbage(self, key: str, keep: set[str]) -> None:
         """Delete `<key>/objects/*` not in `keep` (older versions, failed uploads); best effort."""
         try:
-            prefix = self._obj(f"{key}/objects/")
-            stale = [o["Key"] for page in self.client.get_paginator("list_objects_v2").paginate(
-                        Bucket=self.bucket, Prefix=prefix)
-                     for o in page.get("Contents", []) if o["Key"][len(prefix):] not in keep]
-            for i in range(0, len(stale), 1000):
-                self.client.delete_objects(Bucket=self.bucket, Delete={
-                    "Objects": [{"Key": k} for k in stale[i:i + 1000]], "Quiet": True})
+            self._delete(self._unreferenced(key, keep))
         except Exception as e:  # noqa: BLE001  (the commit stands; stale objects only cost space)
             log.warning("could not delete stale objects under %s: %s", self.uri(key), type(e).__name__)
+
+    def recover_dir(self, key: str) -> list[str]:
+        """Clean up what interrupted `put_dir` uploads of `key` left: the objects under
+        `<key>/objects/` that its commit object does not name (a partial upload, or the previous
+        version when a kill came between the commit and its garbage collection; all of them when
+        nothing was committed). The commit object is the atomic pointer, so there is never a
+        version to restore. Returns one line per action, for the caller to print (empty: nothing
+        was left). Raises StoreError if S3 is unusable. Call it only while no `put_dir` of `key`
+        is in flight (its objects are not named by a commit yet).
+        """
+        key = self._key(key)
+        found = self._manifest(key)
+        with self._errors("clean up", key):
+            stale = self._unreferenced(key, set(found[0].values()) if found else set())
+            self._delete(stale)
+        if not stale:
+            return []
+        what = "not named by its commit object" if found else "of an upload that was never committed"
+        return [f"removed {len(stale)} object(s) under {self.uri(key)}/objects/ {what}, left by an "
+                "interrupted or superseded upload"]
 
     def get_dir(self, key: str) -> Path:
         """A verified local copy of the committed directory `key` (cached per commit).

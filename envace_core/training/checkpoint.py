@@ -23,10 +23,22 @@ class RunState:
     history: list[dict[str, Any]] = field(default_factory=list)
 
 
+def recover_checkpoint(store, key: str) -> list[str]:
+    """Use or clean up what a checkpoint write that was killed left at store `key` (`recover_dir`
+    of `LocalStore` / `S3Store`: a missing checkpoint is restored from the newest complete version
+    left beside it; partial and superseded versions are removed). Returns one line per action,
+    for the caller to print. Run it on one worker only, before any worker resumes.
+
+    Raises:
+        store.StoreError for storage failures.
+    """
+    return store.recover_dir(key)
+
+
 def resume_run_state(trainer, store, key: str) -> RunState | None:
     """Restore the checkpoint committed at store `key` into `trainer` (a `PolicyTrainer`:
     adapter, optimizer, scheduler, counters, RNG states) and return its `RunState`; None when no
-    checkpoint is there (a fresh run).
+    checkpoint is there (a fresh run). Run `recover_checkpoint` first.
 
     Raises:
         trainer.CheckpointError: the checkpoint is corrupt or incompatible (nothing is changed);
@@ -41,7 +53,8 @@ def resume_run_state(trainer, store, key: str) -> RunState | None:
 
 def save_run_state(trainer, store, key: str, run_id: str, state: RunState) -> None:
     """Write `trainer`'s checkpoint (`PolicyTrainer.save_checkpoint`) with `state` and `run_id` in its
-    state.json to a temp directory, then commit it to store `key` (`put_dir`: atomic for readers)."""
+    state.json to a local temp directory, then commit it to store `key` (`put_dir`: a new version,
+    then one atomic pointer swap, so a kill at any step leaves the previous checkpoint or this one)."""
     with tempfile.TemporaryDirectory() as tmp:
         trainer.save_checkpoint(str(Path(tmp) / "ckpt"), {
             "run_id": run_id, "iteration": state.iteration, "cursor": state.cursor, "history": state.history})

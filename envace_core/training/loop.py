@@ -21,7 +21,7 @@ from envace_core.config import RunConfig
 from envace_core.evaluation.stats import mean_or_none
 from envace_core.store.files import dir_checksums, sha256_bytes
 from envace_core.store.uri import open_store
-from envace_core.training.checkpoint import RunState, resume_run_state, save_run_state
+from envace_core.training.checkpoint import RunState, recover_checkpoint, resume_run_state, save_run_state
 from envace_core.types import Role, Task, Trajectory
 
 if TYPE_CHECKING:
@@ -149,7 +149,12 @@ def checkpoint_if_due(run: TrainingRun, state: RunState) -> None:
 
 def start_or_resume(run: TrainingRun) -> RunState:
     """The run's checkpoint restored (`checkpoint.resume_run_state`), or, for a fresh run, the warm
-    start (`warm_start`) and an empty state."""
+    start (`warm_start`) and an empty state. What a killed checkpoint write left is used or removed
+    first, by rank 0 (`checkpoint.recover_checkpoint`), and said."""
+    if run.world.is_main:
+        for note in recover_checkpoint(run.store, run.checkpoint_key):
+            run.say(f"[train] checkpoint recovery: {note}")
+    run.world.barrier()
     state = resume_run_state(run.trainer, run.store, run.checkpoint_key)
     uri = run.store.uri(run.checkpoint_key)
     if state is not None:

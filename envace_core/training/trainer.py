@@ -51,9 +51,10 @@ from __future__ import annotations
 
 import inspect
 import json
+import pickle
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -565,9 +566,12 @@ class PolicyTrainer:
                                        "with the same train.policy_per_role)")
         try:
             saved = json.loads(cfg_file.read_text())
+        except Exception as e:  # noqa: BLE001  (json raises assorted types on corrupt files)
+            raise AdapterLoadError(f"adapter in {d} is corrupt: {cfg_file.name}: {type(e).__name__}: {e}") from e
+        try:
             state = load_file(str(weights))
-        except Exception as e:  # json / safetensors raise assorted types on corrupt files
-            raise AdapterLoadError(f"adapter in {d} is corrupt: {type(e).__name__}: {e}") from e
+        except Exception as e:  # noqa: BLE001  (safetensors raises assorted types on corrupt files)
+            raise AdapterLoadError(f"adapter in {d} is corrupt: {weights.name}: {type(e).__name__}: {e}") from e
         ours = self.model.peft_config[name]
         theirs = (saved.get("r"), saved.get("lora_alpha"), sorted(saved.get("target_modules") or []))
         if theirs != (ours.r, ours.lora_alpha, sorted(ours.target_modules)):
@@ -627,18 +631,24 @@ class PolicyTrainer:
             bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
             if bad:
                 raise CheckpointError(f"checkpoint {d} is corrupt: {bad[:5]} differ from {CHECKSUMS}. {fix}")
+        def read(name: str, load: Callable[[Path], Any]) -> Any:
+            try:
+                return load(d / name)
+            except (OSError, ValueError, RuntimeError, EOFError, pickle.UnpicklingError, EnvaceError) as e:
+                raise CheckpointError(f"cannot resume from checkpoint {d}: {name} is missing or unreadable "
+                                      f"({type(e).__name__}: {e}). {fix}") from e
+
+        state = read("state.json", lambda f: json.loads(f.read_text()))
+        if not isinstance(state, dict) or state.get("format") != CHECKPOINT_FORMAT:
+            found = state.get("format") if isinstance(state, dict) else type(state).__name__
+            raise CheckpointError(f"checkpoint {d} has format {found!r} in state.json, this version "
+                                  f"resumes format {CHECKPOINT_FORMAT} only (optimizer, RNG and data "
+                                  f"cursor are needed to resume exactly). {fix}")
+        saved = read("trainer_state.pt", lambda f: torch.load(f, map_location="cpu", weights_only=True))
         try:
-            state = json.loads((d / "state.json").read_text())
-            if state.get("format") != CHECKPOINT_FORMAT:
-                raise CheckpointError(f"checkpoint {d} has format {state.get('format')!r}, this version "
-                                      f"resumes format {CHECKPOINT_FORMAT} only (optimizer, RNG and data "
-                                      f"cursor are needed to resume exactly). {fix}")
-            saved = torch.load(d / "trainer_state.pt", map_location="cpu", weights_only=True)
             states = {name: self._read_adapter(d / "adapter", name) for name in self.model.peft_config}
-        except CheckpointError:
-            raise
-        except (OSError, ValueError, RuntimeError, EnvaceError) as e:  # missing/corrupt file, bad config
-            raise CheckpointError(f"cannot resume from checkpoint {d}: {type(e).__name__}: {e}. {fix}") from e
+        except EnvaceError as e:  # AdapterLoadError: names the adapter file or the mismatch
+            raise CheckpointError(f"cannot resume from checkpoint {d}: {e}. {fix}") from e
         from peft.utils import set_peft_model_state_dict
 
         for name, adapter_state in states.items():
