@@ -77,7 +77,7 @@ def _adapter_settings(adapter_dir: str | None) -> dict[str, Any]:
 
 def adaptation_config(cfg: RunConfig, parent: Any, domain: str, hidden: Sequence[str],
                       registry: str, name: str) -> RunConfig:
-    """`cfg` set up for an adaptation run from `parent` (an `eval_run.ResolvedModel`): its base
+    """`cfg` set up for an adaptation run from `parent` (an `models.ResolvedModel`): its base
     model and adapter (`train.init_adapter`; LoRA shape taken from it), rehearsal only
     (rollout.source=imagined, reward.name=actions, reward.replay_fidelity=false: no environment call
     while scoring; train.sft_warmup_steps=0: the warm-up executes gold calls for real), data.domains =
@@ -132,9 +132,9 @@ def _inputs_text(tools: Sequence[NewTool], examples: Sequence[ToolExample]) -> d
 
 def adapt(cfg: RunConfig, model_ref: str, tools: Sequence[NewTool], examples: Sequence[ToolExample], *,
           domain: str, n_tasks: int, registry: str | None = None, name: str | None = None) -> dict[str, Any]:
-    """Teach `model_ref` the new `tools` by rehearsal only and register the result (issue 8 item 3).
+    """Teach `model_ref` the new `tools` by rehearsal only and register the result.
 
-    1. Parent: `eval_run.resolve_model_ref` (``registry:NAME@VERSION`` is verified first; a plain
+    1. Parent: `models.resolve_model_ref` (``registry:NAME@VERSION`` is verified first; a plain
        path/``bundled:`` ref is the base model with a fresh adapter). Its hidden tools
        (``data.hidden_tools`` of its manifest config, plus `cfg`'s) stay hidden unless re-added.
     2. Tasks: `build_adaptation_tasks` (n = `n_tasks`, seed = ``train.seed``), written as a dataset
@@ -152,7 +152,7 @@ def adapt(cfg: RunConfig, model_ref: str, tools: Sequence[NewTool], examples: Se
     Returns {"name", "version", "path", "manifest" (its path), "dataset" (the `stages.load_dataset`
     dict; split "test" = held-out tasks), "trained" {run_id, adapter_dir, learning_signal,
     iterations}, "tasks" {train, held_out}, "real_calls_to_new_tools": 0, "real_calls": {tool: n}}.
-    Raises `eval_run.ModelRefError`, `AdaptationError`, `gates.GateFailed`, `config.ConfigError`.
+    Raises `models.ModelRefError`, `AdaptationError`, `stages.gates.GateFailed`, `config.ConfigError`.
     """
     from envace_core.envs.tau2.tasks import domain_static
     from envace_core.models import resolve_model_ref
