@@ -49,9 +49,10 @@ class ModelConfig(_Strict):
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the policy runs: 'auto' = cuda:$LOCAL_RANK when CUDA is available, "
         "else the CPU")
-    compute_dtype: Literal["float32", "bfloat16"] = Field(
-        "bfloat16", description="autocast dtype of forward passes (rollout engine, trainer, judge); the "
-        "trained LoRA weights stay float32"
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="autocast dtype of forward passes (rollout engine, trainer, judge); the "
+        "trained LoRA weights stay float32. 'auto' = bfloat16 on CUDA and on CPUs with native bf16 "
+        "matmul (avx512_bf16 / amx_bf16 flags), else float32 (torch emulates bf16 there, many times slower)"
     )
 
 

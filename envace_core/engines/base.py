@@ -6,8 +6,39 @@ Token ids in, token ids plus behaviour log-probs out, so that training uses exac
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Protocol, runtime_checkable
+
+# CPU flags of native bfloat16 matmul (Intel/AMD AVX-512 BF16, Intel AMX). Without them torch emulates
+# bf16 on the CPU: measured on a 2-core AVX2-only EPYC, SmolLM2-135M's bf16 forward+backward of 256
+# tokens did not finish in 130 s, against 13 s in float32; with avx512_bf16 bf16 matmul is 4.3x float32.
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+COMPUTE_DTYPES = ("auto", "bfloat16", "float32")
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_has_native_bf16(cpuinfo: str = "/proc/cpuinfo") -> bool:
+    """True when the CPU's flags (Linux `cpuinfo`) include one of `NATIVE_BF16_CPU_FLAGS`; False when
+    they don't or the file cannot be read (other systems)."""
+    try:
+        text = Path(cpuinfo).read_text(errors="replace")
+    except OSError:
+        return False
+    flags = {f for line in text.splitlines() if line.startswith("flags") for f in line.split(":", 1)[-1].split()}
+    return any(f in flags for f in NATIVE_BF16_CPU_FLAGS)
+
+
+def resolve_compute_dtype(name: str, device_type: str) -> str:
+    """The autocast dtype for `name` ("auto", "bfloat16" or "float32") on a device of `device_type`
+    ("cpu", "cuda", ...): "auto" is "bfloat16" on CUDA and on CPUs with native bf16
+    (`cpu_has_native_bf16`), else "float32". Raises ValueError for another `name`."""
+    if name not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {list(COMPUTE_DTYPES)}, got {name!r}")
+    if name != "auto":
+        return name
+    return "bfloat16" if device_type == "cuda" or (device_type == "cpu" and cpu_has_native_bf16()) else "float32"
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from contextlib import nullcontext
 import torch
 
 from envace_core.engines import shared_prefix
-from envace_core.engines.base import Completion, SamplingParams, role_adapter
+from envace_core.engines.base import Completion, SamplingParams, resolve_compute_dtype, role_adapter
 from envace_core.engines.prefix_cache import (
     PrefixPool,
     padded_past,
@@ -120,6 +120,8 @@ class HFEngine:
 
     def __init__(self, model, tokenizer, compute_dtype: str = "bfloat16", max_batch_size: int = 8,
                  prefix_cache_tokens: int = 0, shared_prefix_decode: bool = True):
+        if compute_dtype == "auto":
+            compute_dtype = resolve_compute_dtype("auto", next(model.parameters()).device.type)
         if isinstance(compute_dtype, torch.dtype):
             dtype = compute_dtype
         elif compute_dtype in _DTYPES:

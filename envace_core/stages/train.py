@@ -64,6 +64,7 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
     trainer = PolicyTrainer(model, tok, cfg.train, compute_dtype=cfg.model.compute_dtype)
     run = TrainingRun(cfg, tasks, trainer, policy_engine(cfg, trainer.model, tok), rollout_params(cfg),
                       world, store, run_id)
+    run.say(f"[train] compute dtype {trainer.compute_dtype} (model.compute_dtype={cfg.model.compute_dtype})")
     state = start_or_resume(run)
     sync_engine(run)  # a vLLM engine serves a copy of the weights: start it from the trainer's
     per_it = cfg.rollout.tasks_per_iteration
@@ -90,4 +91,4 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
     signal = any(r.get("frac_zero_std", 1.0) < 1.0 for r in history)
     return {"run_id": run_id, "learning_signal": signal,
             "adapter_dir": str(store.get_dir(run.checkpoint_key) / "adapter"),
-            "base_model_dir": str(base), "history": history}
+            "base_model_dir": str(base), "compute_dtype": trainer.compute_dtype, "history": history}

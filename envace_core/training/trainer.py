@@ -65,7 +65,7 @@ from transformers import DynamicCache
 
 from envace_core import EnvaceError
 from envace_core.config import TrainConfig
-from envace_core.engines.base import ROLE_ADAPTERS
+from envace_core.engines.base import ROLE_ADAPTERS, resolve_compute_dtype
 from envace_core.store.files import CHECKSUMS, atomic_dir, dir_checksums
 from envace_core.training.checkpoint import capture_rng_state, restore_rng_state
 from envace_core.training.distributed import World, balanced_slices
@@ -109,7 +109,8 @@ class PolicyTrainer:
             `cfg.policy_per_role`; `self.model` is the PeftModel, the object a generation engine shares.
         tokenizer: its tokenizer (padding id).
         cfg: `TrainConfig`.
-        compute_dtype: "bfloat16" (autocast on forward passes) or "float32".
+        compute_dtype: "bfloat16" (autocast on forward passes), "float32", or "auto"
+            (`engines.base.resolve_compute_dtype`: bf16 on CUDA and on CPUs with native bf16).
 
     Attributes:
         optimizer, scheduler: AdamW and its LR schedule (stepped once per `update`).
@@ -132,8 +133,7 @@ class PolicyTrainer:
     def __init__(self, model, tokenizer, cfg: TrainConfig, compute_dtype: str = "bfloat16"):
         from peft import LoraConfig, PeftModel, get_peft_model
 
-        if compute_dtype not in ("bfloat16", "float32"):
-            raise ValueError(f"compute_dtype must be 'bfloat16' or 'float32', got {compute_dtype!r}")
+        compute_dtype = resolve_compute_dtype(compute_dtype, next(model.parameters()).device.type)
         self.cfg, self.tokenizer, self.compute_dtype = cfg, tokenizer, compute_dtype
         torch.manual_seed(cfg.seed)
         names = sorted(set(ROLE_ADAPTERS.values())) if cfg.policy_per_role else ["default"]
