@@ -35,7 +35,8 @@ class ConfigError(EnvaceError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # inf/NaN are never a valid setting (a learning rate or temperature of inf passed before).
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelConfig(_Strict):
@@ -283,7 +284,7 @@ class TrainConfig(_Strict):
     lora_alpha: int = Field(
         32, ge=1, description="LoRA α: the update B·A is scaled by α/r (default 32/16 = 2)")
     lora_target_modules: list[str] = Field(
-        default_factory=lambda: ["q_proj", "v_proj"],
+        default_factory=lambda: ["q_proj", "v_proj"], min_length=1,
         description="names of the base model's linear layers that get LoRA adapters (peft target_modules)")
     clip_eps: float = Field(
         0.2, gt=0, description="PPO-clip ε: l_t = −min(r_t·A, clip(r_t, 1−ε, 1+ε)·A), r_t = π_θ/π_old "
@@ -305,7 +306,7 @@ class TrainConfig(_Strict):
         False, description="ablation (METHOD.md §3): one baseline b over all roles' rows of a group "
         "instead of one per role")
     trained_roles: list[Literal["act", "rehearse", "user"]] = Field(
-        default_factory=lambda: ["act", "rehearse"],
+        default_factory=lambda: ["act", "rehearse"], min_length=1,
         description="roles whose generated tokens carry loss; the other roles' rows are skipped (their "
         "outputs still shape the trajectory). 'user' rows exist only with rollout.user_rehearse"
     )
@@ -536,7 +537,10 @@ def parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
         return overrides
     text = overrides.strip()
     if not text.startswith("{") and Path(text).is_file():
-        text = Path(text).read_text()
+        try:
+            text = Path(text).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config overrides file {text!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
     elif "=" not in text and "\n" not in text and text.endswith((".yaml", ".yml", ".json")):
         raise ConfigError(f"config overrides file {text!r} does not exist")
     if "=" in text and not text.lstrip().startswith("{") and "\n" not in text:
@@ -573,7 +577,11 @@ def load_config(profile: str = "cpu-smoke", overrides: str | dict[str, Any] | No
     """
     if profile not in PROFILES:
         raise ConfigError(f"unknown profile {profile!r}; choose one of {sorted(PROFILES)}")
-    merged = deep_merge({"profile": profile, **PROFILES[profile]}, parse_overrides(overrides))
+    over = parse_overrides(overrides)
+    if "profile" in over and over["profile"] != profile:
+        raise ConfigError(f"overrides set profile={over['profile']!r}, but the profile is chosen with "
+                          f"--profile (this run: {profile!r}); drop 'profile' from the overrides")
+    merged = deep_merge({"profile": profile, **PROFILES[profile]}, over)
     try:
         return RunConfig.model_validate(merged)
     except ValidationError as e:

@@ -156,3 +156,20 @@ def test_cli_config_markdown_prints_the_table(capsys):
 
     assert main(["config", "--markdown"]) == 0
     assert capsys.readouterr().out == config_table_markdown() + "\n"
+
+
+def test_bad_values_a_new_user_tried_are_refused_with_one_line(tmp_path):
+    """inf/NaN floats, empty role/module lists, a profile named in the overrides, a binary overrides file."""
+    from envace_core.config import ConfigError, load_config
+
+    for bad in ("train.learning_rate=.inf", "rollout.temperature=.inf", "train.trained_roles=[]",
+                "train.lora_target_modules=[]"):
+        with pytest.raises(ConfigError):
+            load_config("cpu-smoke", bad)
+    with pytest.raises(ConfigError, match="chosen with --profile"):
+        load_config("cpu-smoke", "profile=gpu-8b")
+    assert load_config("cpu-smoke", "profile=cpu-smoke").profile == "cpu-smoke"
+    binary = tmp_path / "bin.yaml"
+    binary.write_bytes(b"\x00\xff\xfe")
+    with pytest.raises(ConfigError, match="not UTF-8"):
+        load_config("cpu-smoke", str(binary))

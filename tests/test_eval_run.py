@@ -247,3 +247,14 @@ def test_evaluate_stage_and_envace_eval_give_the_same_records_and_the_manifest_n
                                                       "parallel:2|airline", "parallel:2|all"}
     assert manifest["metrics"]["evaluation_protocol"]["name"] == protocol
     assert manifest["metrics"]["evaluation_protocol"]["turns"] == PROTOCOLS[protocol].turns
+
+
+def test_an_out_path_that_is_a_file_is_refused_before_any_work(tmp_path):
+    from envace_core.evaluation.options import EvalOptions
+
+    f = tmp_path / "afile"
+    f.write_text("x")
+    for out in (f, f / "sub"):
+        with pytest.raises(EnvaceError, match="exists and is not a folder"):
+            EvalOptions(model="bundled:smollm2-135m-instruct", benches="bfcl:simple", out=str(out)).check()
+    EvalOptions(model="bundled:smollm2-135m-instruct", benches="bfcl:simple", out=str(tmp_path / "new")).check()

@@ -9,7 +9,12 @@ from pathlib import Path
 
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
-from envace_core.evaluation.protocols import MAX_STEPS, TAU2_ORCHESTRATOR, USER_MAX_NEW_TOKENS, check_protocol
+from envace_core.evaluation.protocols import (
+    MAX_STEPS,
+    TAU2_ORCHESTRATOR,
+    USER_MAX_NEW_TOKENS,
+    check_protocol,
+)
 from envace_core.models import (
     ResolvedModel,
 )
@@ -136,6 +141,11 @@ class EvalOptions:
             raise EnvaceError("give at most one of --user-model and --user-url")
         if self.judge_model and self.judge_url:
             raise EnvaceError("give at most one of --judge-model and --judge-url")
+        out = Path(self.out)
+        blocker = next((q for q in (out, *out.parents) if q.exists()), None)
+        if blocker is not None and not blocker.is_dir():
+            raise EnvaceError(f"--out {self.out!r}: {str(blocker)!r} exists and is not a folder (the report and "
+                              "the resume cache are written under --out)")
 
 
 def fingerprint(opts: EvalOptions, cfg: RunConfig, model: ResolvedModel) -> str:
