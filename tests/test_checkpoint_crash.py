@@ -37,7 +37,10 @@ def crashes(tiny_model_dir, tmp_path_factory):
     job.write_text(json.dumps({"cwd": str(tmp), "model": str(tiny_model_dir), "dataset": ds,
                                "out": str(tmp / "out.json")}))
     proc = subprocess.run([sys.executable, "-m", "tests.checkpoint_crash_driver", str(job)], cwd=REPO,
-                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false"}, capture_output=True, text=True,
+                          env={**os.environ, "TOKENIZERS_PARALLELISM": "false",
+                               # the driver forks its training processes: a fork of a process whose OpenMP
+                               # pool has started hangs in the child (seen with 2 threads), so one thread
+                               "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, capture_output=True, text=True,
                           timeout=840)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((tmp / "out.json").read_text())

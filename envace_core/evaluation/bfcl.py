@@ -40,7 +40,7 @@ from envace_core.envs.bfcl import (
     import_bfcl,
 )
 from envace_core.roles.errors import ParseError
-from envace_core.roles.foreign import describe, find_foreign_call
+from envace_core.roles.foreign import describe, dotted_name, find_foreign_call
 from envace_core.roles.tools import (
     compact_openai_schema,
     render_tool,
@@ -199,17 +199,6 @@ def _calls_from_value(value: Any, raw: str) -> list[dict]:
     return [_call_from_obj(value, raw)]
 
 
-def _dotted(node: ast.AST) -> str | None:
-    parts = []
-    while isinstance(node, ast.Attribute):
-        parts.append(node.attr)
-        node = node.value
-    if not isinstance(node, ast.Name):
-        return None
-    parts.append(node.id)
-    return ".".join(reversed(parts))
-
-
 def _literal(node: ast.AST, raw: str, where: str) -> Any:
     try:
         return ast.literal_eval(node)  # literals only; never evaluates code
@@ -218,7 +207,7 @@ def _literal(node: ast.AST, raw: str, where: str) -> Any:
 
 
 def _python_call(node: ast.Call, params: dict[str, list[tuple[str, str]]], raw: str) -> dict:
-    name = _dotted(node.func)
+    name = dotted_name(node.func)
     if name is None:
         raise DecodeError(f"not a function name: {ast.unparse(node.func)[:60]!r}", raw, "bad_json")
     args: dict[str, Any] = {}

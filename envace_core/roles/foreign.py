@@ -161,7 +161,9 @@ def _json_calls(s: str) -> list[tuple[str, Any]] | None:
     return out
 
 
-def _dotted(node: ast.AST) -> str | None:
+def dotted_name(node: ast.AST) -> str | None:
+    """The dotted name of a call's function node (`a.b.c` for Attribute(Attribute(Name a, b), c)), or None
+    when it is not made of names only (a subscript, a call, a literal...)."""
     parts = []
     while isinstance(node, ast.Attribute):
         parts.append(node.attr)
@@ -183,7 +185,7 @@ def _py_calls(s: str) -> list[tuple[str, Any]] | None:
         return None
     out = []
     for n in nodes:
-        name = _dotted(n.func)
+        name = dotted_name(n.func)
         if name is None or n.args or any(k.arg is None for k in n.keywords):
             return None
         try:
