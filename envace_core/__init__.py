@@ -20,3 +20,9 @@ __version__ = "0.1.0"
 
 class EnvaceError(Exception):
     """Base class of every error envace raises on bad input; the message names the fix."""
+
+
+class TransientError(EnvaceError):
+    """A failure that may pass on retry (an S3 request that timed out or was throttled, an NCCL/
+    rendezvous error): the Flyte task wrappers turn it into flytekit's recoverable exception, so the
+    task's `retries` apply. Raise it only where nothing half-written is left behind."""

@@ -489,14 +489,17 @@ PROFILES: dict[str, dict[str, Any]] = {
     # A GPU cluster run with an 8B model given by path or s3:// URI.
     "gpu-8b": {
         "model": {"ref": "s3://CHANGE-ME/models/Qwen3-8B"},
-        "data": {"domains": ["airline", "retail", "telecom"]},
-        "rollout": {"group_size": 8, "tasks_per_iteration": 16, "max_turns": 12,
+        "data": {"domains": ["airline", "retail", "telecom"], "dvc_remote": "s3://CHANGE-ME/envace/dvc"},
+        "rollout": {"group_size": 8, "tasks_per_iteration": 16, "max_turns": 12, "engine": "vllm",
                     "max_new_tokens_act": 512, "max_new_tokens_rehearse": 512},
         "train": {"iterations": 50, "learning_rate": 1e-6, "micro_batch_rows": 8},
         "rehearsal": {"mode": "parallel", "n": 4, "memory_max_tokens": 1024},
         "eval": {"max_turns": 30, "protocol": "tau2_orchestrator"},
         "validate": {"max_transitions": 200, "min_json_validity": 0.9, "min_fidelity": 0.5,
                      "max_parse_error_rate": 0.1},
+        # On a cluster every stage is its own pod: placeholders that resolve_config refuses until
+        # an operator sets real blob-store URIs (README, Operators).
+        "store": {"root": "s3://CHANGE-ME/envace/store", "registry": "s3://CHANGE-ME/envace/registry"},
     },
 }
 
