@@ -1,4 +1,13 @@
-"""`S3Store`: the artifact store on S3 or any S3-compatible server (boto3), with checksum-verified transfers."""
+"""`S3Store`: the artifact store on S3 or any S3-compatible server (boto3), with checksum-verified transfers.
+
+Failures are `StoreError`s whose message names the URI and the fix. Those that may pass on retry
+(connection refused, dropped or timed out; HTTP 5xx; throttling: SlowDown, Throttling,
+RequestTimeout, HTTP 429; an upload whose checksum did not verify), raised after botocore's own
+retries (`retries` of the client: standard mode, 5 attempts unless the AWS config says otherwise)
+gave up, are `TransientStoreError`s, also `envace_core.TransientError`, so an orchestrator may run
+the stage again. Permanent ones (no such bucket, access denied, no credentials, a missing or
+corrupt artifact) are plain `StoreError`s.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from envace_core import TransientError
 from envace_core.store.base import StoreError, check_key
 from envace_core.store.files import (
     CHECKSUMS,
@@ -29,6 +39,18 @@ log = logging.getLogger(__name__)
 
 _MiB = 1 << 20
 
+# S3 error codes that mean "try again later" (AWS S3 API reference, "Error responses"; botocore's
+# standard retry mode treats the same codes as throttling/transient: botocore/retries/standard.py)
+TRANSIENT_CODES = frozenset({
+    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException", "RequestThrottled",
+    "RequestThrottledException", "TooManyRequestsException", "RequestLimitExceeded", "BandwidthLimitExceeded",
+    "RequestTimeout", "RequestTimeoutException", "InternalError", "ServiceUnavailable", "PriorRequestNotComplete",
+})
+
+
+class TransientStoreError(StoreError, TransientError):
+    """An S3 failure that may pass on retry (see the module docstring); the message names the URI."""
+
 
 def _b64_sha256(digest: bytes) -> str:
     return base64.b64encode(digest).decode()
@@ -41,12 +63,16 @@ class S3Store:
     `$ENVACE_CACHE/s3-store/<bucket>/<prefix>`) receives `get_dir` downloads. Files of
     `multipart_threshold` bytes or more are uploaded and downloaded in parts of
     `multipart_chunksize` bytes (S3 needs parts of at least 5 MiB), `max_concurrency` at a time.
+    `connect_timeout` and `read_timeout` are seconds per request; `max_attempts` (tries per request,
+    first included) overrides the AWS config's `max_attempts` (default 5 when that says nothing).
+    `setting` is the config field the root came from, named in error messages.
     See the module docstring for the layout and why readers never see a half-written directory.
     """
 
     def __init__(self, root: str, cache_dir: str | Path | None = None, *,
                  multipart_threshold: int = 64 * _MiB, multipart_chunksize: int = 16 * _MiB,
-                 max_concurrency: int = 8):
+                 max_concurrency: int = 8, connect_timeout: float = 10, read_timeout: float = 60,
+                 max_attempts: int | None = None, setting: str = "store.root"):
         if not root.startswith("s3://"):
             raise StoreError(f"not an S3 store root: {root!r} (expected s3://bucket[/prefix])")
         bucket, _, prefix = root[len("s3://"):].partition("/")
@@ -59,6 +85,8 @@ class S3Store:
         self.multipart_threshold = multipart_threshold
         self.multipart_chunksize = multipart_chunksize
         self.max_concurrency = max_concurrency
+        self.connect_timeout, self.read_timeout, self.max_attempts = connect_timeout, read_timeout, max_attempts
+        self.setting = setting
         self._client = None
         self._bucket_ok = False
 
@@ -79,10 +107,13 @@ class S3Store:
                 retries: dict[str, Any] = {}  # defaults only where env/config files say nothing
                 if core.get_config_variable("retry_mode") is None:
                     retries["mode"] = "standard"
-                if core.get_config_variable("max_attempts") is None:
+                if self.max_attempts is not None:
+                    retries["total_max_attempts"] = self.max_attempts
+                elif core.get_config_variable("max_attempts") is None:
                     retries["total_max_attempts"] = 5
                 self._client = boto3.session.Session(botocore_session=core).client(
-                    "s3", config=Config(connect_timeout=10, retries=retries))
+                    "s3", config=Config(connect_timeout=self.connect_timeout, read_timeout=self.read_timeout,
+                                        retries=retries))
             except Exception as e:  # noqa: BLE001  (bad region/endpoint/profile in the environment)
                 raise StoreError(f"cannot configure an S3 client for {self.root}: {type(e).__name__}: {e} "
                                  "(check AWS_ENDPOINT_URL, AWS_REGION and AWS_PROFILE)") from None
@@ -105,7 +136,8 @@ class S3Store:
         return f"{self.prefix}/{key}" if self.prefix else key
 
     def _error(self, e: BaseException, action: str, key: str | None) -> StoreError:
-        """A StoreError for a boto3/botocore failure: says what, where and how to fix; no secrets."""
+        """A StoreError for a boto3/botocore failure: says what, where and how to fix; no secrets.
+        A `TransientStoreError` for the failures that may pass on retry (module docstring)."""
         from botocore.exceptions import (
             BotoCoreError,
             ClientError,
@@ -130,17 +162,19 @@ class S3Store:
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
             if code == "NoSuchBucket":
                 return StoreError(f"bucket {self.bucket!r} does not exist (trying to {action} {where}): "
-                                  "create it or fix store.root")
+                                  f"create it or fix {self.setting}")
             if code in ("AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
                         "ExpiredToken", "InvalidToken", "AllAccessDisabled") or status == 403:
                 return StoreError(f"access denied ({code}) trying to {action} {where} in bucket "
                                   f"{self.bucket!r}: check the AWS credentials and their permissions")
             msg = str(err.get("Message", "")).strip()
-            return StoreError(f"S3 error {code} (HTTP {status}) trying to {action} {where}"
-                              + (f": {msg}" if msg else ""))
+            transient = code in TRANSIENT_CODES or status == 429 or (isinstance(status, int) and status >= 500)
+            return (TransientStoreError if transient else StoreError)(
+                f"S3 error {code} (HTTP {status}) trying to {action} {where}" + (f": {msg}" if msg else "")
+                + ("; it may pass on retry (gave up after retries)" if transient else ""))
         if isinstance(e, (BotoConnectionError, HTTPClientError)):  # refused, dropped, timed out
-            return StoreError(f"cannot reach S3 to {action} {where} (gave up after retries): {e}; "
-                              "check AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 and the network")
+            return TransientStoreError(f"cannot reach S3 to {action} {where} (gave up after retries): {e}; "
+                                       "check AWS_ENDPOINT_URL / AWS_ENDPOINT_URL_S3 and the network")
         return StoreError(f"S3 failure trying to {action} {where}: {type(e).__name__}: {e}")
 
     @contextmanager
@@ -187,7 +221,7 @@ class S3Store:
                     if self._is_missing(e):
                         raise StoreError(f"bucket {self.bucket!r} does not exist (trying to open "
                                          f"{self.uri(key) if key else self.root}): create it or fix "
-                                         "store.root") from None
+                                         f"{self.setting}") from None
                     raise
             self._bucket_ok = True
 
@@ -267,7 +301,7 @@ class S3Store:
                                        ChecksumAlgorithm="SHA256", Metadata={"sha256": digest.hex()})
         got = r.get("ChecksumSHA256")
         if got and got != _b64_sha256(digest):
-            raise StoreError(f"upload of {self.uri(key)} was corrupted in transit (SHA256 mismatch); retry")
+            raise TransientStoreError(f"upload of {self.uri(key)} was corrupted in transit (SHA256 mismatch); retry")
         log.debug("wrote %s (%d bytes)", self.uri(key), len(data))
         return digest.hex()
 
@@ -326,8 +360,8 @@ class S3Store:
             if got != want:
                 bad = "server SHA256 differs from the local file"
         if bad:
-            raise StoreError(f"upload of {rel!r} to {self.uri(key)} did not verify ({bad}); "
-                             "nothing was committed, retry")
+            raise TransientStoreError(f"upload of {rel!r} to {self.uri(key)} did not verify ({bad}); "
+                                      "nothing was committed, retry")
 
     def put_dir(self, local_dir: str | Path, key: str, overwrite: bool = True) -> dict[str, str]:
         """Upload a directory under `key` atomically; returns {relpath: sha256} of its files.
@@ -493,6 +527,28 @@ class S3Store:
             if h.hexdigest() != sha:
                 bad.append(rel)
         return bad
+
+    def list_objects(self, key: str = "") -> list[dict[str, Any]]:
+        """Every object at or below store key `key` (default: the whole root), also objects this store
+        did not write (a model folder uploaded with `aws s3 sync`), as {"key": its path below `key`,
+        "size": bytes, "etag": the server's ETag (quoted, as S3 returns it)}, sorted by key.
+
+        One LIST request per 1000 objects. Raises StoreError (bucket missing, access denied, ...;
+        TransientStoreError when it may pass on retry)."""
+        base = self._obj(self._key(key)) + "/" if key.strip("/") else (f"{self.prefix}/" if self.prefix else "")
+        with self._errors("list", key or None):
+            objs = [o for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=base)
+                    for o in page.get("Contents", [])]
+        return sorted(({"key": o["Key"][len(base):], "size": o["Size"], "etag": o.get("ETag", "")}
+                       for o in objs if o["Key"] != base), key=lambda o: o["key"])
+
+    def download_file(self, key: str, dest: str | Path) -> None:
+        """Download the object at store key `key` to the local file `dest` (its parent must exist),
+        multipart as configured; no checksum metadata is required (for objects this store did not
+        write). Raises StoreError (TransientStoreError when it may pass on retry)."""
+        key = self._key(key)
+        with self._errors("download", key):
+            self.client.download_file(self.bucket, self._obj(key), str(dest), Config=self._transfer_config())
 
     def list_dirs(self, prefix: str = "") -> list[str]:
         """Keys of committed directories below `prefix` (sorted); unfinished uploads are not listed."""
