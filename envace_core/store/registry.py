@@ -1,12 +1,13 @@
 """Lineage manifests and the model registry.
 
 A registered model version holds the model artifacts (the LoRA adapter, the config, reports) and
-`manifest.json`: base model and its hash, dataset version and DVC md5, git commit and dirty flag,
-the full resolved config, metrics, gate results, the execution id and the sha256 of every artifact,
-signed with HMAC-SHA256 when $ENVACE_REGISTRY_HMAC_KEY is set. The registry is a local directory
-(`<registry>/<name>/<version>/`, built in a temporary sibling and renamed into place) or
-`s3://bucket/prefix` (one `storage.S3Store` directory per version, committed last), so a registry
-reader never sees half a version; registering an existing version is refused.
+`manifest.json`: base model and its hash, dataset version and DVC md5, the code version
+(`buildinfo.build_info`: git commit, dirty flag, image, package versions), the full resolved config,
+metrics, gate results, the execution id and the sha256 of every artifact, signed with HMAC-SHA256
+when $ENVACE_REGISTRY_HMAC_KEY is set. The registry is a local directory (`<registry>/<name>/<version>/`,
+built in a temporary sibling and renamed into place) or `s3://bucket/prefix` (one `storage.S3Store`
+directory per version, committed last), so a registry reader never sees half a version; registering
+an existing version is refused.
 """
 
 from __future__ import annotations
@@ -17,12 +18,11 @@ import hmac
 import json
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from envace_core import EnvaceError
+from envace_core import EnvaceError, TransientError
 from envace_core.store.base import StoreError
 from envace_core.store.files import CHECKSUMS, atomic_dir, dir_checksums
 from envace_core.store.s3 import S3Store
@@ -47,19 +47,6 @@ class RegistryError(EnvaceError):
     """A registry operation was refused (duplicate version, missing model, tampered artifact)."""
 
 
-def git_state(repo_dir: str | Path | None = None) -> dict[str, Any]:
-    """The code version: git commit and whether the working tree had uncommitted changes."""
-    cwd = str(repo_dir or Path(__file__).resolve().parent.parent)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
-                                text=True, check=True).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                    cwd=cwd, capture_output=True, text=True, check=True).stdout.strip())
-    except (OSError, subprocess.CalledProcessError):
-        return {"commit": None, "dirty": None, "note": "not a git checkout"}
-    return {"commit": commit, "dirty": dirty}
-
-
 class Registry:
     """A model registry in a local directory or under `s3://bucket/prefix`.
 
@@ -72,7 +59,7 @@ class Registry:
     """
 
     def __init__(self, root: str | Path):
-        self._s3 = S3Store(str(root)) if str(root).startswith("s3://") else None
+        self._s3 = S3Store(str(root), setting="store.registry") if str(root).startswith("s3://") else None
         if self._s3 is not None:
             self.root: Any = self._s3.root
             return
@@ -88,6 +75,50 @@ class Registry:
         if self._s3 is not None:
             raise RegistryError(f"{self.uri(name, version)} is in S3 and has no local directory")
         return self.root / name / version
+
+    def local_dir(self, name: str, version: str) -> Path:
+        """A local directory holding `name@version` (`artifacts/` + `manifest.json`), for loading it.
+
+        Local registry: the version directory itself. S3 registry: a download (`S3Store.get_dir`,
+        every file's sha256 checked against the version's commit object) into the content-addressed
+        cache `$ENVACE_CACHE/s3-store/<bucket>/<prefix>/<name>/<version>@<sha256 of the commit>`, so
+        a second call downloads nothing. Check it against its manifest with `verify_copy`.
+
+        Raises:
+            RegistryError: not registered, or an S3 object differs from the commit or is missing;
+            store.s3.TransientStoreError when S3 failed in a way a retry may fix.
+        """
+        if self._s3 is None:
+            vdir = self.version_dir(name, version)
+            if not (vdir / MANIFEST).is_file():
+                raise RegistryError(f"{name}@{version} is not registered in {self.root}")
+            return vdir
+        _check_ref(name, version)
+        try:
+            return self._s3.get_dir(f"{name}/{version}")
+        except StoreError as e:
+            if isinstance(e, TransientError):
+                raise
+            if "not found" in str(e):
+                raise RegistryError(f"{name}@{version} is not registered in {self.root}") from None
+            raise RegistryError(f"{name}@{version} ({self.uri(name, version)}) fails verification: {e}") from None
+
+    def verify_copy(self, vdir: str | Path) -> list[str]:
+        """What fails verification in a local copy `vdir` of a version (`local_dir`), as `verify`
+        reports it: artifacts whose sha256 differs from `vdir/manifest.json`, missing or extra ones,
+        and `manifest.json (signature)` when a signing key is set and the HMAC does not match.
+
+        Raises:
+            RegistryError: `vdir/manifest.json` is missing or not JSON.
+        """
+        path = Path(vdir) / MANIFEST
+        try:
+            manifest = json.loads(path.read_bytes())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise RegistryError(f"{path} is missing or corrupt ({type(e).__name__}): this copy cannot be "
+                                "trusted") from None
+        actual = {f"artifacts/{k}": v for k, v in dir_checksums(Path(vdir) / "artifacts").items()}
+        return _differences(manifest, actual)
 
     def uri(self, name: str, version: str) -> str:
         """Where `name@version` lives: its directory path, or its s3:// URI."""
@@ -159,6 +190,8 @@ class Registry:
             raw = self._read_manifest(name, version)
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, StoreError) as e:
+            if isinstance(e, TransientError):
+                raise
             if isinstance(e, StoreError) and "not found" in str(e):
                 raise RegistryError(f"{name}@{version} is not registered in {self.root}") from None
             raise RegistryError(f"the manifest of {name}@{version} ({self.uri(name, version)}/{MANIFEST}) "
@@ -201,15 +234,7 @@ class Registry:
             if broken is None:
                 raise
             return broken
-        actual = self._actual_artifacts(name, version)
-        expected = manifest.get("artifacts") or {}
-        bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
-        key = _signing_key()
-        if key is not None:
-            sig = (manifest.get("signature") or {}).get("value", "")
-            if not hmac.compare_digest(sig, manifest_signature(manifest, key)):
-                bad.append(f"{MANIFEST} (signature)")
-        return bad
+        return _differences(manifest, self._actual_artifacts(name, version))
 
     def _broken_s3_manifest(self, name: str, version: str) -> list[str] | None:
         """For an S3 version whose manifest object no longer matches its commit: every file that
@@ -218,6 +243,19 @@ class Registry:
             return None
         bad = self._s3.verify_dir(f"{name}/{version}")
         return bad if MANIFEST in bad else None
+
+
+def _differences(manifest: dict[str, Any], actual: dict[str, str]) -> list[str]:
+    """Artifacts whose sha256 in `actual` differs from the manifest's (missing and extra ones too),
+    plus `manifest.json (signature)` when a signing key is set and the manifest's HMAC does not match."""
+    expected = manifest.get("artifacts") or {}
+    bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
+    key = _signing_key()
+    if key is not None:
+        sig = (manifest.get("signature") or {}).get("value", "")
+        if not hmac.compare_digest(sig, manifest_signature(manifest, key)):
+            bad.append(f"{MANIFEST} (signature)")
+    return bad
 
 
 def _check_ref(name: str, version: str) -> None:
