@@ -1,23 +1,46 @@
-"""How each Flyte task runs on a cluster: image, resource requests/limits, retries, timeout, cache
-and, for multi-GPU training, a kfpytorch `Elastic` config. `stage_task(name)` is the `@task` every
-module of tasks/ uses.
+"""How each Flyte task runs on a cluster: image, resources, retries, timeout, cache, secrets and, for
+multi-GPU training, a kfpytorch `Elastic` config. `stage_task(name)` is the `@task` every module of
+tasks/ uses.
 
-Environment variables, read when the tasks are imported (i.e. at registration):
+Resources follow the run's profile (`RESOURCES`, the one table of CPU / memory / GPU sizes): a task
+is registered with its `cpu` tier (no GPU, no GPU type), and the workflows give the GPU stages of a
+GPU profile (`GPU_PROFILES`) the `gpu` tier through `with_overrides(**gpu_overrides(stage))`, the GPU
+type included (flytekit.extras.accelerators). So `cpu-smoke` on a cluster never asks for a GPU pod.
+
+Every task body runs inside `stage_task`'s wrapper:
+* an `envace_core.TransientError` or a torch.distributed backend/network/store error (NCCL, gloo,
+  the rendezvous store) is re-raised as flytekit's `FlyteRecoverableException`, so the task's
+  `retries` apply (flytekit treats any other user exception as non-recoverable);
+* tasks that sign or verify registry manifests declare the Flyte secret `ENVACE_HMAC_SECRET` and
+  hand its value to envace_core as $ENVACE_REGISTRY_HMAC_KEY (the variable `envace_core.store.
+  registry` reads) when the pod does not already have it.
+
+Environment variables, read when the tasks are imported (i.e. at registration; the ones that decide
+the task type are baked into the task's container environment, so the pod imports the same task):
   ENVACE_TRAIN_NNODES  nodes for rollout_and_train (default 1; "min:max" for elastic ranges)
   ENVACE_TRAIN_GPUS    GPUs per node for rollout_and_train (default 1)
-  ENVACE_EVAL_GPUS     GPUs for validate / evaluate / rehearse (default 1)
+  ENVACE_EVAL_GPUS     GPUs for validate / evaluate / eval_bench / rehearse / measure_tools (default 1)
+  ENVACE_GPU_TYPE      flytekit accelerator of the GPU tier: A100_80GB (default), H100, A100, L4, ...
+                       (any constant of flytekit.extras.accelerators)
+  ENVACE_HMAC_SECRET   the Flyte secret holding the registry HMAC key as GROUP/KEY (default
+                       envace/registry-hmac-key); "none" declares no secret (unsigned manifests)
 """
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
 
-from flytekit import Cache, Resources, task
+from flytekit import Cache, Resources, Secret, current_context, task
+from flytekit.exceptions.user import FlyteRecoverableException
+from flytekit.extras import accelerators
 
-from envace_core import EnvaceError
+from envace_core import EnvaceError, TransientError
+from envace_core.store.registry import HMAC_KEY_ENV
 from tasks import images
 from tasks.cache_version import CodeCachePolicy
 
@@ -26,10 +49,20 @@ class FlyteSettingsError(EnvaceError):
     """An ENVACE_* deployment variable has a value the tasks cannot use; the message names it."""
 
 
+# Profiles whose GPU stages get the `gpu` tier (and the GPU type); every other profile runs its
+# GPU stages on the `cpu` tier, as the local runs do.
+GPU_PROFILES = ("gpu-8b",)
+DEFAULT_GPU_TYPE = "A100_80GB"  # an 8B policy in bf16 + LoRA + vLLM's KV cache needs the 80 GB card
+DEFAULT_HMAC_SECRET = "envace/registry-hmac-key"
+# The stages that resolve or write `registry:` entries, i.e. sign or verify manifests.
+SIGNING_STAGES = ("resolve_config", "register", "eval_bench", "rehearse_task", "adapt_tools", "measure_tools")
+
+
 @dataclass(frozen=True)
 class Stage:
-    """The cluster settings of one task: its ImageSpec (tasks/images.py), resource requests and
-    limits, retries, timeout, and whether Flyte caches it (with `CodeCachePolicy`'s version)."""
+    """The cluster settings of one task: its ImageSpec (tasks/images.py), `cpu`-tier resource
+    requests and limits, retries, timeout, and whether Flyte caches it (with `CodeCachePolicy`'s
+    version)."""
 
     image: Any
     requests: Resources
@@ -56,6 +89,16 @@ def train_scale(env: Optional[dict[str, str]] = None) -> tuple[str, int]:
     return nnodes, _positive_int(env, "ENVACE_TRAIN_GPUS", 1)
 
 
+def train_environment(env: Optional[dict[str, str]] = None) -> dict[str, str]:
+    """The container environment of rollout_and_train: the scale it was registered with.
+
+    tasks/train.py picks a plain or an Elastic task from these variables at import; the pod imports
+    the module again, so they must be in its environment or it would build a plain one-process task.
+    """
+    nnodes, gpus = train_scale(env)
+    return {"ENVACE_TRAIN_NNODES": nnodes, "ENVACE_TRAIN_GPUS": str(gpus)}
+
+
 def train_task_config(nnodes: str = "1", gpus_per_node: int = 1):
     """None (a plain task) for one worker; a kfpytorch `Elastic` config for more.
 
@@ -73,51 +116,161 @@ def train_task_config(nnodes: str = "1", gpus_per_node: int = 1):
                    increase_shared_mem=False)  # the task sets shared_memory=True instead (non-deprecated)
 
 
-def _gpu(n: int, cpu: str, mem: str, disk: str) -> Resources:
-    return Resources(cpu=cpu, mem=mem, gpu=str(n), ephemeral_storage=disk)
+def gpu_type(env: Optional[dict[str, str]] = None) -> accelerators.BaseAccelerator:
+    """The flytekit accelerator named by ENVACE_GPU_TYPE (default A100_80GB)."""
+    env = os.environ if env is None else env
+    name = env.get("ENVACE_GPU_TYPE", "").strip() or DEFAULT_GPU_TYPE
+    known = {k: v for k, v in vars(accelerators).items()
+             if k.isupper() and isinstance(v, accelerators.BaseAccelerator)}
+    if name.upper() not in known:
+        raise FlyteSettingsError(f"ENVACE_GPU_TYPE={name!r}: expected one of {', '.join(sorted(known))} "
+                                 "(flytekit.extras.accelerators)")
+    return known[name.upper()]
 
 
-def stages(env: Optional[dict[str, str]] = None) -> dict[str, Stage]:
-    """The cluster settings of every task (sized for the gpu-8b profile: an 8B model, bf16, LoRA)."""
+def _res(cpu: str, mem: str, disk: Optional[str] = None, gpu: Optional[int] = None) -> Resources:
+    return Resources(cpu=cpu, mem=mem, ephemeral_storage=disk, gpu=None if gpu is None else str(gpu))
+
+
+def resources(env: Optional[dict[str, str]] = None) -> dict[str, dict[str, tuple[Resources, Resources]]]:
+    """{tier: {stage: (requests, limits)}}, tiers `cpu` (every stage) and `gpu` (the GPU stages).
+
+    The `gpu` tier is sized for the gpu-8b profile (an 8B model in bf16, LoRA, vLLM rollouts); the
+    `cpu` tier for the CPU profiles (cpu-smoke, test), whose models are a few hundred MB.
+    """
     env = os.environ if env is None else env
     _, train_gpus = train_scale(env)
     eval_gpus = _positive_int(env, "ENVACE_EVAL_GPUS", 1)
-    cpu, train, evl = images.CPU_IMAGE, images.TRAIN_IMAGE, images.EVAL_IMAGE
-    h = lambda n: timedelta(hours=n)  # noqa: E731
+    small = (_res("1", "2Gi"), _res("2", "4Gi"))
+    cpu_model = (_res("2", "8Gi", "20Gi"), _res("4", "16Gi", "40Gi"))
+    cpu_train = (_res("4", "16Gi", "20Gi"), _res("8", "32Gi", "40Gi"))
+    gpu_eval = (_res("4", "48Gi", "100Gi", eval_gpus), _res("8", "96Gi", "200Gi", eval_gpus))
     return {
-        # Cheap, and its preflight (model, store, registry reachable) must run every time.
-        "resolve_config": Stage(cpu, Resources(cpu="1", mem="2Gi"), Resources(cpu="2", mem="4Gi"),
-                                2, h(0.25), cache=False),
-        "curate": Stage(cpu, Resources(cpu="2", mem="8Gi"), Resources(cpu="4", mem="16Gi"), 2, h(1), True),
-        # Retries are safe: a re-run resumes from the last checkpoint in the artifact store.
-        "rollout_and_train": Stage(train, _gpu(train_gpus, "8", "96Gi", "200Gi"),
-                                   _gpu(train_gpus, "16", "160Gi", "400Gi"), 3, h(48), True),
-        "validate": Stage(evl, _gpu(eval_gpus, "4", "48Gi", "100Gi"), _gpu(eval_gpus, "8", "96Gi", "200Gi"),
-                          1, h(4), True),
-        "evaluate": Stage(evl, _gpu(eval_gpus, "4", "48Gi", "100Gi"), _gpu(eval_gpus, "8", "96Gi", "200Gi"),
-                          2, h(24), True),
-        # Side effects: see tasks/register.py for why it is never cached.
-        "register": Stage(cpu, Resources(cpu="2", mem="8Gi", ephemeral_storage="100Gi"),
-                          Resources(cpu="4", mem="16Gi", ephemeral_storage="200Gi"), 2, h(1), False),
-        # Not cached by Flyte: it resumes from its own per-task cache in `out`, and its Deck (the
-        # report) only renders when the body runs.
-        "eval_bench": Stage(evl, _gpu(eval_gpus, "4", "48Gi", "100Gi"), _gpu(eval_gpus, "8", "96Gi", "200Gi"),
-                            2, h(24), False),
-        "rehearse_task": Stage(evl, _gpu(eval_gpus, "4", "48Gi", "100Gi"), _gpu(eval_gpus, "8", "96Gi", "200Gi"),
-                               1, h(2), False),
-        # Tool learning (tasks/adapt_tools.py explains why none of the three is cached).
-        "check_tool_inputs": Stage(cpu, Resources(cpu="1", mem="2Gi"), Resources(cpu="2", mem="4Gi"),
-                                   1, h(0.25), False),
-        "adapt_tools": Stage(train, _gpu(1, "8", "96Gi", "200Gi"), _gpu(1, "16", "160Gi", "400Gi"),
-                             2, h(12), False),
-        "measure_tools": Stage(evl, _gpu(eval_gpus, "4", "48Gi", "100Gi"), _gpu(eval_gpus, "8", "96Gi", "200Gi"),
-                               1, h(12), False),
+        "cpu": {
+            "resolve_config": small, "check_tool_inputs": small,
+            "curate": (_res("2", "8Gi"), _res("4", "16Gi")),
+            # register hashes the base model and copies the adapter: disk for both.
+            "register": (_res("2", "8Gi", "100Gi"), _res("4", "16Gi", "200Gi")),
+            "rollout_and_train": cpu_train, "adapt_tools": cpu_train,
+            "validate": cpu_model, "evaluate": cpu_model, "eval_bench": cpu_model,
+            "rehearse_task": cpu_model, "measure_tools": cpu_model,
+        },
+        "gpu": {
+            "rollout_and_train": (_res("8", "96Gi", "200Gi", train_gpus), _res("16", "160Gi", "400Gi", train_gpus)),
+            "adapt_tools": (_res("8", "96Gi", "200Gi", 1), _res("16", "160Gi", "400Gi", 1)),
+            "validate": gpu_eval, "evaluate": gpu_eval, "eval_bench": gpu_eval,
+            "rehearse_task": gpu_eval, "measure_tools": gpu_eval,
+        },
     }
 
 
+def gpu_overrides(stage: str, env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+    """`with_overrides` keyword arguments that put GPU stage `stage` on the `gpu` tier: requests,
+    limits and the GPU type. KeyError for a stage without a GPU tier."""
+    requests, limits = resources(env)["gpu"][stage]
+    return {"requests": requests, "limits": limits, "accelerator": gpu_type(env)}
+
+
+def hmac_secret(env: Optional[dict[str, str]] = None) -> Optional[Secret]:
+    """The Flyte secret of the registry HMAC key (ENVACE_HMAC_SECRET=GROUP/KEY), or None for "none".
+
+    Requested as an environment variable named $ENVACE_REGISTRY_HMAC_KEY where the cluster supports
+    it; `stage_task` also reads it through flytekit's secrets manager (mounted file or variable).
+    """
+    env = os.environ if env is None else env
+    raw = env.get("ENVACE_HMAC_SECRET", "").strip() or DEFAULT_HMAC_SECRET
+    if raw.lower() == "none":
+        return None
+    group, _, key = raw.partition("/")
+    if not group or not key or "/" in key:
+        raise FlyteSettingsError(f"ENVACE_HMAC_SECRET={raw!r}: expected GROUP/KEY (a Kubernetes secret and "
+                                 "its key) or none")
+    return Secret(group=group, key=key, mount_requirement=Secret.MountType.ENV_VAR, env_var=HMAC_KEY_ENV)
+
+
+def stages(env: Optional[dict[str, str]] = None) -> dict[str, Stage]:
+    """The cluster settings of every task (resources: the `cpu` tier of `resources`)."""
+    cpu_tier = resources(env)["cpu"]
+    cpu, train, evl = images.CPU_IMAGE, images.TRAIN_IMAGE, images.EVAL_IMAGE
+    h = lambda n: timedelta(hours=n)  # noqa: E731
+
+    def s(name, image, retries, hours, cache):
+        return Stage(image, *cpu_tier[name], retries, h(hours), cache)
+
+    return {
+        # Cheap, and its preflight (model, store, registry reachable) must run every time.
+        "resolve_config": s("resolve_config", cpu, 2, 0.25, False),
+        "curate": s("curate", cpu, 2, 1, True),
+        # Retries are safe: a re-run resumes from the last checkpoint in the artifact store.
+        "rollout_and_train": s("rollout_and_train", train, 3, 48, True),
+        "validate": s("validate", evl, 1, 4, True),
+        "evaluate": s("evaluate", evl, 2, 24, True),
+        # Side effects: see tasks/register.py for why it is never cached.
+        "register": s("register", cpu, 2, 1, False),
+        # Not cached by Flyte: it resumes from its own cache in the artifact store, and its Deck
+        # (the report) only renders when the body runs.
+        "eval_bench": s("eval_bench", evl, 2, 24, False),
+        "rehearse_task": s("rehearse_task", evl, 1, 2, False),
+        # Tool learning (tasks/adapt_tools.py explains why none of the three is cached).
+        "check_tool_inputs": s("check_tool_inputs", cpu, 1, 0.25, False),
+        "adapt_tools": s("adapt_tools", train, 2, 12, False),
+        "measure_tools": s("measure_tools", evl, 1, 12, False),
+    }
+
+
+def _distributed_errors() -> tuple[type[BaseException], ...]:
+    """torch.distributed's backend (NCCL/gloo), network and store errors, if torch is loaded."""
+    dist = sys.modules.get("torch.distributed")
+    names = ("DistBackendError", "DistNetworkError", "DistStoreError")
+    return tuple(getattr(dist, n) for n in names if dist is not None and hasattr(dist, n))
+
+
+def recoverable(fn):
+    """`fn` with transient failures re-raised as flytekit's `FlyteRecoverableException`.
+
+    flytekit retries a task (its `retries`) only on system errors and recoverable user errors; an
+    `envace_core.TransientError` or a torch.distributed backend/network/store error is recoverable
+    (the cause stays chained). Every other exception passes unchanged.
+    """
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except TransientError as e:
+            raise FlyteRecoverableException(f"{type(e).__name__}: {e}") from e
+        except Exception as e:
+            if isinstance(e, _distributed_errors()):
+                raise FlyteRecoverableException(f"{type(e).__name__}: {e}") from e
+            raise
+    return wrapper
+
+
+def with_hmac_key(fn, secret: Secret):
+    """`fn` run with $ENVACE_REGISTRY_HMAC_KEY set from Flyte secret `secret` when the pod has it."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if not os.environ.get(HMAC_KEY_ENV):
+            try:
+                value = current_context().secrets.get(secret.group, secret.key)
+            except ValueError:  # no such secret here (a local run without it): manifests stay unsigned
+                value = None
+            if value:
+                os.environ[HMAC_KEY_ENV] = value.strip()
+        return fn(*args, **kwargs)
+    return wrapper
+
+
 def stage_task(name: str, **extra: Any):
-    """`@task` with the settings of stage `name` (image, requests/limits, retries, timeout, cache)."""
+    """`@task` with the settings of stage `name` (image, `cpu`-tier requests/limits, retries,
+    timeout, cache, the HMAC secret for `SIGNING_STAGES`), its body wrapped by `recoverable`."""
     s = stages()[name]
     cache = Cache(policies=[CodeCachePolicy()], serialize=True) if s.cache else False
-    return task(container_image=s.image, requests=s.requests, limits=s.limits, retries=s.retries,
-                timeout=s.timeout, cache=cache, **extra)
+    secret = hmac_secret() if name in SIGNING_STAGES else None
+    if secret is not None:
+        extra["secret_requests"] = [*extra.get("secret_requests", []), secret]
+
+    def decorate(fn):
+        body = recoverable(with_hmac_key(fn, secret) if secret is not None else fn)
+        return task(container_image=s.image, requests=s.requests, limits=s.limits, retries=s.retries,
+                    timeout=s.timeout, cache=cache, **extra)(body)
+    return decorate

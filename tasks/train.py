@@ -7,6 +7,9 @@ one worker per GPU (see tasks/resources.py): torch elastic starts the workers wi
 MASTER_ADDR/PORT set, they join one process group (`envace_core.training.distributed`) and train data
 parallel (rollouts split by task, LoRA gradients all-reduced every optimizer step); rank 0 writes
 the checkpoints and its result is the task's output.
+
+Both variables are also the task's container environment (`train_environment`): the pod imports
+this module again to load the task, and must build the same (Elastic) task it was registered as.
 """
 
 import json
@@ -15,13 +18,14 @@ import envace_core  # noqa: F401
 import envace_core.stages.train as train
 from envace_core.config import config_from_json
 from envace_core.training.distributed import session
-from tasks.resources import stage_task, train_scale, train_task_config
+from tasks.resources import stage_task, train_environment, train_scale, train_task_config
 
 _ELASTIC = train_task_config(*train_scale())
 
 
 # Elastic workers share tensors through /dev/shm, which a pod's default 64 MiB cannot hold.
-@stage_task("rollout_and_train", task_config=_ELASTIC, shared_memory=_ELASTIC is not None)
+@stage_task("rollout_and_train", task_config=_ELASTIC, shared_memory=_ELASTIC is not None,
+            environment=train_environment())
 def rollout_and_train(config: str, dataset: str) -> str:
     """K iterations of rollouts + role-wise GRPO; checkpoints to the artifact store (JSON result).
 
