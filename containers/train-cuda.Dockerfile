@@ -19,3 +19,9 @@ COPY envace_core envace_core
 RUN uv pip install --no-deps . && uv pip install --no-deps $(python tasks/image_requirements.py train-cuda --no-deps)
 COPY tasks tasks
 COPY workflows workflows
+# The commit the sources come from, for the lineage of runs in this image (envace_core/buildinfo.py):
+#   --build-arg COMMIT=$(git rev-parse HEAD) --build-arg SOURCE_DATE=$(git show -s --format=%cI HEAD)
+ARG COMMIT=""
+ARG SOURCE_DATE=""
+RUN if [ -n "$COMMIT" ]; then printf '{"commit": "%s", "source_date": "%s"}\n' "$COMMIT" "$SOURCE_DATE" \
+        > /root/envace_core/BUILD_INFO.json; fi

