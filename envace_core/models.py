@@ -65,8 +65,11 @@ S3_SOURCE = ".envace-s3-source.json"  # written into an s3:// model's download: 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")  # the files `model_fingerprint` hashes (top level of the folder)
 
 
-def _s3_model_listing(uri: str, setting: str) -> tuple[Any, list[dict[str, Any]]]:
-    """(S3Store at `uri`, its objects) for an s3:// model folder; ModelNotFoundError without config.json."""
+def s3_model_listing(uri: str, setting: str) -> tuple[Any, list[dict[str, Any]]]:
+    """(S3Store at `uri`, its objects as `S3Store.list_objects` gives them) for an s3:// model folder:
+    one LIST request per 1000 objects, nothing downloaded. `setting` is the config field named in errors.
+
+    Raises ModelNotFoundError when the prefix holds no config.json, StoreError for S3 failures."""
     from envace_core.store.s3 import S3Store
 
     store = S3Store(uri.rstrip("/"), setting=setting)
@@ -94,7 +97,7 @@ def s3_listing_fingerprint(objs: list[dict[str, Any]]) -> str:
 
 
 def _download_s3(uri: str) -> Path:
-    store, objs = _s3_model_listing(uri, "model.ref")
+    store, objs = s3_model_listing(uri, "model.ref")
     key = hashlib.sha256((uri + "".join(sorted(o["etag"] for o in objs))).encode()).hexdigest()[:24]
     source = {"uri": uri, "fingerprint": "s3-listing", "sha256": s3_listing_fingerprint(objs),
               "objects": objs}
@@ -170,7 +173,7 @@ def base_model_lineage(ref: str, local_dir: str | Path | None = None) -> dict[st
     `resolve_model(ref)`; "fingerprint": "weights"). Raises ModelNotFoundError, or StoreError for S3
     failures."""
     if ref.startswith("s3://"):
-        _, objs = _s3_model_listing(ref, "model.ref")
+        _, objs = s3_model_listing(ref, "model.ref")
         return {"ref": ref, "sha256": s3_listing_fingerprint(objs), "fingerprint": "s3-listing"}
     d = Path(local_dir) if local_dir and Path(local_dir).is_dir() else resolve_model(ref)
     return {"ref": ref, "sha256": model_fingerprint(d), "fingerprint": "weights"}

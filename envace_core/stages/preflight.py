@@ -3,23 +3,34 @@
 from __future__ import annotations
 
 from envace_core import EnvaceError
-from envace_core.config import RunConfig
+from envace_core.config import ConfigError, RunConfig
 from envace_core.models import AdapterError, check_adapter_dir, read_adapter_config
 from envace_core.store.uri import open_store
 from envace_core.training.loop import init_adapter_dir
 
 
+PLACEHOLDER = "CHANGE-ME"  # what the profiles put where an operator must name their own bucket
+PROBE = {"connect_timeout": 3, "read_timeout": 5, "max_attempts": 2}  # seconds, seconds, tries per S3 probe
+
+
 # -------------------------------------------------------------------------------------- preflight
-def preflight(cfg: RunConfig, resolve_remote: bool = False) -> None:
+def preflight(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False) -> None:
     """Check before any work that the model, the artifact store and the registry are usable.
 
     Cheap checks only (no weights are loaded; an s3:// model is fetched only if `resolve_remote`),
     so a bad path fails in seconds instead of after training. Raises the EnvaceError that names
     the setting to fix (`check_init_adapter` for `train.init_adapter`).
+
+    `remote=True` is for a cluster execution, where every stage runs in its own pod with its own
+    disk: first `check_remote_settings` (one ConfigError naming every setting that would use a
+    pod's disk, is a placeholder, or names S3 that cannot be used), and the vLLM check is skipped
+    (the rollout runs in the training image, not in this pod).
     """
     from envace_core.models import BUNDLED, bundled_gguf_path, resolve_model
     from envace_core.store.registry import Registry
 
+    if remote:
+        check_remote_settings(cfg)
     if cfg.model.ref == BUNDLED:
         bundled_gguf_path()
     elif not cfg.model.ref.startswith("s3://") or resolve_remote:
@@ -28,7 +39,7 @@ def preflight(cfg: RunConfig, resolve_remote: bool = False) -> None:
     Registry(cfg.store.registry)
     if cfg.train.init_adapter and not cfg.train.init_adapter.startswith("s3://"):
         check_init_adapter(cfg)
-    if cfg.rollout.engine == "vllm":
+    if cfg.rollout.engine == "vllm" and not remote:
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
@@ -37,6 +48,78 @@ def preflight(cfg: RunConfig, resolve_remote: bool = False) -> None:
             raise EngineUnavailableError("rollout.engine=vllm needs vLLM, which is not installed here: use the "
                                          "train-cuda image or pip install 'envace[gpu]' on a CUDA machine, or "
                                          "set rollout.engine=hf (the transformers engine, CPU)")
+
+
+def check_remote_settings(cfg: RunConfig) -> None:
+    """For a cluster execution: every place a later stage reads from or writes to must be shared storage.
+
+    Checks `store.root`, `store.registry`, `model.ref` and, unless `data.dvc=off`, the DVC remote curate
+    would push to (`data.dvc_remote`, else the repo's default remote; `store.dvc.push_target`). Each
+    must be an ``s3://`` URI (`model.ref` may also be ``bundled:...``, the GGUF inside the image) without
+    the placeholder ``CHANGE-ME``, and each s3:// bucket is probed once (`store.s3.S3Store.check`: one
+    HeadBucket with `PROBE`'s 3 s connect / 5 s read timeouts and 2 tries: credentials present, endpoint
+    reachable, bucket exists); `model.ref` must also list a ``config.json`` (one LIST request). After the
+    first unreachable endpoint no further bucket is probed, so a dead endpoint costs one probe's time.
+    `data.dvc=require` without a DVC repository here is refused too.
+
+    Raises:
+        ConfigError: one message listing every bad setting, each with what to set instead.
+    """
+    from envace_core.models import ModelNotFoundError, s3_model_listing
+    from envace_core.store.base import StoreError
+    from envace_core.store.dvc import DVCError, push_target
+    from envace_core.store.s3 import S3Store
+
+    why_shared = ("on a cluster each stage runs in its own pod, whose disk is gone when the stage ends, so "
+                  "later stages would not find what this one wrote")
+    settings: list[tuple[str, str, str]] = [  # (setting, value, what to set)
+        ("store.root", cfg.store.root, "store.root=s3://BUCKET/PREFIX"),
+        ("store.registry", cfg.store.registry, "store.registry=s3://BUCKET/PREFIX"),
+        ("model.ref", cfg.model.ref, "model.ref=s3://BUCKET/PREFIX (a HF model folder) or "
+                                     "bundled:smollm2-135m-instruct"),
+    ]
+    problems: list[str] = []
+    try:
+        url, where = push_target(cfg.data)
+    except DVCError as e:
+        problems.append(f"data.dvc={cfg.data.dvc}: {e}; fix .dvc/config or set data.dvc=off")
+        url, where = None, ""
+    if url is not None:
+        setting = "data.dvc_remote" if cfg.data.dvc_remote else f"data.dvc_remote (unset: {where})"
+        settings.append((setting, url, "data.dvc_remote=s3://BUCKET/PREFIX, or data.dvc=off"))
+    elif cfg.data.dvc == "require":
+        problems.append(f"data.dvc=require but {where}: the image must carry .dvc/ (or set data.dvc_repo), "
+                        "or set data.dvc=auto/off")
+
+    usable: set[str] = set()  # buckets whose probe passed
+    unreachable = False
+    for setting, value, fix in settings:
+        name = setting.split(" ")[0]
+        if PLACEHOLDER in value.upper():
+            problems.append(f"{setting}={value!r} is a placeholder: set {fix}")
+            continue
+        if name == "model.ref" and value.startswith("bundled:"):
+            continue
+        if not value.startswith("s3://"):
+            problems.append(f"{setting}={value!r} is a local path: {why_shared}; set {fix}")
+            continue
+        if unreachable:
+            problems.append(f"{setting}={value!r}: not checked, S3 is unreachable (above)")
+            continue
+        bucket = value[len("s3://"):].split("/", 1)[0]
+        try:
+            if bucket not in usable:
+                S3Store(value.rstrip("/"), setting=name, **PROBE).check()
+                usable.add(bucket)
+            if name == "model.ref":
+                s3_model_listing(value, name)
+        except (StoreError, ModelNotFoundError) as e:
+            unreachable = "cannot reach S3" in str(e)
+            problems.append(str(e) if str(e).startswith(name) else f"{setting}={value!r}: {e}")
+    if problems:
+        head = (f"this is a remote (cluster) execution and {len(problems)} setting(s) cannot work there; "
+                "fix them in the profile or the overrides and run again")
+        raise ConfigError(head + ":\n  - " + "\n  - ".join(problems))
 
 
 def check_init_adapter(cfg: RunConfig) -> None:
