@@ -158,3 +158,22 @@ def test_committed_dvc_files_pin_the_default_dataset():
     conf = (ROOT / ".dvc" / "config").read_text()
     assert f"remote = {REMOTE_NAME}" in conf and "url = ../.envace/dvc-remote" in conf
     assert "/data" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_a_dvc_repo_without_git_is_tracked_without_scm(tmp_path, monkeypatch, capsys):
+    """A container image carries .dvc/ and data.dvc but no .git: DVC runs without SCM, the md5 is recorded."""
+    from dvc.repo import Repo
+
+    image = tmp_path / "image"
+    image.mkdir()
+    Repo.init(str(image), no_scm=True).close()
+    remote = tmp_path / "remote"  # the committed .dvc/config (no core.no_scm), as registration copies it
+    (image / ".dvc" / "config").write_text(f"[core]\n    remote = envace\n['remote \"envace\"']\n    url = {remote}\n")
+    store, key = _dataset(tmp_path, **{"tasks.parquet": b"rows", "manifest.json": b"{}"})
+    monkeypatch.chdir(image)
+    out = track_dataset(store, key, DataConfig(dvc="require"))
+    assert out["tracked"] and out["scm"] == "none" and "no git repository" in out["scm_reason"]
+    assert out["md5"] == dvc_md5(image / "data.dvc")["md5"] and out["pushed"] == 3
+    assert dir_checksums(image / "data") == {k: v for k, v in dir_checksums(store.get_dir(key)).items()
+                                             if k != "CHECKSUMS.json"}
+    assert not (image / ".gitignore").exists() and "cannot be committed here" in capsys.readouterr().out

@@ -39,3 +39,25 @@ def test_policy_device_is_cpu_without_cuda_and_cuda_is_refused_clearly(monkeypat
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setenv("LOCAL_RANK", "3")
     assert policy_device("auto") == torch.device("cuda", 3)  # the launcher's GPU, not always cuda:0
+
+
+def test_an_s3_model_is_fingerprinted_from_its_listing_as_its_download_is(s3_server, tmp_path, monkeypatch):
+    """register's base_model.sha256 for an s3:// model needs no download, and equals what load_engine
+    computes (models.model_fingerprint) on the downloaded folder; a rewritten weight file changes it."""
+    from envace_core.models import S3_SOURCE, base_model_lineage, model_fingerprint
+
+    monkeypatch.setenv("ENVACE_CACHE", str(tmp_path / "cache"))
+    put = lambda k, b: s3_server.client.put_object(Bucket=s3_server.bucket, Key=f"models/fp/{k}", Body=b)  # noqa: E731
+    put("config.json", b"{}")
+    put("model.safetensors", b"weights")
+    put("tokenizer/vocab.json", b"{}")
+    uri = f"{s3_server.root}/models/fp"
+    rec = base_model_lineage(uri)
+    assert rec["fingerprint"] == "s3-listing" and rec["ref"] == uri and not (tmp_path / "cache").exists()
+    local = resolve_model(uri)
+    assert (local / "model.safetensors").read_bytes() == b"weights" and (local / "tokenizer/vocab.json").is_file()
+    assert (local / S3_SOURCE).is_file() and model_fingerprint(local) == rec["sha256"]
+    put("model.safetensors", b"other weights")
+    assert base_model_lineage(uri)["sha256"] != rec["sha256"]
+    with pytest.raises(ModelNotFoundError, match="holds no config.json"):
+        base_model_lineage(f"{s3_server.root}/models/none")

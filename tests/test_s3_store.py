@@ -3,6 +3,7 @@
 import json
 import os
 import uuid
+from pathlib import Path
 
 import pytest
 from botocore.exceptions import ConnectionClosedError
@@ -400,3 +401,62 @@ def test_the_commit_object_is_the_atomic_pointer_and_recover_dir_cleans_what_a_k
     assert len(notes) == 1 and "removed 3 object(s)" in notes[0] and "not named by its commit" in notes[0]
     assert objects() == sums2 and store.verify_dir(key) == []
     assert (store.get_dir(key) / "b.bin").read_bytes() == b"v2-b" and store.recover_dir(key) == []
+
+
+def test_transient_s3_failures_are_transient_errors_and_permanent_ones_are_not(s3_server, store, tmp_path,
+                                                                                 monkeypatch):
+    from botocore.awsrequest import AWSResponse
+
+    from envace_core import TransientError
+    from envace_core.store.s3 import TransientStoreError
+
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "2")
+    store.write_bytes("k", b"x")
+    busy = S3Store(store.root, cache_dir=tmp_path)
+    calls = []
+
+    class Raw:  # an HTTP body for botocore's response parser
+        def stream(self, **kw):
+            yield b"<Error><Code>SlowDown</Code><Message>Please reduce your request rate.</Message></Error>"
+
+    def slow_down(request, **kw):
+        calls.append(request.url)
+        return AWSResponse(request.url, 503, {}, Raw())
+
+    busy.client.meta.events.register("before-send.s3.GetObject", slow_down)
+    with pytest.raises(TransientStoreError, match=r"SlowDown \(HTTP 503\).*s3://.*/k.*may pass on retry") as err:
+        busy.read_bytes("k")
+    assert isinstance(err.value, TransientError) and isinstance(err.value, StoreError) and len(calls) == 2
+    with pytest.raises(StoreError) as gone:
+        S3Store("s3://envace-no-such-bucket/p", cache_dir=tmp_path).check()
+    assert not isinstance(gone.value, TransientError)
+    import socket
+
+    with socket.socket() as s:  # a loopback port with nobody listening
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://127.0.0.1:{closed}")
+    with pytest.raises(TransientError, match="cannot reach S3"):
+        S3Store(store.root, cache_dir=tmp_path).read_bytes("k")
+
+
+def test_a_registry_model_in_an_s3_registry_is_downloaded_verified_and_cached(s3_server, tmp_path, monkeypatch):
+    from envace_core.models import ModelRefError, resolve_model_ref
+
+    monkeypatch.setenv("ENVACE_CACHE", str(tmp_path / "cache"))
+    reg = _registry(s3_server)
+    art = _src(tmp_path, "art", **{"adapter/adapter_config.json": '{"peft_type": "LORA", "r": 2}',
+                                   "adapter/adapter_model.safetensors": b"lora", "config.json": "{}"})
+    reg.register("m", "1", art, {"base_model": {"ref": "bundled:smollm2-135m-instruct", "sha256": "b"}})
+    m = resolve_model_ref("registry:m@1", reg.root)
+    adapter = Path(m.adapter_dir)
+    assert adapter.is_relative_to(tmp_path / "cache") and (adapter / "adapter_model.safetensors").read_bytes() == b"lora"
+    assert m.base_ref == "bundled:smollm2-135m-instruct" and m.manifest["name"] == "m"
+    assert resolve_model_ref("registry:m@1", reg.root).adapter_dir == m.adapter_dir  # the cached copy
+    with pytest.raises(ModelRefError, match="not registered"):
+        resolve_model_ref("registry:m@2", reg.root)
+
+    reg.register("m", "3", art, {"base_model": {"ref": "bundled:smollm2-135m-instruct"}})
+    _overwrite(s3_server, reg, "m", "3", "artifacts/adapter/adapter_model.safetensors", b"evil")
+    with pytest.raises(ModelRefError, match="fails verification.*adapter_model.safetensors.*corrupt"):
+        resolve_model_ref("registry:m@3", reg.root)

@@ -134,3 +134,27 @@ def test_register_writes_every_lineage_field_the_auditors_need(tmp_path, monkeyp
     assert m["signature"]["alg"] == "HMAC-SHA256"
     reg = Registry(cfg.store.registry)
     assert reg.verify(out["name"], out["version"]) == [] and reg.uri(out["name"], out["version"]) == str(vdir)
+
+
+def test_build_info_reads_the_baked_file_in_a_pod_without_git(tmp_path, monkeypatch):
+    from envace_core.buildinfo import build_info
+
+    for var in ("FLYTE_INTERNAL_IMAGE", "ENVACE_IMAGE", "_F_IMG_ID"):
+        monkeypatch.delenv(var, raising=False)
+    nogit, baked = tmp_path / "pod", tmp_path / "BUILD_INFO.json"
+    nogit.mkdir()
+    info = build_info(build_file=baked, repo_dir=nogit)
+    assert info["commit"] is None and "not a git checkout" in info["note"] and info["image"] is None
+    assert info["packages"]["envace"] and "vllm" in info["packages"]
+    baked.write_text(json.dumps({"commit": "a" * 40, "source_date": "2025-06-01T12:00:00+00:00"}))
+    monkeypatch.setenv("ENVACE_IMAGE", "reg.example/envace-cpu:abc")
+    info = build_info(build_file=baked, repo_dir=nogit)
+    assert (info["commit"], info["source_date"], info["commit_source"]) == ("a" * 40, "2025-06-01T12:00:00+00:00",
+                                                                            "BUILD_INFO.json")
+    assert info["dirty"] is None and "note" not in info
+    assert (info["image"], info["image_source"]) == ("reg.example/envace-cpu:abc", "ENVACE_IMAGE")
+    monkeypatch.setenv("FLYTE_INTERNAL_IMAGE", "reg.example/envace-train:def")
+    assert build_info(build_file=baked, repo_dir=nogit)["image_source"] == "FLYTE_INTERNAL_IMAGE"
+    baked.write_text("[1]")  # damaged: the checkout's own commit is used, with a note
+    info = build_info(build_file=baked)
+    assert info["commit_source"] == "git" and len(info["commit"]) == 40 and "not a JSON object" in info["note"]
