@@ -6,7 +6,7 @@ with `crash_config`, counting the steps of its checkpoint writes with `crash_poi
 reference, which also warms every lazy import), for every step k of every checkpoint write w it
 forks a training process that SIGKILLs itself right after that step, records what the kill left in
 its store, then forks the same command again (the re-run) and records what it printed and its
-metrics. Writes the job's "out" JSON: {"run_id", "history" (the reference's), "writes" (step labels
+metrics. The cases run in CRASH_LANES (default 2) forked lanes side by side. Writes the job's "out" JSON: {"run_id", "history" (the reference's), "writes" (step labels
 per write), "results": [{"kill": [w, k], "status" ("SIGKILL" or "exit <n>"), "after_kill",
 "said", "history", "after_rerun"}]}.
 """
@@ -85,34 +85,61 @@ def main(job_path: str) -> None:
     full = rollout_and_train(cfg("full"), job["dataset"])
     crash_points.uninstall(saved)
     writes = [list(w) for w in crash_points.WRITES]
-    results = []
-    for w, steps in enumerate(writes, 1):
-        for k in range(len(steps) + 1):
-            store = f"w{w}-k{k}"
-            run_dir = tmp / store / "runs" / full["run_id"]
+    cases = [(w, k) for w, steps in enumerate(writes, 1) for k in range(len(steps) + 1)]
 
-            def killed(store=store, kill=(w, k)):
-                crash_points.install(kill=kill)
-                rollout_and_train(cfg(store), job["dataset"])
+    def one_case(w: int, k: int) -> dict:
+        store = f"w{w}-k{k}"
+        run_dir = tmp / store / "runs" / full["run_id"]
 
-            t0 = time.perf_counter()
-            status = _in_child(killed)
-            rec = {"kill": [w, k], "after_kill": store_state(run_dir),
-                   "status": "SIGKILL" if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
-                   else f"exit {os.waitstatus_to_exitcode(status)}"}
+        def killed():
+            crash_points.install(kill=(w, k))
+            rollout_and_train(cfg(store), job["dataset"])
 
-            def rerun(store=store):
-                said = io.StringIO()
-                with contextlib.redirect_stdout(said):
-                    out = rollout_and_train(cfg(store), job["dataset"])
-                (tmp / f"{store}.json").write_text(json.dumps({"said": said.getvalue(), "history": out["history"]}))
+        t0 = time.perf_counter()
+        status = _in_child(killed)
+        rec = {"kill": [w, k], "after_kill": store_state(run_dir),
+               "status": "SIGKILL" if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+               else f"exit {os.waitstatus_to_exitcode(status)}"}
 
-            rec["rerun_status"] = os.waitstatus_to_exitcode(_in_child(rerun))
-            if rec["rerun_status"] == 0:
-                rec.update(json.loads((tmp / f"{store}.json").read_text()))
-            rec["after_rerun"] = store_state(run_dir)
-            rec["seconds"] = time.perf_counter() - t0
-            results.append(rec)
+        def rerun():
+            said = io.StringIO()
+            with contextlib.redirect_stdout(said):
+                out = rollout_and_train(cfg(store), job["dataset"])
+            (tmp / f"{store}.json").write_text(json.dumps({"said": said.getvalue(), "history": out["history"]}))
+
+        rec["rerun_status"] = os.waitstatus_to_exitcode(_in_child(rerun))
+        if rec["rerun_status"] == 0:
+            rec.update(json.loads((tmp / f"{store}.json").read_text()))
+        rec["after_rerun"] = store_state(run_dir)
+        rec["seconds"] = time.perf_counter() - t0
+        return rec
+
+    # Cases are independent (each its own store): LANES forked lanes (one per core, one OpenMP
+    # thread each) run them side by side, each lane forking its kill and re-run processes in turn.
+    lanes = max(1, int(os.environ.get("CRASH_LANES", "2")))
+
+    def lane(i: int) -> None:
+        (tmp / f"lane{i}.json").write_text(json.dumps([one_case(w, k) for w, k in cases[i::lanes]], default=str))
+
+    pids = []
+    for i in range(lanes):
+        sys.stdout.flush()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                lane(i)
+            except BaseException:  # noqa: BLE001
+                traceback.print_exc()
+                code = 3
+            sys.stdout.flush()
+            os._exit(code)
+        pids.append(pid)
+    failed = [i for i, pid in enumerate(pids) if os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0]
+    if failed:
+        raise RuntimeError(f"crash-test lane(s) {failed} failed (traceback above)")
+    results = sorted((r for i in range(lanes) for r in json.loads((tmp / f"lane{i}.json").read_text())),
+                     key=lambda r: r["kill"])
     Path(job["out"]).write_text(json.dumps({"run_id": full["run_id"], "history": full["history"],
                                             "writes": writes, "results": results}, default=str))
 
