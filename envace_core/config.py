@@ -18,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PositiveInt,
     ValidationError,
     field_validator,
     model_validator,
@@ -177,6 +178,17 @@ class RolloutConfig(_Strict):
     max_new_tokens_rehearse: int = Field(
         96, ge=1, description="token budget of one REHEARSE generation, the imagined tool response ô_t "
         "(training rollouts, validate, rehearsals)")
+    max_new_tokens_rehearse_per_tool: dict[str, PositiveInt] = Field(
+        default_factory=dict, description="REHEARSE token budget per tool name (overrides "
+        "max_new_tokens_rehearse for that tool): the 95th percentile of its real results' tokens under "
+        "the canonical rendering (benchmarks/results/observation_lengths.json) + 1 for the eos; a "
+        "longer real result is taught cut to it with the truncation marker")
+    grounding_k: int = Field(
+        0, ge=0, description="k: real (call, result) examples of the same tool from other train tasks "
+        "in each REHEARSE prompt (training rollouts, validate, rehearsals; METHOD.md §1 grounding; "
+        "envace_core/roles/grounding.py); 0 = none")
+    grounding_max_tokens: int = Field(
+        512, ge=1, description="most tokens of one REHEARSE prompt's grounding examples together")
     temperature: float = Field(
         1.0, gt=0, description="T of training rollouts (all roles): tokens are drawn from "
         "softmax(logits / T); the behaviour and training log-probs are both taken at this T")
@@ -338,8 +350,20 @@ class TrainConfig(_Strict):
         0.0, le=0, description="reward R of a trajectory ended by an unparseable ACT or REHEARSE output "
         "(METHOD.md §2, format)")
     sft_warmup_steps: int = Field(
-        0, ge=0, description="supervised ACT warm-up steps on the gold calls of train tasks before "
-        "iteration 1 of a fresh run (METHOD.md §2b; envace_core/training/sft.py); 0 = none")
+        0, ge=0, description="supervised warm-up steps (train.sft_roles: ACT on the gold calls, "
+        "REHEARSE on the real transitions of train tasks) before iteration 1 of a fresh run "
+        "(METHOD.md §2b; envace_core/training/sft.py); 0 = none")
+    sft_roles: list[Literal["act", "rehearse"]] = Field(
+        default_factory=lambda: ["act", "rehearse"], min_length=1, description="roles the SFT warm-up trains: 'act' "
+        "on gold calls and answers, 'rehearse' on real (history, call) → result transitions of the "
+        "train tasks, wrong calls' real errors included (envace_core/training/transitions.py); with "
+        "policy_per_role each adapter is warmed on its own role's examples, sft_warmup_steps each")
+    sft_error_transitions: bool = Field(
+        True, description="REHEARSE warm-up data also holds one deterministic wrong call per gold "
+        "call (wrong id, missing argument, value outside the enum) and its real error")
+    sft_max_rehearse_examples: Optional[int] = Field(
+        None, ge=1, description="most REHEARSE warm-up examples (a seeded sample of the transitions); "
+        "None = all")
     sft_learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the SFT warm-up")
     sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
     sft_max_tokens: int = Field(

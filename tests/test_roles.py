@@ -207,7 +207,8 @@ def test_errors_are_typed_and_formatted():
 # ------------------------------------------------------------------------------------- parse_rehearse
 def test_rehearse_object():
     obs = parse_rehearse(' {"reservation_id": "ABC123", "cabin": "economy"}\n')
-    assert obs == Observation(content='{"reservation_id": "ABC123", "cabin": "economy"}', error=False)
+    # the canonical rendering (envs.tau2.observations): compact JSON, key order kept
+    assert obs == Observation(content='{"reservation_id":"ABC123","cabin":"economy"}', error=False)
 
 
 def test_rehearse_error_object():

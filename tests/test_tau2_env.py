@@ -126,7 +126,7 @@ def test_unknown_tool_and_bad_args_are_error_observations(tasks):
     obs = env.step(ToolCall(name="get_user_details", arguments={"user_idx": "x"}))
     assert obs.error and "user_idx" in obs.content
     obs = env.step(ToolCall(name="get_user_details", arguments={"user_id": "nobody_0000"}))
-    assert obs.error and obs.content.startswith("Error:")
+    assert obs.error and obs.content == '{"error":"User nobody_0000 not found"}'  # canonical rendering
     ok = env.step(ToolCall(name="get_user_details", arguments={"user_id": "noah_muller_9847"}))
     assert not ok.error and json.loads(ok.content)["user_id"] == "noah_muller_9847"
     assert env.calls_made == 4

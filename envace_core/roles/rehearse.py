@@ -7,8 +7,10 @@ import re
 from collections.abc import Sequence
 
 from envace_core.roles.act import with_first_user
-from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, bound_history, bound_text
+from envace_core.envs.tau2.observations import is_cut, render_observation
+from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, bound_history, bound_text, clean_text
 from envace_core.roles.chat import chat_ids
+from envace_core.roles.grounding import example_text
 from envace_core.roles.errors import EmptyOutput, InvalidRehearsal
 from envace_core.roles.strict_json import strict_json
 from envace_core.roles.tools import render_tool
@@ -55,8 +57,7 @@ def rehearse_messages(ctx: TaskContext, history: list[Message], call: ToolCall,
     )
     parts = []
     if examples:
-        ex = "\n".join(f"call: {json.dumps({'name': c.name, 'arguments': c.arguments}, ensure_ascii=False)}\n"
-                       f"result: {o.content.strip()}" for c, o in examples)
+        ex = "\n".join(example_text(c, o) for c, o in examples)
         parts.append(f"# Examples from other conversations\n{ex}")
     transcript = _transcript(with_first_user(ctx, history))
     call_text = json.dumps({"name": call.name, "arguments": call.arguments}, ensure_ascii=False)
@@ -83,12 +84,16 @@ def rehearse_prompt_ids(tokenizer, ctx: TaskContext, history: list[Message], cal
 _FENCE = re.compile(r"\A```[A-Za-z0-9_-]*[ \t]*\n(.*?)\n?```\Z", re.DOTALL)
 
 
-def parse_rehearse(text: str) -> Observation:
-    """Parse one REHEARSE output (METHOD.md §1): a single JSON value, the imagined tool response.
+def parse_rehearse(text: str, tool: str = "") -> Observation:
+    """Parse one REHEARSE output (METHOD.md §1): a single JSON value, the imagined result of `tool`.
 
     Surrounding whitespace and one enclosing ``` / ```json fence are accepted; nothing else.
     An object with a truthy "error" key is a tool error: `Observation(error=True)`. `content` is
-    `json.dumps(value, ensure_ascii=False)` of the parsed value (key order kept).
+    the canonical rendering of the parsed value (`envs.tau2.observations.render_observation(tool,
+    value)`: compact JSON, key order kept, the tool's view), the same text a real result of `tool`
+    has. A result cut with the truncation marker (`roles.bounds.TRUNCATION_MARKER`, as real results
+    over the budget are shown and taught) is taken as it is: content = the text, error = whether it
+    starts like an error object.
 
     Raises `EmptyOutput` (empty/whitespace) or `InvalidRehearsal` (anything that is not one JSON value,
     or one nested too deeply to handle).
@@ -99,13 +104,15 @@ def parse_rehearse(text: str) -> Observation:
     fence = _FENCE.match(body)
     if fence:
         body = fence.group(1).strip()
+    if is_cut(body):
+        return Observation(content=clean_text(body), error=body.startswith('{"error"'))
     try:
         value = strict_json(body)
     except ValueError as e:
         raise InvalidRehearsal(f"not a single JSON value: {e}", text) from None
     error = isinstance(value, dict) and value.get("error") not in (None, False, "")
     try:
-        content = json.dumps(value, ensure_ascii=False)
+        content = render_observation(tool, value)
     except RecursionError:  # parsed just under the recursion limit, too deep to write back
         raise InvalidRehearsal("JSON nested too deeply", text) from None
     return Observation(content=content, error=error)

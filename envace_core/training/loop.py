@@ -30,7 +30,9 @@ if TYPE_CHECKING:
     from envace_core.store.s3 import S3Store
     from envace_core.training.distributed import World
     from envace_core.training.rollout import RolloutParams
+    from envace_core.training.sft import SFTExample
     from envace_core.training.trainer import PolicyTrainer
+    from envace_core.training.transitions import Transition
 
 
 @dataclass
@@ -46,6 +48,7 @@ class TrainingRun:
     world: World
     store: LocalStore | S3Store
     run_id: str
+    transitions: list[Transition] | None = None  # `train_transitions`, built on first use
 
     @property
     def checkpoint_key(self) -> str:
@@ -150,7 +153,9 @@ def checkpoint_if_due(run: TrainingRun, state: RunState) -> None:
 def start_or_resume(run: TrainingRun) -> RunState:
     """The run's checkpoint restored (`checkpoint.resume_run_state`), or, for a fresh run, the warm
     start (`warm_start`) and an empty state. What a killed checkpoint write left is used or removed
-    first, by rank 0 (`checkpoint.recover_checkpoint`), and said."""
+    first, by rank 0 (`checkpoint.recover_checkpoint`), and said. REHEARSE grounding (rollout.grounding_k)
+    is set up first (`ground_rehearsals`), so the warm start's prompts are the rollouts'."""
+    ground_rehearsals(run)
     if run.world.is_main:
         for note in recover_checkpoint(run.store, run.checkpoint_key):
             run.say(f"[train] checkpoint recovery: {note}")
@@ -167,31 +172,95 @@ def start_or_resume(run: TrainingRun) -> RunState:
     return RunState()
 
 
+def train_transitions(run: TrainingRun) -> list[Transition]:
+    """The real transitions of the run's train tasks (`transitions.real_transitions`: gold calls of
+    the first rollout.max_turns turns, plus wrong calls' real errors when train.sft_error_transitions;
+    test-split tasks refused), built once per process and kept on `run`."""
+    from envace_core.training.transitions import real_transitions
+
+    if run.transitions is None:
+        cfg = run.cfg
+        run.transitions = real_transitions(run.tasks, errors=cfg.train.sft_error_transitions, seed=cfg.train.seed,
+                                           forbid_splits=(cfg.data.test_split,), max_turns=cfg.rollout.max_turns)
+    return run.transitions
+
+
+def ground_rehearsals(run: TrainingRun) -> None:
+    """With rollout.grounding_k > 0, REHEARSE prompts of the run's rollouts get grounding examples from
+    a `roles.grounding.GroundingIndex` over `train_transitions` (other tasks only)."""
+    from dataclasses import replace
+
+    from envace_core.roles.grounding import GroundingIndex
+
+    if run.cfg.rollout.grounding_k > 0:
+        index = GroundingIndex(train_transitions(run))
+        run.params = replace(run.params, grounding=index)
+        run.say(f"[train] REHEARSE grounding: {run.cfg.rollout.grounding_k} examples of "
+                f"{len(index)} real train transitions, ≤ {run.cfg.rollout.grounding_max_tokens} tokens")
+
+
+def warm_examples(run: TrainingRun) -> dict[str, list[SFTExample]]:
+    """The warm-up examples of each role in train.sft_roles: "act" = `sft.act_examples` of the train
+    tasks (first rollout.max_turns turns), "rehearse" = `sft.rehearse_examples` of `train_transitions`
+    (prompts as rollouts build them, grounding included; targets cut to the per-tool budgets), both
+    within train.sft_max_tokens; REHEARSE capped at train.sft_max_rehearse_examples."""
+    from envace_core.training.sft import act_examples, rehearse_examples
+
+    cfg, tok = run.cfg, run.trainer.tokenizer
+    out: dict[str, list[SFTExample]] = {}
+    if "act" in cfg.train.sft_roles:
+        out["act"] = act_examples(run.tasks, tok, cfg.data.policy_max_chars, max_turns=cfg.rollout.max_turns,
+                                  max_tokens=cfg.train.sft_max_tokens)
+    if "rehearse" in cfg.train.sft_roles:
+        p = run.params
+        out["rehearse"] = rehearse_examples(
+            train_transitions(run), tok, run.tasks, cfg.data.policy_max_chars,
+            budgets=p.max_new_tokens_rehearse_per_tool, default_budget=p.max_new_tokens_rehearse,
+            max_observation_tokens=p.max_observation_tokens, grounding=p.grounding, grounding_k=p.grounding_k,
+            grounding_max_tokens=p.grounding_max_tokens, max_tokens=cfg.train.sft_max_tokens,
+            max_examples=cfg.train.sft_max_rehearse_examples, seed=cfg.train.seed)
+    return out
+
+
 def warm_start(run: TrainingRun) -> None:
     """Fresh runs only (a checkpoint already holds the result): load `train.init_adapter` into the
-    LoRA, then `train.sft_warmup_steps` SFT steps on the train tasks' gold ACT turns (`sft`).
+    LoRA, then `train.sft_warmup_steps` SFT steps (`sft.sft_warmup`) on the warm-up examples of
+    train.sft_roles (`warm_examples`: ACT on gold turns, REHEARSE on real transitions). A shared
+    policy trains on both roles' examples together; a per-role policy (train.policy_per_role) warms
+    each adapter on its own role's examples, sft_warmup_steps steps each.
 
     Raises:
-        EnvaceError: SFT warm-up asked for but no gold ACT turn fits rollout.max_turns and
+        EnvaceError: SFT warm-up asked for but a role has no example within rollout.max_turns and
             train.sft_max_tokens; trainer.AdapterLoadError for an unusable init adapter.
     """
-    from envace_core.training.sft import act_examples, sft_warmup
+    from envace_core.training.sft import sft_warmup
+    from envace_core.engines.base import ROLE_ADAPTERS
 
     cfg, trainer = run.cfg, run.trainer
     if cfg.train.init_adapter:
         load_init_adapter(trainer, cfg.train.init_adapter)
         run.say(f"[train] starting from the LoRA adapter {cfg.train.init_adapter}")
-    if cfg.train.sft_warmup_steps > 0:
-        examples = act_examples(run.tasks, trainer.tokenizer, cfg.data.policy_max_chars,
-                                max_turns=cfg.rollout.max_turns, max_tokens=cfg.train.sft_max_tokens)
-        if not examples:
-            raise EnvaceError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps} but no train task has a "
-                              f"gold ACT turn within rollout.max_turns={cfg.rollout.max_turns} and "
-                              f"train.sft_max_tokens={cfg.train.sft_max_tokens} tokens")
+    if cfg.train.sft_warmup_steps <= 0:
+        return
+    by_role = warm_examples(run)
+    for role, ex in by_role.items():
+        if not ex:
+            raise EnvaceError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps} with '{role}' in "
+                              f"train.sft_roles but no train task has a gold {role.upper()} turn within "
+                              f"rollout.max_turns={cfg.rollout.max_turns} and train.sft_max_tokens="
+                              f"{cfg.train.sft_max_tokens} tokens")
+    units = [(ROLE_ADAPTERS[r], ex) for r, ex in by_role.items()] if cfg.train.policy_per_role \
+        else [(None, [e for ex in by_role.values() for e in ex])]
+    counts = ", ".join(f"{len(ex)} {r.upper()}" for r, ex in by_role.items())
+    for adapter, examples in units:
+        if adapter is not None:
+            trainer.model.set_adapter(adapter)  # peft: the active adapter is the trainable one
         losses = sft_warmup(trainer, examples, cfg.train.sft_warmup_steps, cfg.train.sft_learning_rate,
                             cfg.train.sft_batch_rows, seed=cfg.train.seed)
-        run.say(f"[train] SFT warm-up: {len(losses)} steps on {len(examples)} gold ACT turns, "
-                f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+        run.say(f"[train] SFT warm-up{f' of adapter {adapter!r}' if adapter else ''}: {len(losses)} steps on "
+                f"{len(examples)} examples ({counts}), loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    if cfg.train.policy_per_role:
+        trainer.model.set_adapter(ROLE_ADAPTERS["act"])
 
 
 def score(task: Task, traj: Trajectory, format_penalty: float = 0.0, reward_fn=None) -> Trajectory:

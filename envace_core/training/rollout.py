@@ -19,8 +19,8 @@ from the configured source, then the configured reward (`rewards.score_trajector
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
 from envace_core.engines.base import Completion, Engine, SamplingParams
@@ -28,6 +28,7 @@ from envace_core.envs.base import ToolEnvironment
 from envace_core.roles.act import act_prompt_ids, parse_act
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, PromptTooLong, check_prompt, prompt_limit
 from envace_core.roles.errors import ParseError, format_error
+from envace_core.roles.grounding import GroundingIndex
 from envace_core.roles.rehearse import parse_rehearse, rehearse_prompt_ids
 from envace_core.roles.user import parse_user, user_instructions, user_prompt_ids
 from envace_core.training.rewards import reward_fn_from_config, score_trajectory
@@ -39,6 +40,7 @@ from envace_core.types import (
     Step,
     Task,
     TaskContext,
+    ToolCall,
     Trajectory,
 )
 
@@ -64,6 +66,9 @@ class RolloutParams:
         trajectory as "prompt_too_long".
     lenient: `parse_act(..., lenient=...)`: take calls in other model families' formats (off: they
         are `ForeignToolCallFormat` parse errors).
+    max_new_tokens_rehearse_per_tool: REHEARSE budget per tool name (`rehearse_budget`).
+    grounding, grounding_k, grounding_max_tokens: REHEARSE prompts hold up to k real examples of the
+        same tool from other tasks, under the token budget (`roles.grounding.GroundingIndex`).
     """
 
     max_turns: int
@@ -76,6 +81,22 @@ class RolloutParams:
     max_observation_tokens: Optional[int] = MAX_OBSERVATION_TOKENS
     max_prompt_tokens: Optional[int] = None
     lenient: bool = False
+    max_new_tokens_rehearse_per_tool: Mapping[str, int] = field(default_factory=dict)
+    grounding: Optional[GroundingIndex] = None
+    grounding_k: int = 0
+    grounding_max_tokens: int = 512
+
+    def rehearse_budget(self, tool: str) -> int:
+        """REHEARSE's token budget for a call of `tool`: its per-tool budget, else max_new_tokens_rehearse."""
+        return self.max_new_tokens_rehearse_per_tool.get(tool, self.max_new_tokens_rehearse)
+
+    def grounding_examples(self, task_id: str, call: ToolCall, tokenizer) -> list[tuple[ToolCall, Observation]]:
+        """The grounding examples of REHEARSE's prompt for `call` of task `task_id`
+        (`roles.grounding.GroundingIndex.examples`, other tasks only, budget counted by `tokenizer`);
+        [] without an index or with k = 0."""
+        if self.grounding is None or self.grounding_k <= 0:
+            return []
+        return self.grounding.examples(task_id, call, self.grounding_k, self.grounding_max_tokens, tokenizer)
 
 
 def make_generation(role: Role, prompt: list[int], c: Completion, tokenizer, temperature: float) -> Generation:
@@ -170,25 +191,31 @@ def _rehearse_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory],
     if not idx:
         return
     tok = engine.tokenizer
-    idx, prompts = fitting_prompts(
-        engine, Role.REHEARSE, trajs, idx, lambda i: rehearse_prompt_ids(
-            tok, ctx, histories[i][:-1], trajs[i].steps[-1].action, max_observation_tokens=p.max_observation_tokens),
-        p.max_new_tokens_rehearse, p)
-    if not idx:
-        return
-    sp = SamplingParams(max_new_tokens=p.max_new_tokens_rehearse, temperature=p.temperature,
-                        top_p=p.top_p, seed=seeds.next(), role=Role.REHEARSE.value)
-    for i, prompt, outs in zip(idx, prompts, engine.generate(prompts, sp)):
-        gen = make_generation(Role.REHEARSE, prompt, outs[0], tok, p.temperature)
-        trajs[i].generations.append(gen)
-        try:
-            obs = parse_rehearse(gen.text)
-        except ParseError as e:
-            gen.parse_error = format_error(e)
-            trajs[i].termination = "parse_error"
+    by_budget: dict[int, list[int]] = {}
+    for i in idx:  # one batched call per budget: calls of tools with the same budget share a call
+        by_budget.setdefault(p.rehearse_budget(trajs[i].steps[-1].action.name), []).append(i)
+    for budget, group in sorted(by_budget.items()):
+        keep, prompts = fitting_prompts(
+            engine, Role.REHEARSE, trajs, group, lambda i: rehearse_prompt_ids(
+                tok, ctx, histories[i][:-1], trajs[i].steps[-1].action,
+                p.grounding_examples(ctx.task_id, trajs[i].steps[-1].action, tok),
+                max_observation_tokens=p.max_observation_tokens),
+            budget, p)
+        if not keep:
             continue
-        trajs[i].steps[-1].observation = obs
-        histories[i].append(Message(role="tool", content=obs.content, error=obs.error))
+        sp = SamplingParams(max_new_tokens=budget, temperature=p.temperature,
+                            top_p=p.top_p, seed=seeds.next(), role=Role.REHEARSE.value)
+        for i, prompt, outs in zip(keep, prompts, engine.generate(prompts, sp)):
+            gen = make_generation(Role.REHEARSE, prompt, outs[0], tok, p.temperature)
+            trajs[i].generations.append(gen)
+            try:
+                obs = parse_rehearse(gen.text, trajs[i].steps[-1].action.name)
+            except ParseError as e:
+                gen.parse_error = format_error(e)
+                trajs[i].termination = "parse_error"
+                continue
+            trajs[i].steps[-1].observation = obs
+            histories[i].append(Message(role="tool", content=obs.content, error=obs.error))
 
 
 def _user_turn(engine: Engine, instructions: str, trajs: list[Trajectory], histories: list[list[Message]],
@@ -302,12 +329,16 @@ def real_rollout(engine: Engine, ctx: TaskContext, env: ToolEnvironment, p: Roll
 
 
 def params_from_config(cfg: RunConfig, p: RolloutParams) -> RolloutParams:
-    """`p` with the budgets and the tool-format mode of ``cfg.rollout`` (max_new_tokens_user,
-    max_observation_tokens, max_prompt_tokens, lenient_tool_format)."""
+    """`p` with the budgets, the tool-format mode and the grounding settings of ``cfg.rollout``
+    (max_new_tokens_user, max_observation_tokens, max_prompt_tokens, lenient_tool_format,
+    max_new_tokens_rehearse_per_tool, grounding_k, grounding_max_tokens; the index `p.grounding`
+    is kept)."""
     r = cfg.rollout
     return replace(p, max_new_tokens_user=p.max_new_tokens_user or r.max_new_tokens_user,
                    max_observation_tokens=r.max_observation_tokens, max_prompt_tokens=r.max_prompt_tokens,
-                   lenient=r.lenient_tool_format)
+                   lenient=r.lenient_tool_format,
+                   max_new_tokens_rehearse_per_tool=dict(r.max_new_tokens_rehearse_per_tool),
+                   grounding_k=r.grounding_k, grounding_max_tokens=r.grounding_max_tokens)
 
 
 def mask_unjudgeable(trajectory: Trajectory) -> Trajectory:

@@ -1,4 +1,4 @@
-"""Supervised ACT warm-up: teach the policy the `<tool_call>` format from gold trajectories before GRPO.
+"""Supervised warm start of both roles before GRPO (METHOD.md §2b): ACT on gold calls, REHEARSE on real transitions.
 
 Why: a small base model (SmolLM2-135M) almost never emits a parseable `<tool_call>` at first, so every
 GRPO group has equal rewards and every advantage is 0 (METHOD.md §3: no learning signal). A few LoRA
@@ -14,6 +14,13 @@ observation of a_j executed in a private environment copy. The target is `roles.
 (the text `roles.parse_act` parses back to a_k), then `synth.gold_answer(task)` after the last call;
 each target's ids end with the tokenizer's eos (SmolLM2: `<|im_end|>`), where the engine stops.
 
+REHEARSE examples (`rehearse_examples`): one per real (history, call) → result transition of a train
+task (`training.transitions.real_transitions`: gold calls and deterministic wrong calls replayed in
+the real environment, so tool errors are learned too; MirrorAPI / StableToolBench: SFT on real
+request/response pairs). The prompt is REHEARSE's rollout prompt, optionally with grounding examples
+of other tasks (`roles.grounding`); the target is the real result's canonical text
+(`envs.tau2.observations`), cut with the marker to the tool's generation budget.
+
 Loss (`sft_warmup`): token-mean cross-entropy over completion tokens only,
     L = -(1 / #completion tokens) Σ_i Σ_t log p_θ(y_{i,t} | prompt_i, y_{i,<t}),
 one AdamW step (gradient norm clipped) per batch of `batch_rows` examples.
@@ -23,7 +30,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -36,6 +43,8 @@ from envace_core.types import Message, Task, ToolCall
 
 if TYPE_CHECKING:
     from envace_core.envs.base import ToolEnvironment
+    from envace_core.roles.grounding import GroundingIndex
+    from envace_core.training.transitions import Transition
     from envace_core.training.trainer import PolicyTrainer
 
 
@@ -47,14 +56,16 @@ class SFTError(EnvaceError):
 
 @dataclass
 class SFTExample:
-    """One supervised ACT turn: prompt ids (length P) as the rollout renders them, target ids
-    (length C, ending with eos), the target text and the gold call it encodes (None: a message)."""
+    """One supervised turn of `role` ("act" / "rehearse"): prompt ids (length P) as the rollout renders
+    them, target ids (length C, ending with eos), the target text and the call it is about (ACT: the
+    gold call it encodes, None for a message; REHEARSE: the call whose result it is)."""
 
     task_id: str
     prompt_ids: list[int]
     completion_ids: list[int]
     text: str
     gold: ToolCall | None
+    role: str = "act"
 
 
 def completion_ids(tokenizer, text: str) -> list[int]:
@@ -110,6 +121,51 @@ def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None 
     return out
 
 
+def rehearse_examples(transitions: Sequence[Transition], tokenizer, tasks: Sequence[Task],
+                      policy_max_chars: int | None = None, budgets: Mapping[str, int] | None = None,
+                      default_budget: int | None = None, max_observation_tokens: int | None = None,
+                      grounding: GroundingIndex | None = None, grounding_k: int = 0,
+                      grounding_max_tokens: int = 512, max_tokens: int | None = None,
+                      max_examples: int | None = None, seed: int = 0) -> list[SFTExample]:
+    """Supervised REHEARSE turns, one per real transition (`training.transitions.real_transitions`).
+
+    Prompt: exactly the REHEARSE prompt a rollout builds (`roles.rehearse.rehearse_prompt_ids`) for
+    the transition's task context (`tasks`, by id), history and call, with up to `grounding_k`
+    examples of other tasks from `grounding` (never the transition's own task) and tool results cut
+    to `max_observation_tokens`. Target: the real result's canonical text (`Transition.observation`)
+    cut with the marker (`envs.tau2.observations.cut_observation`) to its tool's generation budget
+    minus the eos (`budgets[tool]`, else `default_budget`; None = uncut), + eos: what REHEARSE
+    generates and `parse_rehearse` reads back into the same text. `gold` is the call rehearsed.
+
+    `max_tokens`: examples longer (prompt + target) are dropped; `max_examples`: a seeded sample of
+    that many (order kept). Raises `SFTError` for a transition whose task is not in `tasks`.
+    """
+    from envace_core.envs.tau2.observations import cut_observation
+    from envace_core.envs.tau2.tasks import task_context
+    from envace_core.roles.rehearse import rehearse_prompt_ids
+
+    by_id = {t.id: t for t in tasks}
+    contexts: dict[str, object] = {}
+    out: list[SFTExample] = []
+    for tr in transitions:
+        if tr.task_id not in by_id:
+            raise SFTError(f"transition of task {tr.task_id!r}, which is not among the given tasks")
+        ctx = contexts.get(tr.task_id) or contexts.setdefault(tr.task_id, task_context(by_id[tr.task_id], policy_max_chars))
+        examples = grounding.examples(tr.task_id, tr.call, grounding_k, grounding_max_tokens, tokenizer) \
+            if grounding is not None and grounding_k > 0 else []
+        budget = (budgets or {}).get(tr.tool, default_budget)
+        text = cut_observation(tr.observation.content, tokenizer, None if budget is None else max(budget - 1, 1))
+        out.append(SFTExample(tr.task_id, rehearse_prompt_ids(tokenizer, ctx, tr.history, tr.call, examples,
+                                                              max_observation_tokens),
+                              completion_ids(tokenizer, text), text, tr.call, role="rehearse"))
+    if max_tokens is not None:
+        out = [e for e in out if len(e.prompt_ids) + len(e.completion_ids) <= max_tokens]
+    if max_examples is not None and len(out) > max_examples:
+        keep = sorted(torch.randperm(len(out), generator=torch.Generator().manual_seed(seed))[:max_examples].tolist())
+        out = [out[i] for i in keep]
+    return out
+
+
 def _row_loss_sum(model, row: SFTExample, device, compute_dtype: str) -> torch.Tensor:
     """Summed CE (nats) over `row`'s completion tokens, scalar. One unpadded sequence, no attention
     mask (SDPA's causal fast path, no L x L score matrix), and the LM head only on the C positions
@@ -125,7 +181,8 @@ def _row_loss_sum(model, row: SFTExample, device, compute_dtype: str) -> torch.T
 def sft_warmup(trainer: PolicyTrainer, examples: Sequence[SFTExample], steps: int, learning_rate: float,
                batch_rows: int, seed: int = 0, log: Callable[[str], None] | None = None) -> list[float]:
     """`steps` AdamW steps of completion-only CE on `examples`, on the LoRA weights of
-    `trainer.model` that are trainable now (its ACT adapter: the "act" one for a per-role policy).
+    `trainer.model` that are trainable now (the shared adapter; for a per-role policy the active
+    one: the caller activates each role's adapter, `warm_start_roles`).
 
     Uses its own AdamW (lr `learning_rate`, no weight decay, grad norm clipped to
     `trainer.cfg.max_grad_norm`), so the GRPO optimizer and LR schedule start fresh afterwards.

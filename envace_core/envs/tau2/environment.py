@@ -8,6 +8,7 @@ from typing import Any
 import envace_core  # noqa: F401  (offline environment variables before tau2 is imported)
 from envace_core import EnvaceError
 from envace_core.envs.base import RewardResult, ToolEnvironment
+from envace_core.envs.tau2.observations import real_observation, tau2_content
 from envace_core.envs.tau2.tasks import (
     NL_SKIPPED,
     check_domain,
@@ -49,7 +50,7 @@ class Tau2Environment(ToolEnvironment):
 
     `step` executes for real through tau2's ``Environment.get_response`` as the assistant; tool
     errors (including unknown tools and bad arguments) come back as ``Observation(error=True)`` whose
-    content is tau2's own error text (``"Error: ..."``), never as exceptions.
+    content is ``{"error":"<tau2's message>"}`` (`observations.real_observation`), never as exceptions.
     """
 
     def __init__(self, domain: str):
@@ -92,16 +93,24 @@ class Tau2Environment(ToolEnvironment):
         self._task = task
 
     def step(self, call: ToolCall) -> Observation:
-        """Execute `call` for real (counts in `calls_made`, whatever the outcome)."""
+        """Execute `call` for real (counts in `calls_made`, whatever the outcome); the result in its
+        canonical rendering (`observations.real_observation`: compact JSON, the tool's view, an
+        error as ``{"error": "<message>"}``), the text ACT's history and fidelity see."""
+        msg = self._raw_step(call)
+        return real_observation(call.name, msg.content if msg.content is not None else "", bool(msg.error))
+
+    def _raw_step(self, call: ToolCall):
+        """tau2's own ``ToolMessage`` of `call` executed for real (counts in `calls_made`)."""
         from tau2.data_model.message import ToolCall as Tau2ToolCall
+        from tau2.data_model.message import ToolMessage
 
         self.calls_made += 1
         if not isinstance(call.arguments, dict):  # pragma: no cover - pydantic already enforces
-            return Observation(content=f"Error: arguments of {call.name!r} must be a JSON object", error=True)
+            return ToolMessage(id=call.id or "call", role="tool", requestor="assistant", error=True,
+                               content=f"Error: arguments of {call.name!r} must be a JSON object")
         tc = Tau2ToolCall(id=call.id or "call", name=call.name, arguments=call.arguments,
                           requestor="assistant")
-        msg = self._env.get_response(tc)  # never raises: tau2 turns exceptions into "Error: ..."
-        return Observation(content=msg.content if msg.content is not None else "", error=bool(msg.error))
+        return self._env.get_response(tc)  # never raises: tau2 turns exceptions into "Error: ..."
 
     def snapshot(self) -> str:
         """tau2 ``get_db_hash()`` of the agent DB, plus ``":" + get_user_db_hash()`` when the domain
@@ -124,8 +133,9 @@ class Tau2Environment(ToolEnvironment):
     def build_messages(self, task: Task, steps: list[Step], final_message: str) -> list[Any]:
         """tau2 message list of a trajectory: the task's initial message history, a UserMessage with
         the first user message, for each step an AssistantMessage with the tool call followed by the
-        ToolMessage with the real observation (or an AssistantMessage with the step's text when it
-        has no action), then a final AssistantMessage with `final_message` (omitted when empty or
+        ToolMessage with the real observation in tau2's own text (`observations.tau2_content`; tau2's
+        evaluator compares it with its own replay) (or an AssistantMessage with the step's text when
+        it has no action), then a final AssistantMessage with `final_message` (omitted when empty or
         equal to the last action-less step's text). Tool-call ids are ``call_<i>`` (i = step index)
         so each ToolMessage pairs with its call."""
         from tau2.data_model.message import AssistantMessage, ToolMessage, UserMessage
@@ -143,7 +153,7 @@ class Tau2Environment(ToolEnvironment):
                 msgs.append(AssistantMessage(role="assistant", content=None, tool_calls=[
                     Tau2ToolCall(id=cid, name=s.action.name, arguments=s.action.arguments,
                                  requestor="assistant")]))
-                msgs.append(ToolMessage(id=cid, role="tool", content=obs.content,
+                msgs.append(ToolMessage(id=cid, role="tool", content=tau2_content(s.action.name, obs),
                                         requestor="assistant", error=obs.error))
             elif s.message.strip():
                 msgs.append(AssistantMessage(role="assistant", content=s.message))
