@@ -238,7 +238,73 @@ def judge_reward(task: Task, trajectory: Trajectory, judge) -> RewardResult | No
 
 # -------------------------------------------------------------------------------------- registry
 
-REWARDS: dict[str, RewardFn] = {"replay": replay_reward, "actions": actions_reward, "judge": judge_reward}
+# --------------------------------------------------------------------- rehearsed-world reward
+
+_GOLD_REFERENCE: dict[str, list[Any]] = {}  # task id -> real gold observations (default environment only)
+_WRITE_TOOLS: dict[str, frozenset[str]] = {}  # domain -> tau2 WRITE tools
+
+
+def consistent_reward(task: Task, trajectory: Trajectory,
+                      env_factory: Callable[[str], ToolEnvironment] | None = None) -> RewardResult | None:
+    """Imagination-consistent reward (METHOD.md §2, "learn to act *in* the rehearsed world"): an
+    imagined trajectory is scored against the task's gold transposed into the world REHEARSE showed
+    ACT (`envace_core.training.transpose`): each gold action must be made with the arguments the
+    imagined observations imply, each ``communicate_info`` value must be the one the imagined record
+    holds. A real trajectory (standard GRPO, evaluation) gets `replay_reward` unchanged.
+
+    ``reward`` = passed / scorable items (gold actions + communicate_info values), 0.0 when ACT made
+    a database-changing call (tau2 ``ToolType.WRITE``) that matches no gold action (tau2's DB check
+    would fail it in the real world). ``sub_rewards``: "ACTION" (1.0 iff every scorable gold action
+    passed), "COMMUNICATE" (the same for communicate_info). No scorable item (every address missing
+    from what REHEARSE imagined, or only computed values) → ``None``: masked, not 0 (METHOD.md §3).
+    Not gameable by ACT: stated values must be found where the gold value lives in an observation
+    ACT was shown, and a skipped look-up fails everything that depended on it. A wrong imagined
+    record does not cost ACT, but costs REHEARSE its fidelity (``reward.fidelity_lambda`` > 0).
+    Real observations and fidelity are filled by `score_trajectory`'s replay, as for `actions`.
+    """
+    from envace_core.training.transpose import gold_reference, transpose_and_check, write_tools
+
+    if not trajectory.imagined:
+        return replay_reward(task, trajectory, env_factory)
+    try:
+        if env_factory is None:
+            if task.id not in _GOLD_REFERENCE:
+                _GOLD_REFERENCE[task.id] = gold_reference(task, _default_env_factory)
+            reference = _GOLD_REFERENCE[task.id]
+        else:
+            reference = gold_reference(task, env_factory)
+        checked = transpose_and_check(task, trajectory, reference)
+        if task.domain not in _WRITE_TOOLS:
+            _WRITE_TOOLS[task.domain] = write_tools(task.domain)
+    except Exception as e:  # noqa: BLE001 - any scorer failure masks the trajectory
+        _mask(trajectory, "consistent", e)
+        return None
+    calls = trajectory.tool_calls()
+    matched = {k for k in checked.matched if k is not None}
+    stray = [c.name for k, c in enumerate(calls) if k not in matched and c.name in _WRITE_TOOLS[task.domain]]
+    score = checked.score()
+    items = [{"kind": i.kind, "index": i.index, "outcome": i.outcome, "why": i.why} for i in checked.items]
+    if score is None:
+        _mask(trajectory, "consistent", "no scorable item in the rehearsed world", items=items)
+        return None
+
+    def all_passed(kind: str) -> float:
+        s = [i for i in checked.scorable if i.kind == kind]
+        return 1.0 if not stray and all(i.outcome == "pass" for i in s) else 0.0
+
+    res = RewardResult(reward=0.0 if stray else score,
+                       sub_rewards={"ACTION": all_passed("action"), "COMMUNICATE": all_passed("communicate")},
+                       info={"reward_fn": "consistent", "items": items, "stray_writes": stray,
+                             "n_scorable": len(checked.scorable), "n_items": len(checked.items),
+                             "termination": trajectory.termination})
+    trajectory.reward = res.reward
+    trajectory.sub_rewards = dict(res.sub_rewards)
+    trajectory.reward_info = dict(res.info)
+    return res
+
+
+REWARDS: dict[str, RewardFn] = {"replay": replay_reward, "actions": actions_reward, "judge": judge_reward,
+                                "consistent": consistent_reward}
 
 
 def register_reward(name: str) -> Callable[[RewardFn], RewardFn]:
