@@ -114,7 +114,7 @@ def _parent_lineage(parent: Any, registry: str) -> dict[str, Any]:
         return {"ref": parent.ref, "name": None, "version": None, "manifest_sha256": None,
                 "base_model": parent.base_ref}
     name, version = parent.manifest["name"], parent.manifest["version"]
-    raw = (Registry(registry).version_dir(name, version) / MANIFEST).read_bytes()
+    raw = (Registry(registry).local_dir(name, version) / MANIFEST).read_bytes()  # S3 registries too
     return {"ref": parent.ref, "name": name, "version": version,
             "manifest_sha256": hashlib.sha256(raw).hexdigest(), "base_model": parent.base_ref}
 
