@@ -3,6 +3,7 @@ resources, Elastic for multi-GPU training, and the scheduled launch plan."""
 
 import importlib
 import json
+import os
 import re
 import shutil
 import sys
@@ -110,15 +111,16 @@ def test_stage_tasks_declare_images_resources_retries_timeouts_and_cache():
         validate,
     )
 
+    # Registered on the `cpu` tier: a GPU only through the GPU profile's overrides (test below).
     expect = {resolve_config: (images.CPU_IMAGE, None, False), curate: (images.CPU_IMAGE, None, True),
-              rollout_and_train: (images.TRAIN_IMAGE, "1", True), validate: (images.EVAL_IMAGE, "1", True),
-              evaluate: (images.EVAL_IMAGE, "1", True), register: (images.CPU_IMAGE, None, False)}
+              rollout_and_train: (images.TRAIN_IMAGE, None, True), validate: (images.EVAL_IMAGE, None, True),
+              evaluate: (images.EVAL_IMAGE, None, True), register: (images.CPU_IMAGE, None, False)}
     for t, (image, gpu, cached) in expect.items():
         assert t.container_image is image, t.name
         assert t.resources.requests.gpu == gpu and t.resources.limits.gpu == gpu, t.name
         assert t.resources.requests.mem and t.resources.limits.cpu, t.name
         assert t.metadata.retries >= 1 and t.metadata.timeout.total_seconds() > 0, t.name
-        assert t.metadata.cache is cached, t.name
+        assert t.metadata.cache is cached and t.accelerator is None, t.name
         assert bool(re.fullmatch(r"[0-9a-f]{64}", t.metadata.cache_version)) is cached, t.name
     versions = {t.metadata.cache_version for t in expect if t.metadata.cache}
     assert len(versions) == 4  # each task's own source is part of its version
@@ -136,7 +138,7 @@ def test_images_are_derived_from_pyproject_and_configurable(monkeypatch):
 
     deps = project_dependencies()
     cpu = image_spec("cpu", {})
-    assert cpu.registry == "localhost:30000" and cpu.base_image == "debian:bookworm-slim"
+    assert cpu.registry is None and cpu.base_image == "debian:bookworm-slim"
     assert "torch==2.13.0+cpu" in cpu.packages and set(deps) - {"torch==2.13.0"} <= set(cpu.packages)
     assert cpu.pip_extra_index_url == ["https://download.pytorch.org/whl/cpu"]
     train = image_spec("train-cuda", {"ENVACE_IMAGE_REGISTRY": "ghcr.io/acme",
@@ -160,9 +162,15 @@ def test_imagespec_renders_a_dockerfile_that_installs_envace_without_building(tm
     from tasks.images import image_spec
 
     monkeypatch.chdir(REPO)  # the ImageSpec copies pyproject.toml, README.md, envace_core from here
-    create_docker_context(image_spec("cpu", {}), tmp_path)
+    stamp = {"commit": "0" * 40, "dirty": False, "source_date": "2025-01-01T00:00:00+00:00"}
+    create_docker_context(image_spec("cpu", {}, stamp=stamp), tmp_path)
     dockerfile = (tmp_path / "Dockerfile").read_text()
     assert "uv pip install --no-deps /root" in dockerfile
+    # BUILD_INFO.json is written before envace is installed, in the format envace_core.buildinfo reads.
+    assert dockerfile.index("/root/envace_core/BUILD_INFO.json") < dockerfile.index("uv pip install --no-deps /root")
+    assert "-name __pycache__ -prune -exec rm -rf" in dockerfile
+    for copied in ("envace_core", "tasks", "workflows"):  # the task modules too, for --copy none
+        assert f"COPY --chown=flytekit {copied} /root/{copied}/" in dockerfile
     assert "--index-strategy unsafe-best-match" in dockerfile and "whl/cpu" in dockerfile
     assert "torch==2.13.0+cpu" in (tmp_path / "requirements_uv.txt").read_text()
     assert (tmp_path / "envace_core" / "stages" / "curate.py").is_file()
@@ -178,6 +186,7 @@ def test_train_task_is_plain_for_one_worker_and_elastic_for_several():
 
     from tasks.resources import (
         FlyteSettingsError,
+        gpu_overrides,
         stages,
         train_scale,
         train_task_config,
@@ -191,7 +200,8 @@ def test_train_task_is_plain_for_one_worker_and_elastic_for_several():
     multi = train_task_config(*train_scale({"ENVACE_TRAIN_NNODES": "2", "ENVACE_TRAIN_GPUS": "8"}))
     assert isinstance(one_node, Elastic) and (one_node.nnodes, one_node.nproc_per_node) == (1, 4)
     assert (multi.nnodes, multi.nproc_per_node) == (2, 8)
-    assert stages({"ENVACE_TRAIN_GPUS": "8"})["rollout_and_train"].requests.gpu == "8"
+    assert gpu_overrides("rollout_and_train", {"ENVACE_TRAIN_GPUS": "8"})["requests"].gpu == "8"
+    assert stages({"ENVACE_TRAIN_GPUS": "8"})["rollout_and_train"].requests.gpu is None  # the cpu tier
 
     def fn(config: str, dataset: str) -> str:
         return config
@@ -227,7 +237,8 @@ def test_weekly_retrain_launch_plan_fixes_the_profile_and_defaults_the_overrides
     assert set(weekly_retrain.fixed_inputs.literals) == {"profile"}
     params = weekly_retrain.parameters.parameters
     assert set(params) == {"overrides"}  # the profile is not an input of the schedule
-    assert params["overrides"].default.scalar.primitive.string_value == ""
+    # The cluster's URIs come from the environment at registration (README, Operators).
+    assert params["overrides"].default.scalar.primitive.string_value == os.environ.get("ENVACE_SCHEDULE_OVERRIDES", "")
 
 
 def test_second_run_reuses_cached_stages_but_registers_again(tiny_model_dir, tmp_path, monkeypatch,
@@ -263,3 +274,184 @@ def test_second_run_reuses_cached_stages_but_registers_again(tiny_model_dir, tmp
         train(profile="test", overrides=overrides)
     assert isinstance(err.value, StaleArtifactError) or "StaleArtifactError" in str(err.value)
     print(f"first run {t1 - t0:.1f}s, cached run {t2 - t1 - 1.1:.1f}s")
+
+
+# ------------------------------------------------------------------------ as a cluster sees the tasks
+REG = "registry.example.com/ml"
+
+
+@pytest.fixture
+def serializable(monkeypatch):
+    """flytekit's serializer, as `pyflyte register --copy none` runs it (no fast registration, the
+    repository as source root), with the images in REG and taken as present (nothing built or pulled)."""
+    from flytekit.configuration import ImageConfig, SerializationSettings
+    from flytekit.tools.translator import get_serializable
+
+    from tasks import images
+
+    monkeypatch.chdir(REPO)
+    stamp = images.source_stamp()  # the commit now (HEAD may have moved since the import)
+    for spec, kind in ((images.CPU_IMAGE, "cpu"), (images.TRAIN_IMAGE, "train-cuda"), (images.EVAL_IMAGE, "eval-cuda")):
+        monkeypatch.setattr(spec, "registry", REG)
+        monkeypatch.setattr(spec, "commands", images.build_commands(kind, stamp))
+        monkeypatch.delitem(spec.__dict__, "tag", raising=False)  # the cached tag of the old commit
+    monkeypatch.setattr(images.EnvaceImageSpec, "exist", lambda self: True)
+    settings = SerializationSettings(image_config=ImageConfig.auto_default_image(), source_root=str(REPO),
+                                     project="p", domain="d", version="v1")
+    return lambda entity: get_serializable(__import__("collections").OrderedDict(), settings, entity)
+
+
+def _task_nodes(wf_spec) -> dict:
+    return {n.task_node.reference_id.name.rsplit(".", 1)[-1]: n for n in wf_spec.template.nodes if n.task_node}
+
+
+def test_resources_follow_the_profile_and_the_gpu_profile_names_its_gpu_type(serializable, monkeypatch):
+    """train dispatches on the profile; on the CPU branch no task or node asks for a GPU, on the GPU
+    branch train/validate/evaluate ask for one of ENVACE_GPU_TYPE's kind (A100 80GB by default)."""
+    from flytekit.models.task import Resources as ResourceModel
+
+    from tasks.resources import FlyteSettingsError, gpu_overrides
+    from workflows.train import train, train_on_cpu, train_on_gpu
+
+    ResourceName = ResourceModel.ResourceName
+
+    spec = serializable(train)
+    [branch] = [n for n in spec.template.nodes if n.branch_node]
+    cond = branch.branch_node.if_else.case.condition.comparison
+    assert cond.right_value.primitive.string_value == "gpu-8b"
+    for wf, gpu_stages in ((train_on_cpu, set()), (train_on_gpu, {"rollout_and_train", "validate", "evaluate"})):
+        nodes = _task_nodes(serializable(wf))
+        assert set(nodes) == {"resolve_config", "curate", "rollout_and_train", "validate", "evaluate", "register"}
+        for name, node in nodes.items():
+            over = node.task_node.overrides
+            gpus = [r.value for r in (over.resources.requests if over and over.resources else [])
+                    if r.name == ResourceName.GPU]
+            assert (gpus == ["1"]) is (name in gpu_stages), (wf.name, name)
+            device = over.extended_resources.gpu_accelerator.device if over and over.extended_resources else None
+            assert device == ("nvidia-a100-80gb" if name in gpu_stages else None), (wf.name, name)
+    assert gpu_overrides("rollout_and_train", {"ENVACE_GPU_TYPE": "H100", "ENVACE_TRAIN_GPUS": "8"})[
+        "requests"].gpu == "8"
+    assert gpu_overrides("validate", {"ENVACE_GPU_TYPE": "h100"})["accelerator"].to_flyte_idl().device == "nvidia-h100"
+    with pytest.raises(FlyteSettingsError, match="ENVACE_GPU_TYPE='tpu9'"):
+        gpu_overrides("validate", {"ENVACE_GPU_TYPE": "tpu9"})
+
+
+def test_the_pod_imports_the_same_elastic_task_it_was_registered_as(monkeypatch):
+    """ENVACE_TRAIN_* at registration are the task's container environment; a process that has only
+    that environment (the pod) builds the same Elastic task from tasks/train.py."""
+    from flytekit.configuration import ImageConfig, SerializationSettings
+    from flytekitplugins.kfpytorch.task import PytorchElasticFunctionTask
+
+    import tasks.train
+
+    settings = SerializationSettings(image_config=ImageConfig.auto_default_image())
+
+    def loaded(env: dict):
+        for k in ("ENVACE_TRAIN_NNODES", "ENVACE_TRAIN_GPUS"):
+            monkeypatch.delenv(k, raising=False)
+        for k, v in env.items():
+            monkeypatch.setenv(k, v)
+        t = importlib.reload(tasks.train).rollout_and_train
+        return t, type(t), t.get_custom(settings), dict(t.environment)
+
+    try:
+        registered = loaded({"ENVACE_TRAIN_GPUS": "4"})
+        assert registered[1] is PytorchElasticFunctionTask and registered[3] == {
+            "ENVACE_TRAIN_NNODES": "1", "ENVACE_TRAIN_GPUS": "4"}
+        in_pod = loaded(registered[3])
+        assert in_pod[1:] == registered[1:]
+        assert loaded({})[1] is not PytorchElasticFunctionTask  # without them: the plain task of the bug
+    finally:
+        monkeypatch.undo()
+        importlib.reload(tasks.train)
+
+
+def test_transient_and_distributed_errors_are_flyte_recoverable():
+    import torch.distributed as dist
+    from flytekit.exceptions.user import FlyteRecoverableException
+
+    from envace_core import EnvaceError, TransientError
+    from tasks.resources import recoverable
+    from workflows.train import curate, rollout_and_train
+
+    def raises(e):
+        def fn():
+            raise e
+        return recoverable(fn)
+
+    with pytest.raises(FlyteRecoverableException, match="TransientError: S3 throttled") as err:
+        raises(TransientError("S3 throttled"))()
+    assert isinstance(err.value.__cause__, TransientError)
+    with pytest.raises(FlyteRecoverableException, match="DistBackendError: NCCL"):
+        raises(dist.DistBackendError("NCCL error: unhandled system error"))()
+    with pytest.raises(EnvaceError, match="bad setting"):  # everything else is not retried
+        raises(EnvaceError("bad setting"))()
+    for t in (curate, rollout_and_train):  # every stage task body is wrapped
+        assert t.task_function.__wrapped__ is not None and t.task_function.__name__ == t.name.rsplit(".", 1)[-1]
+
+
+def test_registry_hmac_key_is_a_declared_flyte_secret_passed_to_envace_core(monkeypatch):
+    from flytekit import current_context
+
+    from envace_core.store.registry import HMAC_KEY_ENV
+    from tasks.resources import FlyteSettingsError, hmac_secret, with_hmac_key
+    from workflows.train import curate, register
+
+    [secret] = register.security_context.secrets
+    assert (secret.group, secret.key, secret.env_var) == ("envace", "registry-hmac-key", HMAC_KEY_ENV)
+    assert not (curate.security_context and curate.security_context.secrets)
+    assert hmac_secret({"ENVACE_HMAC_SECRET": "none"}) is None
+    with pytest.raises(FlyteSettingsError, match="ENVACE_HMAC_SECRET"):
+        hmac_secret({"ENVACE_HMAC_SECRET": "no-key"})
+
+    # A pod that got the secret through flytekit's secrets manager (not as the variable itself).
+    monkeypatch.delenv(HMAC_KEY_ENV, raising=False)
+    monkeypatch.setenv(current_context().secrets.get_secrets_env_var("envace", "registry-hmac-key"), "k3y\n")
+    seen = []
+    with_hmac_key(lambda: seen.append(os.environ.get(HMAC_KEY_ENV)), secret)()
+    assert seen == ["k3y"]
+
+
+def test_image_tag_ignores_bytecode_and_needs_a_registry(tmp_path, monkeypatch):
+    from tasks.image_requirements import project_dependencies
+    from tasks.images import SOURCES, ImageSettingsError, image_spec, source_digest
+
+    tree = tmp_path / "repo"
+    tree.mkdir()
+    for s in SOURCES:
+        if (REPO / s).is_dir():
+            shutil.copytree(REPO / s, tree / s, ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy(REPO / s, tree / s)
+    base = source_digest(tree)
+    (tree / "envace_core" / "__pycache__").mkdir(exist_ok=True)
+    (tree / "envace_core" / "__pycache__" / "config.cpython-311.pyc").write_bytes(b"\x00junk")
+    (tree / "tasks" / "stray.pyc").write_bytes(b"\x00")
+    assert source_digest(tree) == base
+    (tree / "tasks" / "curate.py").write_text((tree / "tasks" / "curate.py").read_text() + "\n# edited\n")
+    assert source_digest(tree) != base
+
+    assert os.environ["FLYTE_IMG_FAST_FAIL"].upper() == "TRUE"  # an image that cannot be checked fails
+    with pytest.raises(ImageSettingsError, match="ENVACE_IMAGE_REGISTRY is not set"):
+        image_spec("cpu", {}).image_name()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ImageSettingsError, match="repository root"):
+        image_spec("cpu", {"ENVACE_IMAGE_REGISTRY": REG}).image_name()
+    # Installed without the repository: the pins come from the installed metadata.
+    deps = project_dependencies(tmp_path / "no" / "pyproject.toml")
+    assert any(d.startswith("torch") for d in deps) and not any("extra ==" in d for d in deps)
+
+
+def test_containers_readme_recipe_names_the_images_copy_none_registration_uses(serializable):
+    """The shell recipe of containers/README.md, run as written, prints the image names that the
+    serializer (`--copy none`: no fast registration, source root set) puts in the task templates."""
+    import subprocess
+
+    from workflows.train import curate, rollout_and_train, validate
+
+    recipe = re.search(r"```bash\n(ENVACE_IMAGE_REGISTRY=\$REG [^`]*?)```",
+                       (REPO / "containers" / "README.md").read_text()).group(1)
+    printed = subprocess.run(["bash", "-c", f"REG={REG}\n{recipe}"], cwd=REPO, capture_output=True, text=True,
+                             check=True, env={**os.environ, "ENVACE_IMAGE_REGISTRY": ""}).stdout.split()
+    serialized = [serializable(t).template.container.image for t in (curate, rollout_and_train, validate)]
+    assert printed == serialized and all(n.startswith(REG + "/envace-") for n in serialized)
