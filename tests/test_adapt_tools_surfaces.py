@@ -203,11 +203,17 @@ def test_tool_learning_tasks_are_uncached_and_the_gpu_launch_plan_fixes_the_prof
         measure_tools,
     )
 
-    expect = {check_tool_inputs: (images.CPU_IMAGE, None), adapt_tools_task: (images.TRAIN_IMAGE, "1"),
-              measure_tools: (images.EVAL_IMAGE, "1")}
-    for t, (image, gpu) in expect.items():
-        assert t.container_image is image and t.resources.requests.gpu == gpu, t.name
+    from tasks.resources import gpu_overrides
+
+    # every task registers on the CPU tier; a GPU profile's branch puts the GPU stages on the GPU tier
+    expect = {check_tool_inputs: images.CPU_IMAGE, adapt_tools_task: images.TRAIN_IMAGE,
+              measure_tools: images.EVAL_IMAGE}
+    for t, image in expect.items():
+        assert t.container_image is image and t.resources.requests.gpu is None, t.name
         assert t.metadata.cache is False and t.metadata.timeout.total_seconds() > 0, t.name
+    for stage in ("adapt_tools", "measure_tools"):
+        over = gpu_overrides(stage)
+        assert over["requests"].gpu == "1" and over["accelerator"] is not None, stage
     assert measure_tools.enable_deck
     assert adapt_tools_gpu.workflow is adapt_tools and set(adapt_tools_gpu.fixed_inputs.literals) == {"config"}
     assert adapt_tools_gpu.fixed_inputs.literals["config"].scalar.primitive.string_value == "gpu-8b"
