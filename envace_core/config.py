@@ -30,6 +30,19 @@ from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
 
 KNOWN_DOMAINS = ("airline", "retail", "telecom", "mock")
 
+# REHEARSE budget per tool: p95 + 1 (eos) of its real results' tokens under the canonical rendering, bundled
+# SmolLM2 tokenizer, 701 gold actions of airline + retail train + test (benchmarks/observation_lengths.py).
+REHEARSE_TOKENS_PER_TOOL: dict[str, int] = {
+    "book_reservation": 422, "calculate": 8, "cancel_pending_order": 560, "cancel_reservation": 380,
+    "exchange_delivered_order_items": 665, "find_user_id_by_email": 15, "find_user_id_by_name_zip": 16,
+    "get_order_details": 610, "get_product_details": 956, "get_reservation_details": 361,
+    "get_user_details": 410, "modify_pending_order_address": 520, "modify_pending_order_items": 583,
+    "modify_pending_order_payment": 327, "modify_user_address": 184, "return_delivered_order_items": 651,
+    "search_direct_flight": 481, "send_certificate": 33, "transfer_to_human_agents": 6,
+    "update_reservation_baggages": 354, "update_reservation_flights": 354,
+    "update_reservation_passengers": 285,
+}
+
 
 class ConfigError(EnvaceError):
     """The configuration is invalid; the message lists each bad field and how to fix it."""
@@ -179,7 +192,7 @@ class RolloutConfig(_Strict):
         96, ge=1, description="token budget of one REHEARSE generation, the imagined tool response ô_t "
         "(training rollouts, validate, rehearsals)")
     max_new_tokens_rehearse_per_tool: dict[str, PositiveInt] = Field(
-        default_factory=dict, description="REHEARSE token budget per tool name (overrides "
+        default_factory=lambda: dict(REHEARSE_TOKENS_PER_TOOL), description="REHEARSE token budget per tool name (overrides "
         "max_new_tokens_rehearse for that tool): the 95th percentile of its real results' tokens under "
         "the canonical rendering (benchmarks/results/observation_lengths.json) + 1 for the eos; a "
         "longer real result is taught cut to it with the truncation marker")
@@ -493,8 +506,11 @@ PROFILES: dict[str, dict[str, Any]] = {
             "max_test_tasks_per_domain": 3,
             "policy_max_chars": 1200,
         },
+        # REHEARSE at 64 tokens for every tool: the per-tool p95 budgets (up to 956 tokens, ~970 per
+        # imagined 3-call trajectory) do not fit the job's time on 2 CPU cores
         "rollout": {"group_size": 4, "tasks_per_iteration": 3, "max_turns": 3,
-                    "max_new_tokens_act": 64, "max_new_tokens_rehearse": 64},
+                    "max_new_tokens_act": 64, "max_new_tokens_rehearse": 64,
+                    "max_new_tokens_rehearse_per_tool": {}},
         "train": {"iterations": 3},
         "rehearsal": {"mode": "parallel", "n": 2},
         "eval": {"max_turns": 3},
@@ -504,7 +520,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "data": {"domains": ["airline"], "max_train_tasks_per_domain": 1,
                  "max_test_tasks_per_domain": 1, "policy_max_chars": 300, "dvc": "off"},
         "rollout": {"group_size": 2, "tasks_per_iteration": 1, "max_turns": 1,
-                    "max_new_tokens_act": 8, "max_new_tokens_rehearse": 8},
+                    "max_new_tokens_act": 8, "max_new_tokens_rehearse": 8, "max_new_tokens_rehearse_per_tool": {}},
         "train": {"iterations": 1, "micro_batch_rows": 8},
         "rehearsal": {"mode": "parallel", "n": 2, "memory_max_tokens": 32},
         "eval": {"max_turns": 1},

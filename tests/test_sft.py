@@ -151,3 +151,85 @@ def test_train_stage_runs_warmup_only_when_asked_and_only_on_a_fresh_run(tiny_mo
     assert calls == [2]
     rollout_and_train(_cfg(tiny_model_dir, tmp_path / "b", 2), ds)  # resumes: checkpoint has it
     assert calls == [2]
+
+
+# ------------------------------------------------------------------------- REHEARSE warm-start examples
+@pytest.fixture(scope="module")
+def transitions(tasks):
+    from envace_core.training.transitions import real_transitions
+
+    return real_transitions(tasks, seed=0)
+
+
+def test_rehearse_examples_target_the_real_results(tasks, tok, transitions):
+    from envace_core.envs.tau2.observations import is_cut
+    from envace_core.roles.rehearse import parse_rehearse, rehearse_prompt_ids
+    from envace_core.training.sft import rehearse_examples
+
+    ex = rehearse_examples(transitions, tok, tasks, policy_max_chars=300)
+    assert len(ex) == len(transitions) and {e.role for e in ex} == {"rehearse"}
+    assert {t.kind for t in transitions} == {"success", "error"}  # errors included
+    by_id = {t.id: t for t in tasks}
+    for e, tr in zip(ex, transitions):
+        assert e.text == tr.observation.content and e.completion_ids[-1] == tok.eos_token_id
+        assert parse_rehearse(tok.decode(e.completion_ids[:-1]), tr.tool) == tr.observation  # real == imagined
+        assert e.prompt_ids == rehearse_prompt_ids(tok, task_context(by_id[tr.task_id], 300), tr.history, tr.call)
+    long = max(transitions, key=lambda t: len(t.observation.content))
+    cut = rehearse_examples([long], tok, tasks, 300, budgets={long.tool: 40})[0]
+    assert is_cut(cut.text) and len(cut.completion_ids) <= 40  # the budget holds the cut text and the eos
+    assert long.observation.content.startswith(cut.text.split("…[")[0])
+    assert len(rehearse_examples(transitions, tok, tasks, 300, max_examples=3, seed=1)) == 3
+
+
+def test_rehearse_grounding_never_shows_the_task_its_own_results(tasks, tok, transitions):
+    import json
+
+    from envace_core.roles.grounding import GroundingIndex
+    from envace_core.training.sft import rehearse_examples
+
+    idx = GroundingIndex(transitions)
+    owners: dict[tuple[str, str], set[str]] = {}
+    for t in transitions:
+        owners.setdefault((json.dumps(t.call.arguments, sort_keys=True), t.observation.content), set()).add(t.task_id)
+    shown = 0
+    for tr in transitions:
+        for c, o in idx.examples(tr.task_id, tr.call, 2, 400, tok):
+            assert owners[(json.dumps(c.arguments, sort_keys=True), o.content)] - {tr.task_id}  # another task's
+            shown += 1
+    assert shown > 0
+    ex = rehearse_examples(transitions, tok, tasks, 300, grounding=idx, grounding_k=2, grounding_max_tokens=400)
+    plain = rehearse_examples(transitions, tok, tasks, 300)
+    assert any(len(a.prompt_ids) > len(b.prompt_ids) for a, b in zip(ex, plain))
+    assert "Examples from other conversations" in tok.decode(max(ex, key=lambda e: len(e.prompt_ids)).prompt_ids)
+
+
+def test_warm_start_trains_both_roles_and_each_per_role_adapter(tiny_model_dir, tmp_path):
+    import torch
+
+    from envace_core.config import load_config
+    from envace_core.envs.tau2.tasks import load_tasks
+    from envace_core.training import loop
+    from envace_core.training.policy import rollout_params
+    from envace_core.training.trainer import PolicyTrainer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    train = [t for t in load_tasks("airline", "train") if t.gold_actions][:1]
+    for per_role in (False, True):
+        cfg = load_config("test", {"model": {"ref": str(tiny_model_dir), "compute_dtype": "float32"},
+                                   "train": {"sft_warmup_steps": 1, "sft_batch_rows": 2, "policy_per_role": per_role,
+                                             "sft_max_rehearse_examples": 2}})
+        tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+        trainer = PolicyTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tok, cfg.train,
+                                compute_dtype="float32")
+        run = loop.TrainingRun(cfg, train, trainer, None, rollout_params(cfg), None, None, "r")
+        run.say = lambda *a, **k: None
+        by_role = loop.warm_examples(run)
+        assert {r: {e.role for e in ex} for r, ex in by_role.items()} == {"act": {"act"}, "rehearse": {"rehearse"}}
+        assert len(by_role["rehearse"]) == 2
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
+        loop.warm_start(run)
+        moved = {n for n, p in trainer.model.named_parameters() if n in before and not torch.equal(p, before[n])}
+        assert moved
+        if per_role:  # each adapter warmed on its own role's examples
+            assert any(".act." in n for n in moved) and any(".rehearse." in n for n in moved)
+            assert trainer.model.active_adapter == "act"

@@ -134,7 +134,8 @@ def rehearse_examples(transitions: Sequence[Transition], tokenizer, tasks: Seque
     examples of other tasks from `grounding` (never the transition's own task) and tool results cut
     to `max_observation_tokens`. Target: the real result's canonical text (`Transition.observation`)
     cut with the marker (`envs.tau2.observations.cut_observation`) to its tool's generation budget
-    minus the eos (`budgets[tool]`, else `default_budget`; None = uncut), + eos: what REHEARSE
+    minus the eos (`budgets[tool]`, else `default_budget`; None = uncut; a budget below the marker's
+    ~16 tokens gives the marker alone, `roles.bounds.bound_text`), + eos: what REHEARSE
     generates and `parse_rehearse` reads back into the same text. `gold` is the call rehearsed.
 
     `max_tokens`: examples longer (prompt + target) are dropped; `max_examples`: a seeded sample of
