@@ -142,3 +142,15 @@ def test_aggregate_per_tool_and_kind():
     assert agg["per_tool"]["get_reservation_details"]["json_valid"]["n"] == 4
     # echo_f1 is undefined for the error transition (no echo leaf on either side): it is left out
     assert agg["per_tool"]["get_reservation_details"]["echo_f1"]["n"] == 3
+
+
+def test_imagined_results_are_compared_in_the_canonical_rendering_and_a_cut_one_matches_nothing():
+    from envace_core.envs.tau2.observations import real_observation
+
+    product = {"name": "Lamp", "product_id": "681", "variants": {"838": {"item_id": "838", "price": 137.94}}}
+    real = real_observation("get_product_details", json.dumps(product), False)  # the view drops variants.838.item_id
+    call = ToolCall(name="get_product_details", arguments={"product_id": "681"})
+    assert "item_id" not in real.content
+    assert score_pair(real, json.dumps(product), call).value_f1 == 1.0  # the same view on the imagined side
+    cut = score_pair(real, '{"name":"Lamp","product_id":"681"…[tool result truncated: 9 of 30 tokens shown]', call)
+    assert cut.json_valid == 1.0 and cut.error_match == 1.0 and cut.key_f1 == 0.0 and cut.value_f1 == 0.0

@@ -108,22 +108,27 @@ def test_dataset_gate_reports_a_missing_column(curated):
     assert "column missing" in _failed_on(r, "column 'gold_actions' exists")
 
 
-def _rows(n, fid, valid, parse_err):
-    """n transitions with exactly the given mean fidelity / JSON validity / parse-error rate."""
-    k_valid, k_err = round(valid * n), round(parse_err * n)
-    return [{"fidelity": fid, "json_valid": float(i < k_valid), "parse_error": float(i < k_err)}
-            for i in range(n)]
+def _rows(n, fid, valid, parse_err, err_acc=1.0, key=1.0, value=1.0):
+    """n transitions with exactly the given mean fidelity / JSON validity / parse-error rate /
+    error-vs-success accuracy, and key / value F1."""
+    k_valid, k_err, k_acc = round(valid * n), round(parse_err * n), round(err_acc * n)
+    return [{"fidelity": fid, "json_valid": float(i < k_valid), "parse_error": float(i < k_err),
+             "error_match": float(i < k_acc), "key_f1": key, "value_f1": value} for i in range(n)]
 
 
-TH = {"min_fidelity": 0.5, "min_json_validity": 0.8, "max_parse_error_rate": 0.2}
+TH = {"min_fidelity": 0.5, "min_json_validity": 0.8, "max_parse_error_rate": 0.2,
+      "min_error_accuracy": 0.9, "min_key_f1": 0.5, "min_value_f1": 0.25}
 
 
 @pytest.mark.parametrize("rows, failing", [
-    (_rows(10, 0.5, 0.8, 0.2), set()),  # exactly at every threshold: passes
+    (_rows(10, 0.5, 0.8, 0.2, 0.9, 0.5, 0.25), set()),  # exactly at every threshold: passes
     (_rows(10, 0.9, 1.0, 0.0), set()),
     (_rows(10, 0.49, 0.8, 0.2), {"fidelity >= 0.500"}),
     (_rows(10, 0.5, 0.7, 0.2), {"json_validity >= 0.800"}),
     (_rows(10, 0.5, 0.8, 0.3), {"parse_error_rate <= 0.200"}),
+    (_rows(10, 0.5, 0.8, 0.2, err_acc=0.8), {"error_accuracy >= 0.900"}),
+    (_rows(10, 0.5, 0.8, 0.2, key=0.49), {"key_f1 >= 0.500"}),
+    (_rows(10, 0.5, 0.8, 0.2, value=0.24), {"value_f1 >= 0.250"}),
     (_rows(10, 0.1, 0.0, 1.0), {"fidelity >= 0.500", "json_validity >= 0.800", "parse_error_rate <= 0.200"}),
     ([], {"at least one held-out transition"}),
 ])
@@ -150,6 +155,8 @@ def test_rehearsal_gate_rejects_out_of_range_fidelity_and_takes_a_config():
     rows[0]["fidelity"] = 1.5
     r = rehearsal_gate(rows, ValidateConfig())
     assert "1 of 4 rows unexpected" in _failed_on(r, "fidelity in [0, 1]")
+    no_f1 = [{k: v for k, v in row.items() if k != "key_f1"} for row in _rows(4, 0.5, 1.0, 0.0)]
+    assert "4 of 4 rows unexpected" in _failed_on(rehearsal_gate(no_f1, ValidateConfig()), "key_f1 is never null")
     assert "PASSED" in render_gate_html(rehearsal_gate(_rows(4, 0.5, 1.0, 0.0), ValidateConfig()))
 
 
@@ -200,7 +207,11 @@ def test_validate_raises_on_unmet_thresholds_and_nothing_is_registered(tiny_mode
 
     passing = validate_mod.validate(_cfg(tiny_model_dir, tmp_path), ds, {"adapter_dir": None, "run_id": "ok"})
     assert all(passing["gate"].values()) and passing["gate_key"] == "validation/ok/gate.json"
-    assert set(passing["metrics"]) >= {"fidelity", "json_validity", "parse_error_rate"}
+    m = passing["metrics"]
+    assert set(m) >= {"fidelity", "json_validity", "parse_error_rate", "error_prediction_accuracy",
+                      "key_f1", "value_f1", "per_tool", "per_kind"}
+    assert sum(t["json_valid"]["n"] for t in m["per_tool"].values()) == m["transitions"]
+    assert set(m["per_kind"]) <= {"success", "error"} and m["per_kind"]
 
     from workflows.train import train
 

@@ -4,7 +4,9 @@ METHOD.md §2 asks for rehearsal fidelity "per tool and per kind (validity, erro
 structure, leaf values)". For one transition (h, a, o) and REHEARSE's text t for it:
 
 - **json_valid** ∈ {0, 1}: t passes the strict REHEARSE parser (`roles.rehearse.parse_rehearse`: one
-  JSON value, optionally in one ``` fence).
+  JSON value, optionally in one ``` fence, or a result cut with the truncation marker, which then
+  matches no key or value). ô is t's value in the canonical rendering (the tool's view applied,
+  `envs.tau2.observations`), the form o has.
 - **error_match** ∈ {0, 1}: t is an error (an object with a truthy "error" key) iff o is (tau2's
   ``Error: ...`` results). 0 when t does not parse.
 - **key_f1** ∈ [0, 1]: F1 of the sets of key paths (`key_paths`: ``a.b[].c``, list positions collapsed
@@ -25,8 +27,8 @@ whitespace collapsed to one space, but keep their case, since tau2's ids and cod
 ("PEP4E0", "#W6390527", flight "HAT176") and a rehearser that changes their case imagines another
 record; numbers (not booleans) are compared as floats (51 == 51.0; ``true`` != 1); null, booleans, empty
 objects and empty lists are leaves of their own. A real error ``Error: <message>`` is the value
-``{"error": "<message>"}``, the form REHEARSE is asked to write; a real result that is not JSON (tau2's
-plain strings such as a user id) is that string as a scalar.
+``{"error": "<message>"}``, the form REHEARSE is asked to write; a real result that is not JSON is that
+string as a scalar (`envs.tau2.observations.result_value`).
 
 Aggregation (`aggregate`): the mean of each metric over transitions with a 95 % percentile bootstrap
 interval (Efron & Tibshirani 1993, ch. 13; numpy, seeded), overall, per tool and per kind
@@ -44,13 +46,14 @@ from typing import Any
 
 import numpy as np
 
+from envace_core.envs.tau2.observations import is_cut, result_value
 from envace_core.roles.errors import ParseError
 from envace_core.roles.rehearse import parse_rehearse
 from envace_core.types import Observation, ToolCall
 
+CUT = object()  # the value of a cut (marker-ended) imagined result: no key paths, no leaves
 METRICS = ("json_valid", "error_match", "key_f1", "value_f1", "echo_share", "echo_f1", "imagined_f1")
 _WS = re.compile(r"\s+")
-_ERROR_PREFIX = re.compile(r"\AError:\s*")
 
 
 @dataclass(frozen=True)
@@ -135,29 +138,25 @@ def f1(pred: Counter | set, gold: Counter | set) -> float:
 
 
 def real_value(obs: Observation) -> Any:
-    """The JSON value of a real observation: ``{"error": message}`` for a tool error (tau2's
-    ``Error: `` prefix dropped, or the parsed object when the error is already JSON), the parsed
-    content when it is JSON, else the stripped text as a string."""
-    text = obs.content.strip()
-    try:
-        value = json.loads(text)
-    except ValueError:
-        value = None if obs.error else text
-    if obs.error:
-        if isinstance(value, dict) and value.get("error"):
-            return value
-        return {"error": _ERROR_PREFIX.sub("", text)}
-    return value
+    """The JSON value of a real observation (`envs.tau2.observations.result_value`): ``{"error":
+    message}`` for a tool error (tau2's ``Error: `` prefix dropped), the parsed content when it is
+    JSON, else the text as a string."""
+    return result_value(obs.content, obs.error)
 
 
-def imagined_value(text: str | None) -> tuple[Any, bool] | None:
-    """(JSON value, is an error) of a REHEARSE output, or None when it fails the strict parser."""
+def imagined_value(text: str | None, tool: str = "") -> tuple[Any, bool] | None:
+    """(JSON value, is an error) of a REHEARSE output for `tool`, in the canonical rendering
+    (`roles.rehearse.parse_rehearse`: the tool's view applied, as real results have it), or None when
+    it fails the strict parser. An output cut with the truncation marker (the taught form of a result
+    over the tool's budget) is valid with value `CUT`: it matches no key or value of an uncut result."""
     if text is None:
         return None
     try:
-        obs = parse_rehearse(text)
+        obs = parse_rehearse(text, tool)
     except ParseError:
         return None
+    if is_cut(obs.content):
+        return CUT, obs.error
     return json.loads(obs.content), obs.error
 
 
@@ -181,15 +180,16 @@ def score_pair(real: Observation, imagined_text: str | None, call: ToolCall) -> 
     g_echo, g_rest = _split(g_leaves, echo)
     n = sum(g_leaves.values())
     echo_share = sum(g_echo.values()) / n if n else None
-    got = imagined_value(imagined_text)
+    got = imagined_value(imagined_text, call.name)
     if got is None:
         return PairScore(call.name, kind, 0.0, 0.0, 0.0, 0.0, echo_share,
                          0.0 if g_echo else None, 0.0 if g_rest else None)
     value, is_error = got
-    p_leaves = leaf_values(value)
+    p_leaves = Counter() if value is CUT else leaf_values(value)
     p_echo, p_rest = _split(p_leaves, echo)
     return PairScore(
-        call.name, kind, 1.0, float(is_error == real.error), f1(key_paths(value), key_paths(gold)),
+        call.name, kind, 1.0, float(is_error == real.error),
+        f1(set() if value is CUT else key_paths(value), key_paths(gold)),
         f1(p_leaves, g_leaves), echo_share,
         f1(p_echo, g_echo) if (p_echo or g_echo) else None,
         f1(p_rest, g_rest) if (p_rest or g_rest) else None)

@@ -31,7 +31,7 @@ os.environ["GX_ANALYTICS_ENABLED"] = "False"  # before great_expectations is imp
 
 DATASET_COLUMNS = ("id", "domain", "split", "first_user_message", "user_scenario", "gold_actions",
                    "source")
-TRANSITION_COLUMNS = ("fidelity", "json_valid", "parse_error")
+TRANSITION_COLUMNS = ("fidelity", "json_valid", "parse_error", "error_match", "key_f1", "value_f1")
 
 
 class GateFailed(GateError):
@@ -297,13 +297,35 @@ def _threshold(thresholds: Any, name: str, default: float) -> float:
     return float(getattr(thresholds, name, default))
 
 
+# (column, threshold name, permissive value, "min" | "max"): the rehearsal gate's mean checks, in order
+REHEARSAL_CHECKS = (
+    ("fidelity", "min_fidelity", 0.0, "min"),
+    ("json_valid", "min_json_validity", 0.0, "min"),
+    ("parse_error", "max_parse_error_rate", 1.0, "max"),
+    ("error_match", "min_error_accuracy", 0.0, "min"),
+    ("key_f1", "min_key_f1", 0.0, "min"),
+    ("value_f1", "min_value_f1", 0.0, "min"),
+)
+_LABEL = {"json_valid": "json_validity", "parse_error": "parse_error_rate", "error_match": "error_accuracy"}
+
+
+def gate_thresholds(thresholds: Any) -> dict[str, Any]:
+    """{threshold name: value} of the rehearsal gate (`REHEARSAL_CHECKS`; a name `thresholds` lacks
+    takes its permissive value), plus "active": whether any is stricter than permissive."""
+    out: dict[str, Any] = {name: _threshold(thresholds, name, free) for _, name, free, _ in REHEARSAL_CHECKS}
+    out["active"] = any(out[name] != free for _, name, free, _ in REHEARSAL_CHECKS)
+    return out
+
+
 def rehearsal_gate(rows: pd.DataFrame | Iterable[Mapping[str, Any]], thresholds: Any) -> GateResult:
     """Validate rehearsal quality from one row per held-out transition.
 
-    Row columns: `fidelity` (F(ô, o) in [0, 1]; 0 for an unparseable ô), `json_valid` (1/0: ô is
-    one JSON value), `parse_error` (1/0: the REHEARSE output failed the strict parser, empty
-    included). `thresholds`: a `ValidateConfig` or mapping with `min_fidelity`,
-    `min_json_validity` (defaults 0) and `max_parse_error_rate` (default 1).
+    Row columns (`TRANSITION_COLUMNS`, each in [0, 1], `stages.validate.rehearse_rows`): `fidelity`
+    (F(ô, o); 0 for an unparseable ô), `json_valid` (1/0: ô is one JSON value), `parse_error` (1/0:
+    the strict REHEARSE parser rejected ô, empty included), `error_match` (1/0: ô is an error iff o
+    is), `key_f1` and `value_f1` (`evaluation.fidelity`). `thresholds`: a `ValidateConfig` or mapping
+    with `min_fidelity`, `min_json_validity`, `min_error_accuracy`, `min_key_f1`, `min_value_f1`
+    (each a floor on the column's mean, default 0) and `max_parse_error_rate` (a ceiling, default 1).
     """
     t0 = time.perf_counter()
     gx = _gx()
@@ -316,22 +338,22 @@ def rehearsal_gate(rows: pd.DataFrame | Iterable[Mapping[str, Any]], thresholds:
         df[c] = pd.to_numeric(df[c], errors="coerce").astype(float)
     if "id" not in df.columns:
         df["id"] = [f"transition-{i}" for i in range(len(df))]
-    f_min = _threshold(thresholds, "min_fidelity", 0.0)
-    j_min = _threshold(thresholds, "min_json_validity", 0.0)
-    p_max = _threshold(thresholds, "max_parse_error_rate", 1.0)
+    th = gate_thresholds(thresholds)
     exp = [
         E.ExpectTableRowCountToBeBetween(min_value=1, description="at least one held-out transition"),
         *[E.ExpectColumnValuesToNotBeNull(column=c, description=f"{c} is never null")
           for c in TRANSITION_COLUMNS],
-        E.ExpectColumnValuesToBeBetween(column="fidelity", min_value=0.0, max_value=1.0,
-                                        description="fidelity in [0, 1]"),
-        E.ExpectColumnMeanToBeBetween(column="fidelity", min_value=f_min,
-                                      description=f"fidelity >= {f_min:.3f}"),
-        E.ExpectColumnMeanToBeBetween(column="json_valid", min_value=j_min,
-                                      description=f"json_validity >= {j_min:.3f}"),
-        E.ExpectColumnMeanToBeBetween(column="parse_error", max_value=p_max,
-                                      description=f"parse_error_rate <= {p_max:.3f}"),
+        *[E.ExpectColumnValuesToBeBetween(column=c, min_value=0.0, max_value=1.0, description=f"{c} in [0, 1]")
+          for c in ("fidelity", "key_f1", "value_f1")],
     ]
+    for col, name, _, side in REHEARSAL_CHECKS:
+        label = _LABEL.get(col, col)
+        if side == "min":
+            exp.append(E.ExpectColumnMeanToBeBetween(column=col, min_value=th[name],
+                                                     description=f"{label} >= {th[name]:.3f}"))
+        else:
+            exp.append(E.ExpectColumnMeanToBeBetween(column=col, max_value=th[name],
+                                                     description=f"{label} <= {th[name]:.3f}"))
     out = _run_suite("rehearsal", df, exp)
     out.seconds = time.perf_counter() - t0
     return out

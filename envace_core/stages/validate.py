@@ -19,35 +19,34 @@ from envace_core.types import Task, ToolCall
 
 
 # -------------------------------------------------------------------------------------- validate
-def held_out_transitions(tasks: list[Task], limit: int) -> list[tuple[Task, list, ToolCall, Any]]:
-    """Real (history, call, observation) transitions from replaying held-out tasks' gold actions."""
-    from envace_core.envs.tau2.environment import Tau2Environment
-    from envace_core.types import Message
+def held_out_transitions(tasks: list[Task], limit: int, errors: bool = False) -> list[tuple[Task, list, ToolCall, Any]]:
+    """The first `limit` real (task, history, call, observation) transitions of held-out `tasks`:
+    their gold actions replayed in the real environment (`training.transitions.real_transitions`,
+    canonical rendering), with `errors` each gold call preceded by the deterministic wrong call whose
+    real result is an error (its call id gets ``-<probe kind>``, so row ids stay unique)."""
+    from envace_core.training.transitions import real_transitions
 
+    by_id = {t.id: t for t in tasks}
     out = []
-    for task in tasks:
-        env = Tau2Environment(task.domain)
-        env.reset(task)
-        history = [Message(role="user", content=task.first_user_message)]
-        for call in task.gold_actions:
-            call = call.model_copy(update={"id": f"call_{len(history)}"})
-            obs = env.step(call)
-            out.append((task, list(history), call, obs))
-            history += [Message(role="assistant", tool_call=call),
-                        Message(role="tool", content=obs.content, error=obs.error)]
-            if len(out) >= limit:
-                return out
+    for tr in real_transitions(tasks, errors=errors, forbid_splits=()):
+        call = tr.call.model_copy(update={"id": f"{tr.call.id}-{tr.probe}"}) if tr.probe else tr.call
+        out.append((by_id[tr.task_id], tr.history, call, tr.observation))
+        if len(out) >= limit:
+            break
     return out
 
 
 def rehearse_rows(cfg: RunConfig, engine: Any, trans: list[tuple[Task, list, ToolCall, Any]]) -> list[dict[str, Any]]:
     """REHEARSE's greedy prediction ô of each real transition (h, a, o) (`held_out_transitions`),
-    one row per transition: {"id": "<task id>#<call id>", "json_valid", "parse_error", "fidelity"
-    (F(ô, o), `rewards.fidelity`; 0 when ô does not parse), "error_match" (ô is an error iff o is)},
-    all in {0, 1} except fidelity in [0, 1]. One batched `engine.generate` call; prompts see the
-    task's context (`task_context`, added/hidden tools applied)."""
+    one row per transition: {"id": "<task id>#<call id>", "tool", "kind" ("success" / "error": o's),
+    "json_valid", "parse_error" (1 - json_valid: the strict REHEARSE parser rejected ô, empty
+    included), "fidelity" (F(ô, o), `rewards.fidelity`; 0 when ô does not parse), "error_match",
+    "key_f1", "value_f1", "echo_share", "echo_f1", "imagined_f1" (`evaluation.fidelity.score_pair`;
+    the last three None where undefined)}, all in [0, 1]. One batched `engine.generate` call; prompts
+    see the task's context (`task_context`, added/hidden tools applied)."""
     from envace_core.engines.base import SamplingParams
     from envace_core.envs.tau2.tasks import task_context
+    from envace_core.evaluation.fidelity import score_pair
     from envace_core.roles.errors import ParseError
     from envace_core.roles.rehearse import parse_rehearse, rehearse_prompt_ids
     from envace_core.training.rewards import fidelity
@@ -59,16 +58,32 @@ def rehearse_rows(cfg: RunConfig, engine: Any, trans: list[tuple[Task, list, Too
     sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0, role="rehearse")
     rows = []
     for (task, _, call, real), outs in zip(trans, engine.generate(prompts, sp) if prompts else []):
-        row = {"id": f"{task.id}#{call.id}", "json_valid": 0.0, "parse_error": 1.0, "fidelity": 0.0,
-               "error_match": 0.0}
+        text = tok.decode(outs[0].token_ids, skip_special_tokens=True)
+        score = score_pair(real, text, call).to_dict()
         try:
-            pred = parse_rehearse(tok.decode(outs[0].token_ids, skip_special_tokens=True))
+            fid = fidelity(parse_rehearse(text, call.name), real)
         except ParseError:
-            rows.append(row)
-            continue
-        rows.append({**row, "json_valid": 1.0, "parse_error": 0.0, "fidelity": fidelity(pred, real),
-                     "error_match": float(pred.error == real.error)})
+            fid = 0.0
+        rows.append({"id": f"{task.id}#{call.id}", **score, "parse_error": 1.0 - score["json_valid"],
+                     "fidelity": fid})
     return rows
+
+
+def rehearsal_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The validate report of `rehearse_rows`: {"transitions", "json_validity", "parse_error_rate",
+    "fidelity", "error_prediction_accuracy", "key_f1", "value_f1", "echo_share", "echo_f1",
+    "imagined_f1"} (means; None when nothing was measured), "per_tool" and "per_kind": {name:
+    {metric: {"mean", "ci_low", "ci_high", "n"}}} (`evaluation.fidelity.aggregate`, 95 % bootstrap)."""
+    from envace_core.evaluation.fidelity import PairScore, aggregate
+
+    agg = aggregate([PairScore(**{f: r[f] for f in PairScore.__dataclass_fields__}) for r in rows])
+    mean = {m: v["mean"] for m, v in agg["all"].items()}
+    return {"transitions": len(rows), "json_validity": mean["json_valid"],
+            "parse_error_rate": mean_or_none([r["parse_error"] for r in rows]),
+            "fidelity": mean_or_none([r["fidelity"] for r in rows]),
+            "error_prediction_accuracy": mean["error_match"],
+            **{m: mean[m] for m in ("key_f1", "value_f1", "echo_share", "echo_f1", "imagined_f1")},
+            "per_tool": agg["per_tool"], "per_kind": agg["per_kind"]}
 
 
 def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
@@ -77,14 +92,15 @@ def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     For each held-out transition (h, a, o) from the test split's gold actions, REHEARSE predicts ô
     from (h, a); we report JSON validity (ô parses), its complement the parse-error rate (the strict
     REHEARSE parser rejected ô, empty included), mean fidelity F(ô, o) (invalid ô counts 0) and
-    error-prediction accuracy (ô is an error iff o is). The per-transition rows then pass the
-    great-expectations rehearsal gate (`gates.rehearsal_gate`: fidelity ≥ `validate.min_fidelity`,
-    JSON validity ≥ `validate.min_json_validity`, parse-error rate ≤ `validate.max_parse_error_rate`);
+    error-prediction accuracy (ô is an error iff o is), key-structure and leaf-value F1 and the
+    echo / imagined split (`evaluation.fidelity`), overall, per tool and per kind with 95 % bootstrap
+    intervals (`rehearsal_metrics`). The per-transition rows then pass the great-expectations
+    rehearsal gate (`gates.rehearsal_gate`, thresholds `gates.gate_thresholds`);
     its full results are saved to `validation/<run_id>/gate.json` (also when it fails). A failing gate
     raises `gates.GateFailed` (a GateError) listing the failed expectations, so nothing downstream
     (registration) runs. Returns {"metrics", "gate": {expectation: passed}, "gate_key"}.
     """
-    from envace_core.stages.gates import rehearsal_gate
+    from envace_core.stages.gates import gate_thresholds, rehearsal_gate
 
     model, tok, _ = load_policy(cfg, trained["adapter_dir"])
     engine = policy_engine(cfg, model, tok)
@@ -95,23 +111,22 @@ def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     held_out = load_dataset(dataset, "test")
     seen = {t.id for t in held_out}
     held_out += [t for d in cfg.data.domains for t in load_tasks(d, cfg.data.test_split) if t.id not in seen]
-    trans = held_out_transitions(held_out, cfg.validate_.max_transitions)
+    trans = held_out_transitions(held_out, cfg.validate_.max_transitions, errors=True)
     if not trans:
         raise EnvaceError(f"no held-out transitions: the {cfg.data.test_split!r} split of "
                           f"{cfg.data.domains} has no agent-side gold tool call to validate REHEARSE on")
     rows = rehearse_rows(cfg, engine, trans)
-    metrics = {"transitions": len(trans), "json_validity": mean_or_none([r["json_valid"] for r in rows]),
-               "fidelity": mean_or_none([r["fidelity"] for r in rows]),
-               "error_prediction_accuracy": mean_or_none([r["error_match"] for r in rows]),
-               "parse_error_rate": mean_or_none([r["parse_error"] for r in rows])}
+    metrics = rehearsal_metrics(rows)
     gate = rehearsal_gate(pd.DataFrame(rows), cfg.validate_)
     gate_key = f"validation/{trained.get('run_id') or 'dataset-' + dataset['version']}/gate.json"
     open_store(cfg.store.root).write_json(gate_key, {**gate.to_dict(), "metrics": metrics})
-    v = cfg.validate_
-    disabled = v.min_json_validity == 0 and v.min_fidelity == 0 and v.max_parse_error_rate >= 1
     verdict = "PASS" if gate.success else "FAIL " + str(gate.failed)
-    if disabled:
+    if not gate_thresholds(cfg.validate_)["active"]:
         verdict += " (all thresholds are permissive in this profile: the gate only checks the data)"
-    print(f"[validate] {json.dumps(metrics)}; gate: {verdict} ({gate.seconds:.2f}s)")
+    overall = {k: v for k, v in metrics.items() if k not in ("per_tool", "per_kind")}
+    print(f"[validate] {json.dumps(overall)}; gate: {verdict} ({gate.seconds:.2f}s)")
+    for tool, m in metrics["per_tool"].items():
+        print(f"[validate]   {tool}: n={m['json_valid']['n']} " + " ".join(
+            f"{k}={m[k]['mean']:.3f}" for k in ("json_valid", "error_match", "key_f1", "value_f1")))
     gate.raise_if_failed(artifact=gate_key)
     return {"metrics": metrics, "gate": gate.checks, "gate_key": gate_key}
