@@ -30,7 +30,7 @@ def test_self_unfolded_rollout_alternates_roles_and_is_replay_scored(tiny_model_
     t = trajs[0]
     assert [g.role for g in t.generations] == [Role.ACT, Role.REHEARSE, Role.ACT]
     assert t.termination == "agent_message" and t.steps[0].action.name == gold.name
-    assert t.steps[0].observation.content == '{"status": "ok"}'
+    assert t.steps[0].observation.content == '{"status":"ok"}'  # the canonical rendering
     score(task, t)
     assert t.steps[0].real_observation is not None  # replayed for real, privately
     assert t.steps[0].fidelity is not None and 0.0 <= t.steps[0].fidelity <= 1.0
@@ -320,3 +320,31 @@ def test_a_prompt_that_cannot_fit_is_a_masked_prompt_too_long_trajectory(tiny_mo
     t = rehearsal_rollouts(HFEngine(model, tok, compute_dtype="float32"), ctx, 2, p, seed=0)
     assert [x.termination for x in t] == ["prompt_too_long"] * 2 and all(not x.generations for x in t)
     assert t[0].reward_info["prompt_too_long"]["limit"] == model.config.max_position_embeddings - 64
+
+
+def test_rehearse_budget_per_tool_and_grounding_reach_the_engine(tiny_model_dir):
+    from envace_core.roles.grounding import GroundingIndex
+    from envace_core.training.transitions import Transition
+    from envace_core.types import Message, Observation, ToolCall
+
+    task = next(t for t in load_tasks("airline", "test") if len(t.gold_actions) == 1)
+    gold = task.gold_actions[0]
+    engine = ScriptedEngine(load_tokenizer(tiny_model_dir), [_gold_text(gold), "All done."],
+                            rehearse_text='{"status": "ok"}')
+    other = Transition("airline/other", "airline", gold.name, [Message(role="user", content="hi")],
+                       ToolCall(name=gold.name, arguments=gold.arguments), Observation(content='{"seen":"EX4MPLE"}'),
+                       "success")
+    own = Transition(task.id, "airline", gold.name, [Message(role="user", content="hi")],
+                     ToolCall(name=gold.name, arguments=gold.arguments), Observation(content='{"own":"LEAKED"}'),
+                     "success")
+    p = RolloutParams(max_turns=2, max_new_tokens_act=64, max_new_tokens_rehearse=64, temperature=1.0,
+                      max_new_tokens_rehearse_per_tool={gold.name: 17}, grounding=GroundingIndex([own, other]),
+                      grounding_k=2, grounding_max_tokens=300)
+    seen = []
+    real_generate = engine.generate
+    engine.generate = lambda prompts, sp: seen.append((sp.role, sp.max_new_tokens, prompts)) or real_generate(prompts, sp)
+    rehearsal_rollouts(engine, task_context(task, 300), 1, p, seed=0)
+    rehearse = [(n, pr) for role, n, pr in seen if role == "rehearse"]
+    assert rehearse and rehearse[0][0] == 17
+    text = engine.tokenizer.decode(rehearse[0][1][0])
+    assert "EX4MPLE" in text and "LEAKED" not in text  # another task's example, never the task's own
