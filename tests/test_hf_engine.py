@@ -233,6 +233,29 @@ def test_stop_tokens_and_length(model, tok, prompts):
         max_new_tokens=8, temperature=0, stop_token_ids=(stop_tok,)))[0][0].token_ids
 
 
+def test_stop_when_ends_a_sample_at_the_first_check_it_holds_and_leaves_the_others(model, tok, prompts):
+    eng = engine(model, tok)
+    free = eng.generate(prompts[:2], SamplingParams(max_new_tokens=12, temperature=0))
+    seen: list[int] = []
+    first: list[int] = []  # id() of the first sample's token list (the engine appends to one list per sample)
+
+    def after_five(ids):  # holds for the first sample asked about only, from its 5th token on
+        seen.append(len(ids))
+        first[:] = first or [id(ids)]
+        return id(ids) == first[0] and len(ids) >= 5
+
+    out = eng.generate(prompts[:2], SamplingParams(max_new_tokens=12, temperature=0, stop_when=after_five,
+                                                   stop_check_every=3))
+    assert out[0][0].finish_reason == "stop" and out[0][0].token_ids == free[0][0].token_ids[:6]  # checked at 3, 6
+    assert out[1][0].token_ids == free[1][0].token_ids and out[1][0].finish_reason == free[1][0].finish_reason
+    assert set(seen) <= {3, 6, 9} and len(out[0][0].logprobs) == 6
+    # with ignore_eos nothing stops early
+    first.clear()
+    [[g]] = eng.generate([prompts[0]], SamplingParams(max_new_tokens=12, temperature=0, stop_when=after_five,
+                                                      stop_check_every=3, ignore_eos=True))
+    assert len(g.token_ids) == 12
+
+
 def test_peft_lora_sees_weight_updates_and_keeps_train_mode(tiny_model_dir, tok, prompts):
     from peft import LoraConfig, get_peft_model
 

@@ -6,6 +6,8 @@ Token ids in, token ids plus behaviour log-probs out, so that training uses exac
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import functools
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +54,11 @@ class SamplingParams:
         over a per-role policy (two LoRA adapters, `ROLE_ADAPTERS`) generates with that role's adapter.
     ignore_eos: True ends samples only at max_new_tokens (no eos, no stop tokens), as vLLM's option of
         the same name; throughput benchmarks use it so every sample decodes the same number of tokens.
+    stop_when: an optional predicate on a sample's generated ids so far; the transformers engine
+        ends the sample (finish_reason "stop") as soon as it returns True, checked every
+        `stop_check_every` tokens (not with ignore_eos). Only for predicates whose verdict no
+        continuation can change (e.g. `roles.json_prefix.NotJsonStop`: the output can no longer
+        parse), so stopping saves decoding and changes no outcome; the vLLM engine decodes on.
     """
 
     max_new_tokens: int = 64
@@ -62,6 +69,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     role: str | None = None
     ignore_eos: bool = False
+    stop_when: Callable[[list[int]], bool] | None = field(default=None, compare=False)
+    stop_check_every: int = 8
 
 
 # Per-role policy ablation (METHOD.md §1, "noshare"): which named LoRA adapter plays each role. The

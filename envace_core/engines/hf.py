@@ -412,8 +412,11 @@ class HFEngine:
             for b, a in enumerate(active):
                 toks[a].append(chosen_l[b])
                 lps[a].append(float(chosen_lp_l[b]))
-                if chosen_l[b] in stop or last:
-                    self._finish(results, owners[a], toks[a], lps[a], "stop" if chosen_l[b] in stop else "length")
+                hit = chosen_l[b] in stop or (
+                    params.stop_when is not None and not params.ignore_eos and not last
+                    and len(toks[a]) % params.stop_check_every == 0 and params.stop_when(toks[a]))
+                if hit or last:
+                    self._finish(results, owners[a], toks[a], lps[a], "stop" if hit else "length")
                     self._keep_prefix(cache, b, mask[b], prompts[owners[a][0]] + toks[a][:-1])
                 else:
                     keep.append(b)

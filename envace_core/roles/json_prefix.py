@@ -1,0 +1,167 @@
+"""Whether a partly generated REHEARSE output can still become one JSON value (an early stop that
+changes no outcome).
+
+`roles.rehearse.parse_rehearse` accepts exactly: optional whitespace, optionally one ```/```json fence,
+one JSON value (RFC 8259, as `json.loads` with NaN/Infinity rejected: `roles.strict_json`), optional
+whitespace, the closing fence if one was opened. `viable` answers, for a prefix of such an output,
+whether *some* continuation would parse. When it says no, every continuation is a parse error, so
+decoding can stop there with the same verdict (`NotJsonStop`): on the bundled 135M model most base-model
+rehearsals are prose that ran to the token budget (benchmarks/RESULTS.md, rehearser fidelity), hundreds
+of tokens decoded only to be rejected.
+
+`viable` is exact for the grammar above; it runs in O(len(text)) per call.
+"""
+
+from __future__ import annotations
+
+import re
+
+_FENCE_OPEN = re.compile(r"```[A-Za-z0-9_-]*[ \t]*\n")
+_FENCE_HEAD = re.compile(r"`{0,3}\Z|```[A-Za-z0-9_-]*[ \t]*\Z")  # an opening fence not yet complete
+_WS = " \t\n\r"
+_NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+_NUMBER_CHARS = re.compile(r"[0-9eE+.-]+")
+
+
+class _End(Exception):
+    """The input ended inside a value: a continuation may still complete it."""
+
+
+class _Bad(Exception):
+    """No continuation can make this a JSON value."""
+
+
+def _ws(s: str, i: int) -> int:
+    while i < len(s) and s[i] in _WS:
+        i += 1
+    return i
+
+
+def _string(s: str, i: int) -> int:
+    i += 1  # the opening quote
+    while True:
+        if i >= len(s):
+            raise _End
+        c = s[i]
+        if c == '"':
+            return i + 1
+        if c == "\\":
+            if i + 1 >= len(s):
+                raise _End
+            e = s[i + 1]
+            if e in '"\\/bfnrt':
+                i += 2
+            elif e == "u":
+                hexes = s[i + 2:i + 6]
+                if not all(h in "0123456789abcdefABCDEF" for h in hexes):
+                    raise _Bad
+                if len(hexes) < 4:
+                    raise _End
+                i += 6
+            else:
+                raise _Bad
+        elif ord(c) < 0x20:  # json.loads(strict=True) rejects raw control characters in strings
+            raise _Bad
+        else:
+            i += 1
+
+
+def _value(s: str, i: int, depth: int) -> int:
+    i = _ws(s, i)
+    if i >= len(s):
+        raise _End
+    if depth > 200:  # json's recursion limit is far above; deeper is no tool result
+        raise _Bad
+    c = s[i]
+    if c == "{":
+        i = _ws(s, i + 1)
+        if i >= len(s):
+            raise _End
+        if s[i] == "}":
+            return i + 1
+        while True:
+            if s[i] != '"':
+                raise _Bad
+            i = _ws(s, _string(s, i))
+            if i >= len(s):
+                raise _End
+            if s[i] != ":":
+                raise _Bad
+            i = _ws(s, _value(s, i + 1, depth + 1))
+            if i >= len(s):
+                raise _End
+            if s[i] == "}":
+                return i + 1
+            if s[i] != ",":
+                raise _Bad
+            i = _ws(s, i + 1)
+            if i >= len(s):
+                raise _End
+    if c == "[":
+        i = _ws(s, i + 1)
+        if i >= len(s):
+            raise _End
+        if s[i] == "]":
+            return i + 1
+        while True:
+            i = _ws(s, _value(s, i, depth + 1))
+            if i >= len(s):
+                raise _End
+            if s[i] == "]":
+                return i + 1
+            if s[i] != ",":
+                raise _Bad
+            i += 1
+    if c == '"':
+        return _string(s, i)
+    for word in ("true", "false", "null"):
+        if c == word[0]:
+            part = s[i:i + len(word)]
+            if not word.startswith(part):
+                raise _Bad
+            if len(part) < len(word):
+                raise _End
+            return i + len(word)
+    if c == "-" or c.isdigit():
+        m = _NUMBER_CHARS.match(s, i)
+        token, end = m.group(0), m.end()
+        if end == len(s):  # a number may always go on ("1" -> "12", "1." -> "1.5", "-" -> "-1")
+            if any(_NUMBER.fullmatch(token + tail) for tail in ("", "0", "1")):
+                raise _End
+            raise _Bad
+        if not _NUMBER.fullmatch(token):
+            raise _Bad
+        return end
+    raise _Bad
+
+
+def viable(text: str) -> bool:
+    """True when some continuation of `text` is an output `parse_rehearse` accepts (module docstring)."""
+    i = _ws(text, 0)
+    fenced = False
+    if text.startswith("`", i):
+        m = _FENCE_OPEN.match(text, i)
+        if m is None:
+            return bool(_FENCE_HEAD.match(text[i:]))
+        fenced, i = True, m.end()
+    try:
+        end = _value(text, i, 0)
+    except _End:
+        return True
+    except _Bad:
+        return False
+    rest = text[end:].strip(_WS)
+    if not rest:
+        return True
+    return fenced and "```".startswith(rest)
+
+
+class NotJsonStop:
+    """A stop predicate for generation: ``stop(token_ids)`` is True once the decoded text (special
+    tokens skipped, as the rollout decodes it) can no longer become a JSON value (`viable`)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __call__(self, token_ids: list[int]) -> bool:
+        return not viable(self.tokenizer.decode(token_ids, skip_special_tokens=True))
