@@ -71,7 +71,7 @@ class Package:
 @dataclass
 class PodResult:
     """One task execution: its command, exit status, output (stdout+stderr), wall and CPU (user +
-    system) seconds, the output prefix, and what it left there (outputs `LiteralMap`, or `ErrorDocument`, or neither)."""
+    system) seconds, the output prefix, the non-loopback addresses it tried to connect to, and what it left there (outputs `LiteralMap`, or `ErrorDocument`, or neither)."""
 
     node_id: str
     task: str
@@ -81,6 +81,7 @@ class PodResult:
     seconds: float
     cpu_seconds: float
     output_prefix: str
+    network: list[str]
     outputs: literals_pb2.LiteralMap | None
     error: errors_pb2.ErrorDocument | None
 
@@ -262,6 +263,24 @@ def image_root(dest: Path, images: dict[str, dict[str, Any]] | None = None) -> P
     return dest
 
 
+# sitecustomize.py of every pod (like tests/conftest.py's _no_network): a connection to anything but
+# loopback fails as it would offline, and is written to the pod's network.log, which `check` refuses
+# (a library that swallows the error cannot hide it).
+_OFFLINE = """
+import os, socket
+_connect = socket.socket.connect
+def _guarded(self, address):
+    host = address[0] if isinstance(address, tuple) else address
+    if self.family in (socket.AF_INET, socket.AF_INET6) and isinstance(host, str) \\
+            and not (host.startswith("127.") or host in ("localhost", "::1")):
+        with open(os.path.join(os.path.dirname(__file__), "network.log"), "a") as log:
+            log.write(f"{address}\\n")
+        raise OSError(f"pod tried the network: {address}")
+    return _connect(self, address)
+socket.socket.connect = _guarded
+"""
+
+
 _TEMPLATE_VAR = re.compile(r"\{\{\s*\.(\w+)\s*\}\}")
 
 
@@ -340,7 +359,8 @@ def run_task(plane: S3Plane, template: tasks_pb2.TaskTemplate, inputs: literals_
              secrets: dict[tuple[str, str], str] | None = None, extra_env: dict[str, str] | None = None,
              images: dict[str, dict[str, Any]] | None = None, timeout: float = 300) -> PodResult:
     """One task attempt as a pod: inputs.pb to S3, the template's container args with Propeller's
-    variables filled, run in `workdir/<node>-<attempt>/{cwd,home}`; reads outputs.pb or error.pb back."""
+    variables filled, run in `workdir/<node>-<attempt>/{cwd,home}` with no network but loopback
+    (`_OFFLINE`); reads outputs.pb or error.pb back. `images`: `Package.images` (for _F_IMG_ID)."""
     base = f"metadata/propeller/{PROJECT}-{DOMAIN}-{execution}/{node_id}/data"
     inputs_uri, output_prefix = plane.uri(f"{base}/inputs.pb"), plane.uri(f"{base}/{attempt}")
     raw = plane.uri(f"data/{execution}/{node_id}/{attempt}")
@@ -353,24 +373,30 @@ def run_task(plane: S3Plane, template: tasks_pb2.TaskTemplate, inputs: literals_
     pod = workdir / f"{node_id}-{attempt}"
     (pod / "cwd").mkdir(parents=True)
     (pod / "home").mkdir()
+    (pod / "offline").mkdir()
+    (pod / "offline" / "sitecustomize.py").write_text(_OFFLINE)
     image_id = (images or {}).get(template.container.image, {}).get("id")
     env = pod_env(template, plane, pod / "home", code, execution, node_id, attempt, secrets or {}, extra_env or {},
                   image_id)
+    env["PYTHONPATH"] += f"{os.pathsep}{pod / 'offline'}"
     t0 = time.monotonic()
     returncode, log, cpu = run_command(args, pod / "cwd", env, timeout)
     seconds = time.monotonic() - t0
     out, err = plane.get(f"{output_prefix}/outputs.pb"), plane.get(f"{output_prefix}/error.pb")
+    net = pod / "offline" / "network.log"
     return PodResult(node_id=node_id, task=template.id.name, args=args, returncode=returncode,
                      log=log, seconds=seconds, cpu_seconds=cpu, output_prefix=output_prefix,
+                     network=net.read_text().splitlines() if net.is_file() else [],
                      outputs=literals_pb2.LiteralMap.FromString(out) if out is not None else None,
                      error=errors_pb2.ErrorDocument.FromString(err) if err is not None else None)
 
 
 def check(result: PodResult) -> literals_pb2.LiteralMap:
     """The outputs of a successful attempt; PodFailed (with the log tail and error message) otherwise."""
-    if result.returncode == 0 and result.error is None and result.outputs is not None:
+    if result.returncode == 0 and result.error is None and result.outputs is not None and not result.network:
         return result.outputs
     why = (f"exit {result.returncode}" if result.returncode else
+           f"tried the network: {result.network}" if result.network else
            "error.pb written" if result.error is not None else "no outputs.pb")
     msg = result.error.error.message if result.error is not None else ""
     raise PodFailed(f"task {result.task} (node {result.node_id}) failed: {why}\n--- error.pb ---\n{msg[-6000:]}"

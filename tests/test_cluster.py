@@ -94,7 +94,7 @@ def test_train_workflow_runs_task_by_task_like_a_cluster(cluster, tmp_path):
     print(f"cluster run: {time.monotonic() - t0:.1f} s; per task (wall s, CPU s): {took}")
 
     assert [r.task for r in results] == TRAIN_TASKS
-    assert all(r.returncode == 0 and r.error is None for r in results)
+    assert all(r.returncode == 0 and r.error is None and not r.network for r in results)
     # no stage wrote to its pod's disk: a relative .envace/ there would be lost with the pod
     assert not [f for files in _pod_files(tmp_path / "pods").values() for f in files if ".envace" in f]
 
@@ -112,8 +112,9 @@ def test_train_workflow_runs_task_by_task_like_a_cluster(cluster, tmp_path):
     assert manifest["base_model"]["ref"] == cluster.model_uri
     assert "ctrain1" in manifest["execution_id"]  # the Flyte execution, from the pod's context
     # lineage in a pod without .git: the commit the image was built from (its BUILD_INFO.json)
-    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip()
-    assert (manifest["code"]["commit"], manifest["code"]["commit_source"]) == (head, "BUILD_INFO.json")
+    built_from = json.loads((cluster.code / "envace_core" / "BUILD_INFO.json").read_text())["commit"]
+    assert (manifest["code"]["commit"], manifest["code"]["commit_source"]) == (built_from, "BUILD_INFO.json")
+    assert subprocess.run(["git", "cat-file", "-e", f"{built_from}^{{commit}}"], cwd=REPO).returncode == 0
     register_image = pkg.tasks["tasks.register.register"].container.image
     assert manifest["code"]["image_spec_id"] == pkg.images[register_image]["id"]
     assert manifest.get("signature"), "register got no HMAC key from its Flyte secret"
@@ -136,6 +137,7 @@ def test_resolve_config_in_a_pod_refuses_a_local_store_root(cluster):
     seconds with one message naming store.root; nothing is written there."""
     result = cluster.refusal.result(timeout=300)  # started by the fixture (store.registry and model.ref in S3)
     print(f"resolve_config refused in {result.seconds:.1f} s ({result.cpu_seconds:.1f} s CPU)")
+    assert not result.network, result.network
     assert result.returncode == 0  # pyflyte-execute exits 0 after a user error; Propeller reads error.pb
     assert result.outputs is None and result.error is not None, result.log[-3000:]
     doc = result.error.error
