@@ -2,8 +2,10 @@
 changes no outcome).
 
 `roles.rehearse.parse_rehearse` accepts exactly: optional whitespace, optionally one ```/```json fence,
-one JSON value (RFC 8259, as `json.loads` with NaN/Infinity rejected: `roles.strict_json`), optional
-whitespace, the closing fence if one was opened. `viable` answers, for a prefix of such an output,
+one JSON value (RFC 8259, as `json.loads` with NaN/Infinity rejected: `roles.strict_json`) — or the
+head of one followed by the cut marker ``…[tool result truncated: k of n tokens shown]`` (how results
+over their budget are shown and taught, `roles.bounds.bound_text`) — optional whitespace, the closing
+fence if one was opened. `viable` answers, for a prefix of such an output,
 whether *some* continuation would parse. When it says no, every continuation is a parse error, so
 decoding can stop there with the same verdict (`NotJsonStop`): on the bundled 135M model most base-model
 rehearsals are prose that ran to the token budget (benchmarks/RESULTS.md, rehearser fidelity), hundreds
@@ -16,11 +18,17 @@ from __future__ import annotations
 
 import re
 
+from envace_core.roles.bounds import TRUNCATION_MARKER
+
 _FENCE_OPEN = re.compile(r"```[A-Za-z0-9_-]*[ \t]*\n")
 _FENCE_HEAD = re.compile(r"`{0,3}\Z|```[A-Za-z0-9_-]*[ \t]*\Z")  # an opening fence not yet complete
 _WS = " \t\n\r"
 _NUMBER = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
 _NUMBER_CHARS = re.compile(r"[0-9eE+.-]+")
+
+
+_CUT_AT_END = re.compile(re.escape(TRUNCATION_MARKER.format(what="tool result", shown="@", total="@"))
+                         .replace("@", r"\d+") + r"\Z")
 
 
 class _End(Exception):
@@ -135,25 +143,101 @@ def _value(s: str, i: int, depth: int) -> int:
     raise _Bad
 
 
-def viable(text: str) -> bool:
-    """True when some continuation of `text` is an output `parse_rehearse` accepts (module docstring)."""
-    i = _ws(text, 0)
-    fenced = False
-    if text.startswith("`", i):
-        m = _FENCE_OPEN.match(text, i)
-        if m is None:
-            return bool(_FENCE_HEAD.match(text[i:]))
-        fenced, i = True, m.end()
+def cut_head(text: str) -> str:
+    """`text` before the cut marker it ends with (all of `text` when it ends with none)."""
+    cut = _CUT_AT_END.search(text.rstrip(_WS))
+    return text if cut is None else text[:cut.start()]
+
+
+def json_head_viable(text: str) -> bool:
+    """True when some continuation of `text` is one JSON value (leading whitespace allowed)."""
     try:
-        end = _value(text, i, 0)
+        end = _value(text, 0, 0)
     except _End:
         return True
     except _Bad:
         return False
-    rest = text[end:].strip(_WS)
-    if not rest:
+    return not text[end:].strip(_WS)  # a complete value, then nothing but whitespace
+
+
+def _json_then(text: str, i: int) -> tuple[bool, int | None]:
+    """(viable, end): whether text[i:] can still become one JSON value, and where a complete one ends."""
+    try:
+        return True, _value(text, i, 0)
+    except _End:
+        return True, None
+    except _Bad:
+        return False, None
+
+
+# The cut marker `roles.bounds.bound_text` appends to a result over its budget (parse_rehearse accepts
+# a JSON head followed by it): literal parts and the two token counts between them.
+_MARKER_PARTS = TRUNCATION_MARKER.format(what="tool result", shown="\0", total="\0").split("\0")
+
+
+def _marker_prefix(rest: str) -> bool:
+    """True when `rest` is a prefix of some ``…[tool result truncated: <k> of <n> tokens shown]``
+    (trailing whitespace allowed once it is complete)."""
+    i = 0
+    for n, lit in enumerate(_MARKER_PARTS):
+        part = rest[i:i + len(lit)]
+        if not lit.startswith(part):
+            return False
+        if len(part) < len(lit):
+            return True
+        i += len(lit)
+        if n < len(_MARKER_PARTS) - 1:
+            j = i
+            while j < len(rest) and rest[j].isdigit():
+                j += 1
+            if j == len(rest):
+                return True
+            if j == i:
+                return False
+            i = j
+    return not rest[i:].strip(_WS)
+
+
+def _complete(body: str) -> bool:
+    """`body` (what a fence would hold) is one JSON value, or a JSON head + the whole cut marker;
+    whitespace around allowed."""
+    ok, end = _json_then(body, 0)
+    if ok and end is not None and not body[end:].strip(_WS):
         return True
-    return fenced and "```".startswith(rest)
+    cut = _CUT_AT_END.search(body.rstrip(_WS))
+    return cut is not None and json_head_viable(body[:cut.start()])
+
+
+def _open(body: str) -> bool:
+    """`body` can still be continued into `_complete` form."""
+    ok, end = _json_then(body, 0)
+    if ok and (end is None or not body[end:].strip(_WS)):
+        return True
+    pos = body.find(_MARKER_PARTS[0][0])  # a JSON head cut by the marker: try every "…" it can end at
+    while pos >= 0:
+        if json_head_viable(body[:pos]) and _marker_prefix(body[pos:]):
+            return True
+        pos = body.find(_MARKER_PARTS[0][0], pos + 1)
+    return False
+
+
+def viable(text: str) -> bool:
+    """True when some continuation of `text` is an output `parse_rehearse` accepts (module docstring):
+    [fence] a JSON value [closing fence], or [fence] a JSON value's head + the cut marker [closing fence]."""
+    i = _ws(text, 0)
+    if not text.startswith("`", i):
+        return _open(text[i:])
+    m = _FENCE_OPEN.match(text, i)
+    if m is None:
+        return bool(_FENCE_HEAD.match(text[i:]))
+    body = text[m.end():]
+    if _open(body):
+        return True
+    tail = body.rstrip(_WS)
+    for n in (3, 2, 1):  # a closing fence (or its start) after a complete body
+        if tail.endswith("`" * n) and _complete(tail[:-n]):
+            return True
+    return False
 
 
 class NotJsonStop:

@@ -12,6 +12,7 @@ from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, bound_history, boun
 from envace_core.roles.chat import chat_ids
 from envace_core.roles.grounding import example_text
 from envace_core.roles.errors import EmptyOutput, InvalidRehearsal
+from envace_core.roles.json_prefix import cut_head, json_head_viable
 from envace_core.roles.strict_json import strict_json
 from envace_core.roles.tools import render_tool
 from envace_core.types import Message, Observation, TaskContext, ToolCall
@@ -92,7 +93,8 @@ def parse_rehearse(text: str, tool: str = "") -> Observation:
     the canonical rendering of the parsed value (`envs.tau2.observations.render_observation(tool,
     value)`: compact JSON, key order kept, the tool's view), the same text a real result of `tool`
     has. A result cut with the truncation marker (`roles.bounds.TRUNCATION_MARKER`, as real results
-    over the budget are shown and taught) is taken as it is: content = the text, error = whether it
+    over the budget are shown and taught) whose head is the start of a JSON value
+    (`roles.json_prefix.json_head_viable`) is taken as it is: content = the text, error = whether it
     starts like an error object.
 
     Raises `EmptyOutput` (empty/whitespace) or `InvalidRehearsal` (anything that is not one JSON value,
@@ -105,6 +107,8 @@ def parse_rehearse(text: str, tool: str = "") -> Observation:
     if fence:
         body = fence.group(1).strip()
     if is_cut(body):
+        if not json_head_viable(cut_head(body)):
+            raise InvalidRehearsal("a cut result must be the head of a JSON value before its marker", text)
         return Observation(content=clean_text(body), error=body.startswith('{"error"'))
     try:
         value = strict_json(body)
