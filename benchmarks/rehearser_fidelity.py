@@ -148,6 +148,7 @@ def run_condition(cond: str, cfg, adapter: str | None, held: list, index, budget
     from envace_core.engines.base import SamplingParams
     from envace_core.engines.hf import HFEngine
     from envace_core.envs.tau2.tasks import task_context
+    from envace_core.roles.json_prefix import NotJsonStop
     from envace_core.roles.rehearse import rehearse_prompt_ids
     from envace_core.training.policy import load_policy
 
@@ -176,7 +177,8 @@ def run_condition(cond: str, cfg, adapter: str | None, held: list, index, budget
             chunk = items[i:i + 4]
             t0 = time.time()
             outs = engine.generate([ids for _, _, ids in chunk],
-                                   SamplingParams(max_new_tokens=budget, temperature=0.0, role="rehearse"))
+                                   SamplingParams(max_new_tokens=budget, temperature=0.0, role="rehearse",
+                                                  stop_when=NotJsonStop(tok)))
             dt = time.time() - t0
             for (key, tr, ids), o in zip(chunk, outs):
                 text = tok.decode(o[0].token_ids, skip_special_tokens=True)

@@ -460,6 +460,14 @@ class ValidateConfig(_Strict):
         "METHOD.md §2) must be ≥ this")
     max_parse_error_rate: float = Field(
         1.0, ge=0, le=1, description="gate: share of REHEARSE outputs the strict parser rejects must be ≤ this")
+    min_error_accuracy: float = Field(
+        0.0, ge=0, le=1, description="gate: share of transitions where ô is a tool error exactly when o is "
+        "(evaluation/fidelity.py) must be ≥ this")
+    min_key_f1: float = Field(
+        0.0, ge=0, le=1, description="gate: mean key-structure F1 of ô vs o (key paths, evaluation/fidelity.py) "
+        "must be ≥ this")
+    min_value_f1: float = Field(
+        0.0, ge=0, le=1, description="gate: mean leaf-value F1 of ô vs o (evaluation/fidelity.py) must be ≥ this")
 
 
 class StoreConfig(_Strict):

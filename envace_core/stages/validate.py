@@ -24,11 +24,11 @@ def held_out_transitions(tasks: list[Task], limit: int, errors: bool = False) ->
     their gold actions replayed in the real environment (`training.transitions.real_transitions`,
     canonical rendering), with `errors` each gold call preceded by the deterministic wrong call whose
     real result is an error (its call id gets ``-<probe kind>``, so row ids stay unique)."""
-    from envace_core.training.transitions import real_transitions
+    from envace_core.training.transitions import iter_real_transitions
 
     by_id = {t.id: t for t in tasks}
     out = []
-    for tr in real_transitions(tasks, errors=errors, forbid_splits=()):
+    for tr in iter_real_transitions(tasks, errors=errors, forbid_splits=()):  # lazy: stops after `limit`
         call = tr.call.model_copy(update={"id": f"{tr.call.id}-{tr.probe}"}) if tr.probe else tr.call
         out.append((by_id[tr.task_id], tr.history, call, tr.observation))
         if len(out) >= limit:
@@ -55,7 +55,11 @@ def rehearse_rows(cfg: RunConfig, engine: Any, trans: list[tuple[Task, list, Too
     prompts = [rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c,
                                    max_observation_tokens=cfg.rollout.max_observation_tokens)
                for t, h, c, _ in trans]
-    sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0, role="rehearse")
+    from envace_core.roles.json_prefix import NotJsonStop
+
+    # decoding stops once the output can no longer parse (same verdict, fewer tokens)
+    sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0, role="rehearse",
+                        stop_when=NotJsonStop(tok))
     rows = []
     for (task, _, call, real), outs in zip(trans, engine.generate(prompts, sp) if prompts else []):
         text = tok.decode(outs[0].token_ids, skip_special_tokens=True)

@@ -29,6 +29,7 @@ from envace_core.roles.act import act_prompt_ids, parse_act
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, PromptTooLong, check_prompt, prompt_limit
 from envace_core.roles.errors import ParseError, format_error
 from envace_core.roles.grounding import GroundingIndex
+from envace_core.roles.json_prefix import NotJsonStop
 from envace_core.roles.rehearse import parse_rehearse, rehearse_prompt_ids
 from envace_core.roles.user import parse_user, user_instructions, user_prompt_ids
 from envace_core.training.rewards import reward_fn_from_config, score_trajectory
@@ -203,8 +204,9 @@ def _rehearse_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory],
             budget, p)
         if not keep:
             continue
-        sp = SamplingParams(max_new_tokens=budget, temperature=p.temperature,
-                            top_p=p.top_p, seed=seeds.next(), role=Role.REHEARSE.value)
+        # decoding stops once the output can no longer parse (`NotJsonStop`: same verdict, fewer tokens)
+        sp = SamplingParams(max_new_tokens=budget, temperature=p.temperature, top_p=p.top_p, seed=seeds.next(),
+                            role=Role.REHEARSE.value, stop_when=NotJsonStop(tok))
         for i, prompt, outs in zip(keep, prompts, engine.generate(prompts, sp)):
             gen = make_generation(Role.REHEARSE, prompt, outs[0], tok, p.temperature)
             trajs[i].generations.append(gen)

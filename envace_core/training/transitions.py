@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -105,20 +105,29 @@ def real_transitions(tasks: Sequence[Task], *, errors: bool = True, seed: int = 
                      forbid_splits: Collection[str] = ("test",),
                      env_factory: Callable[[str], ToolEnvironment] | None = None,
                      max_turns: int | None = None) -> list[Transition]:
+    """`iter_real_transitions` as a list (same arguments, same order)."""
+    return list(iter_real_transitions(tasks, errors=errors, seed=seed, forbid_splits=forbid_splits,
+                                      env_factory=env_factory, max_turns=max_turns))
+
+
+def iter_real_transitions(tasks: Sequence[Task], *, errors: bool = True, seed: int = 0,
+                          forbid_splits: Collection[str] = ("test",),
+                          env_factory: Callable[[str], ToolEnvironment] | None = None,
+                          max_turns: int | None = None) -> Iterator[Transition]:
     """The real transitions of every task's gold actions (tasks without gold actions give none),
     in task order, each gold call preceded by its wrong call (when `errors`).
 
     `max_turns`: only the first `max_turns` gold calls of a task; `env_factory(domain)`: the real
     environment (default `Tau2Environment`); `seed`: the wrong calls' draws (same seed, same data).
     Raises `TestSplitError` for a task of a split in `forbid_splits` (pass ``()`` to replay test
-    tasks, e.g. for held-out measurement), before anything is replayed.
+    tasks, e.g. for held-out measurement), before anything is replayed. Lazy: a task's environment
+    is built only when its first transition is asked for, so taking the first few is cheap.
     """
     from envace_core.envs.tau2.environment import Tau2Environment
     from envace_core.envs.tau2.tasks import domain_static
 
     check_splits(tasks, forbid_splits)
     factory = env_factory or Tau2Environment
-    out: list[Transition] = []
     for task in tasks:
         if not task.gold_actions:
             continue
@@ -137,16 +146,14 @@ def real_transitions(tasks: Sequence[Task], *, errors: bool = True, seed: int = 
                 kind, wrong = variants[rng.randrange(len(variants))]
                 obs = env.step(wrong)
                 if obs.error:
-                    out.append(Transition(task.id, task.domain, call.name, list(history), wrong, obs,
-                                          "error", kind))
+                    yield Transition(task.id, task.domain, call.name, list(history), wrong, obs, "error", kind)
                 else:  # the wrong call succeeded and may have changed the state: back to the gold prefix
                     env.reset(task)
                     for c in done:
                         env.step(c)
             obs = env.step(call)
-            out.append(Transition(task.id, task.domain, call.name, list(history), call, obs,
-                                  "error" if obs.error else "success"))
+            yield Transition(task.id, task.domain, call.name, list(history), call, obs,
+                             "error" if obs.error else "success")
             done.append(call)
             history = history + [Message(role="assistant", tool_call=call),
                                  Message(role="tool", content=obs.content, error=obs.error)]
-    return out
