@@ -269,6 +269,15 @@ def stage_task(name: str, **extra: Any):
     if secret is not None:
         extra["secret_requests"] = [*extra.get("secret_requests", []), secret]
 
+    # the image the pod runs, for its lineage (`envace_core.buildinfo`: Flyte's builder bakes in only
+    # the spec id); known only where a registry is set, i.e. when serialising for a cluster
+    try:
+        image = s.image.image_name() if hasattr(s.image, "image_name") else None
+    except images.ImageSettingsError:
+        image = None
+    if image:
+        extra["environment"] = {"ENVACE_IMAGE": image, **(extra.get("environment") or {})}
+
     def decorate(fn):
         body = recoverable(with_hmac_key(fn, secret) if secret is not None else fn)
         return task(container_image=s.image, requests=s.requests, limits=s.limits, retries=s.retries,

@@ -27,6 +27,13 @@ def test_train_workflow_runs_locally_end_to_end(tiny_model_dir, tmp_path, monkey
     assert reg.list() == [(out["name"], out["version"])]
     assert reg.verify(out["name"], out["version"]) == []
 
+    # the training metrics, as TensorBoard event files beside the run's checkpoint
+    from envace_core.training.tracking import read_scalars
+
+    [run] = list((tmp_path / "store" / "runs").iterdir())
+    scalars = read_scalars(run / "tensorboard")
+    assert [step for step, _ in scalars["frac_zero_std"]] == [1] and "seconds" in scalars
+
 
 def test_workflow_rejects_bad_config_with_a_clear_error(tmp_path, monkeypatch):
     import pytest

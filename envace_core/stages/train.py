@@ -19,6 +19,18 @@ from envace_core.training.loop import (
     training_run_id,
 )
 from envace_core.training.policy import load_policy, policy_engine, rollout_params
+from envace_core.training.tracking import TENSORBOARD_KEY, write_history
+
+
+def publish_metrics(store: Any, run_id: str, history: list[dict[str, Any]]) -> str:
+    """The run's metrics history as TensorBoard event files (`training.tracking.write_history`) at
+    store key `runs/<run_id>/tensorboard`, rewritten whole after every iteration; returns its URI."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="envace-tb-") as tmp:
+        write_history(history, tmp + "/tensorboard")
+        store.put_dir(tmp + "/tensorboard", TENSORBOARD_KEY.format(run_id=run_id))
+    return store.uri(TENSORBOARD_KEY.format(run_id=run_id))
 
 
 def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]:
@@ -43,7 +55,8 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
     Returns:
         {"run_id", "learning_signal" (some iteration had a group with unequal rewards),
         "adapter_dir" (the checkpoint's adapter, local path), "base_model_dir", "history" (one
-        metrics record per iteration)}.
+        metrics record per iteration), "metrics_uri" (the history as TensorBoard event files,
+        `publish_metrics`)}.
 
     Raises:
         EnvaceError: the dataset has no train tasks; trainer.CheckpointError: a corrupt checkpoint.
@@ -79,10 +92,13 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
     for _ in bar:
         rec = train_iteration(run, state)
         bar.set_postfix(reward=f"{rec.get('reward_mean/act', 0):.2f}", secs=f"{rec['seconds']:.0f}")
+        if world.is_main:
+            publish_metrics(store, run_id, state.history)
     # the result
     history = state.history
     if world.is_main:
         print_training_table(history)
+        run.say(f"[train] metrics: tensorboard --logdir {store.uri(TENSORBOARD_KEY.format(run_id=run_id))}")
     if history and all(r.get("frac_zero_std") == 1.0 or "train/loss" not in r for r in history):
         run.say("[train] WARNING: no learning signal in any iteration: every group's trajectories got "
                 "equal rewards (frac_zero_std = 1), so every advantage was 0 and the adapter did not "
@@ -91,4 +107,5 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
     signal = any(r.get("frac_zero_std", 1.0) < 1.0 for r in history)
     return {"run_id": run_id, "learning_signal": signal,
             "adapter_dir": str(store.get_dir(run.checkpoint_key) / "adapter"),
-            "base_model_dir": str(base), "compute_dtype": trainer.compute_dtype, "history": history}
+            "base_model_dir": str(base), "compute_dtype": trainer.compute_dtype, "history": history,
+            "metrics_uri": store.uri(TENSORBOARD_KEY.format(run_id=run_id))}
