@@ -27,7 +27,8 @@ def register(config: str, dataset: str, trained: str, validation: str, evaluatio
     except Exception:  # outside a Flyte execution context
         execution_id = "local"
     cfg, ds = config_from_json(config), json.loads(dataset)
-    here = fetch_inputs(cfg, ds, json.loads(trained), stale_hint=clear_cache_hint())
+    # the base model is fingerprinted from its S3 listing (models.base_model_lineage), never downloaded here
+    here = fetch_inputs(cfg, ds, json.loads(trained), stale_hint=clear_cache_hint(), base_model=False)
     out = register_mod.register(cfg, ds, here, json.loads(validation), json.loads(evaluation),
                                 execution_id=execution_id)
     return json.dumps(out)
