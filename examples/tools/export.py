@@ -61,6 +61,7 @@ def example_users(n: int) -> list[str]:
 def examples(n: int) -> list[dict]:
     """(call, result) pairs from real executions of the tool on the packaged retail DB."""
     from envace_core.envs.tau2.environment import Tau2Environment
+    from envace_core.envs.tau2.observations import result_value
     from envace_core.envs.tau2.synth import domain_env
     from envace_core.types import ToolCall
 
@@ -69,9 +70,12 @@ def examples(n: int) -> list[dict]:
         u = db.users[uid]
         args = {"first_name": u.name.first_name, "last_name": u.name.last_name, "zip": u.address.zip}
         obs = env.step(ToolCall(name=TOOL, arguments=args))
-        if obs.error or obs.content != uid:
+        # `step` gives the canonical rendering (a plain-text result is a JSON string); the example
+        # holds the tool's own text
+        result = result_value(obs.content, obs.error)
+        if obs.error or result != uid:
             raise SystemExit(f"{TOOL}({args}) returned {obs.content!r}, expected {uid!r}")
-        out.append({"tool": TOOL, "arguments": args, "result": obs.content})
+        out.append({"tool": TOOL, "arguments": args, "result": result})
     return out
 
 
