@@ -1,7 +1,7 @@
 """`envace` command line: run the pipeline without Flyte, and inspect the model registry.
 
     envace train [--profile cpu-smoke] [--overrides 'train.iterations=1']
-    envace config [--check]          print the resolved config; --check also resolves the model
+    envace config [--check|--remote] print the resolved config; --check also resolves the model
     envace config --markdown         the table of every setting (README 'Configuration')
     envace registry list|show NAME@VERSION|verify NAME@VERSION [--profile ...]
     envace rehearse --task airline/3 [--mode parallel] [--n 4] [--model REF] [--adapter DIR]
@@ -45,7 +45,8 @@ def _train(args) -> int:
 
 
 def _config(args) -> int:
-    """Print the resolved config; with --check, also resolve the model and open the stores; with
+    """Print the resolved config; with --check, also resolve the model and open the stores (--remote: the
+    cluster checks of `preflight(remote=True)` instead, nothing downloaded); with
     --markdown, print the README's table of every setting instead (`config.config_table_markdown`)."""
     if args.markdown:
         from envace_core.config import config_table_markdown
@@ -53,10 +54,11 @@ def _config(args) -> int:
         print(config_table_markdown())
         return 0
     cfg = load_config(args.profile, args.overrides)
-    if args.check:
+    if args.check or args.remote:
         from envace_core.stages.preflight import preflight
 
-        preflight(cfg, resolve_remote=True)
+        # --remote: the checks a cluster's resolve_config runs (no download, no vLLM needed here)
+        preflight(cfg, remote=args.remote, resolve_remote=not args.remote)
     print(json.dumps(cfg.to_dict(), indent=2))
     return 0
 
@@ -229,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     t = sub.add_parser("train", help="run the main job in-process (same stages as the Flyte workflow)")
     c = sub.add_parser("config", help="print the resolved configuration")
     c.add_argument("--check", action="store_true", help="also check the model ref and the stores")
+    c.add_argument("--remote", action="store_true", help="check as a cluster run's resolve_config does: "
+                   "shared (s3://) store, registry, model and DVC remote, no placeholders, buckets reachable; "
+                   "nothing is downloaded")
     c.add_argument("--markdown", action="store_true", help="print every setting with its type, default, "
                    "profile values and meaning as a markdown table (the README's) instead")
     r = sub.add_parser("registry", help="list, show or verify registered models")

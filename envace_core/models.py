@@ -65,17 +65,19 @@ S3_SOURCE = ".envace-s3-source.json"  # written into an s3:// model's download: 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin")  # the files `model_fingerprint` hashes (top level of the folder)
 
 
-def s3_model_listing(uri: str, setting: str) -> tuple[Any, list[dict[str, Any]]]:
+def s3_model_listing(uri: str, setting: str, required: str = "config.json") -> tuple[Any, list[dict[str, Any]]]:
     """(S3Store at `uri`, its objects as `S3Store.list_objects` gives them) for an s3:// model folder:
-    one LIST request per 1000 objects, nothing downloaded. `setting` is the config field named in errors.
+    one LIST request per 1000 objects, nothing downloaded. `setting` is the config field named in errors;
+    `required` the file the folder must hold (``adapter_config.json`` for a LoRA adapter).
 
-    Raises ModelNotFoundError when the prefix holds no config.json, StoreError for S3 failures."""
+    Raises ModelNotFoundError when the prefix holds no `required` file, StoreError for S3 failures."""
     from envace_core.store.s3 import S3Store
 
     store = S3Store(uri.rstrip("/"), setting=setting)
     objs = store.list_objects()
-    if not any(o["key"] == "config.json" for o in objs):
-        raise ModelNotFoundError(f"{setting}={uri!r} holds no config.json: point it at a HF model folder "
+    if not any(o["key"] == required for o in objs):
+        what = "a LoRA adapter folder" if required == "adapter_config.json" else "a HF model folder"
+        raise ModelNotFoundError(f"{setting}={uri!r} holds no {required}: point it at {what} "
                                  f"({len(objs)} object(s) under that prefix)")
     return store, objs
 

@@ -32,7 +32,7 @@ def test_local_paths_are_refused_on_a_remote_run_but_fine_locally(tmp_path, monk
     assert problems[0].startswith(f"store.root={str(tmp_path / 'store')!r} is a local path: on a cluster each "
                                   "stage runs in its own pod") and "set store.root=s3://" in problems[0]
     assert problems[1].startswith("store.registry=") and "set store.registry=s3://" in problems[1]
-    model = _cfg(model={"ref": str(tmp_path)}, store={"root": "s3://x/y", "registry": "s3://CHANGE-ME/r"})
+    model = _cfg(model={"ref": str(tmp_path)}, store={"root": "s3://xx1/y", "registry": "s3://CHANGE-ME/r"})
     with pytest.raises(ConfigError, match=r"model.ref=.* is a local path.*bundled:smollm2") as err:
         preflight(model, remote=True)
     assert any(p.startswith("store.registry='s3://CHANGE-ME/r' is a placeholder") for p in _problems(err))
@@ -110,3 +110,54 @@ def test_an_unreachable_endpoint_fails_within_seconds_and_is_probed_once(s3_serv
     problems = _problems(err)
     assert "cannot reach S3" in problems[0] and problems[0].startswith("store.root=")
     assert problems[1].endswith("not checked, S3 is unreachable (above)")
+
+
+@pytest.mark.parametrize("over, named", [
+    ({"store": {"root": "S3://Bkt/x"}}, "store.root='S3://Bkt/x' has the scheme 'S3'"),
+    ({"store": {"registry": "s3:/bkt/reg"}}, "store.registry='s3:/bkt/reg' has the scheme 's3'"),
+    ({"store": {"registry": "s3://bkt//reg"}}, "store.registry='s3://bkt//reg' is not a valid S3 URI"),
+    ({"store": {"root": "s3://bkt/store train.iterations=5"}}, "holds another override after a space"),
+    ({"model": {"ref": "hf://Qwen/Qwen3-8B"}}, "model.ref='hf://Qwen/Qwen3-8B' has the scheme 'hf'"),
+    ({"data": {"dvc_remote": "s3://Upper/dvc"}}, "data.dvc_remote='s3://Upper/dvc' is not a valid S3 URI"),
+])
+def test_malformed_locations_are_refused_when_the_config_loads(over, named):
+    with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace("[", r"\[")):
+        _cfg(**over)
+
+
+def test_a_local_check_names_every_placeholder_without_asking_s3(monkeypatch):
+    monkeypatch.delenv("AWS_ENDPOINT_URL", raising=False)
+    with pytest.raises(ConfigError) as err:
+        preflight(load_config("gpu-8b"))
+    assert [p.split("=")[0] for p in _problems(err)] == ["store.root", "store.registry", "model.ref", "data.dvc_remote"]
+    assert all("is a placeholder" in p for p in _problems(err))
+
+
+def test_adapter_judge_and_registry_refs_are_checked_before_any_work(s3_server, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    root = s3_server.root
+    good = {"root": f"{root}/store", "registry": f"{root}/reg"}
+    with pytest.raises(ConfigError) as err:
+        preflight(_cfg(store=good, train={"init_adapter": f"{root}/adapters/none"},
+                       reward={"name": "judge", "judge_model": str(tmp_path)}), remote=True)
+    problems = _problems(err)
+    assert problems[0].startswith(f"train.init_adapter='{root}/adapters/none' holds no adapter_config.json")
+    assert problems[1].startswith("reward.judge_model=") and "is a local path" in problems[1]
+    with pytest.raises(ConfigError, match=r"model.ref='registry:p@v1' is a registry reference"):
+        preflight(_cfg(store=good, model={"ref": "registry:p@v1"}), remote=True)
+    with pytest.raises(ConfigError, match=r"data.dvc_repo='/nonexistent' holds no .dvc/"):
+        preflight(_cfg(data={"dvc": "auto", "dvc_repo": "/nonexistent"}))
+
+
+def test_the_schedule_overrides_are_refused_at_registration_not_at_the_first_run():
+    from workflows.train import SCHEDULE_OVERRIDES_ENV, schedule_overrides
+
+    assert schedule_overrides({}) == ""
+    with pytest.raises(ConfigError, match=r"(?s)" + SCHEDULE_OVERRIDES_ENV + r".*stor: Extra inputs"):
+        schedule_overrides({SCHEDULE_OVERRIDES_ENV: "stor.root=s3://bkt/x"})
+    with pytest.raises(ConfigError) as err:
+        schedule_overrides({SCHEDULE_OVERRIDES_ENV: "store.root=/local/store"})
+    assert any(p.startswith("store.root='/local/store' is a local path") for p in _problems(err))
+    ok = ("store.root=s3://bkt/store,store.registry=s3://bkt/reg,model.ref=s3://bkt/m,"
+          "data.dvc_remote=s3://bkt/dvc")
+    assert schedule_overrides({SCHEDULE_OVERRIDES_ENV: ok}) == ok  # form only: no request to S3

@@ -73,10 +73,32 @@ def train(profile: str = "cpu-smoke", overrides: str = "") -> str:
 # Scheduled retraining on the cluster. The profile is fixed so a schedule cannot silently run the CPU
 # smoke job; the overrides (the cluster's URIs) are the default input, taken from the environment at
 # registration. A schedule always runs with the registered defaults.
+def schedule_overrides(env: dict[str, str] | None = None) -> str:
+    """$ENVACE_SCHEDULE_OVERRIDES, checked as the scheduled runs will use it: it must load with the
+    gpu-8b profile and name shared (s3://) store, registry, model and DVC remote, no placeholder
+    (`preflight.check_remote_settings` without requests). A launch plan's inputs cannot change on
+    activation, so a mistake found at the first Sunday run would cost a re-registration; it is refused
+    here, when the workflows are imported for registration. Unset/empty: "" (local runs need none).
+
+    Raises ConfigError naming the variable and every bad setting."""
+    from envace_core.config import ConfigError, load_config
+    from envace_core.stages.preflight import check_remote_settings
+
+    value = (os.environ if env is None else env).get(SCHEDULE_OVERRIDES_ENV, "").strip()
+    if not value:
+        return ""
+    try:
+        check_remote_settings(load_config(SCHEDULE_PROFILE, value), probe=False)
+    except ConfigError as e:
+        raise ConfigError(f"{SCHEDULE_OVERRIDES_ENV} (the weekly launch plan's overrides): {e}") from None
+    return value
+
+
+SCHEDULE_PROFILE = "gpu-8b"
 weekly_retrain = LaunchPlan.get_or_create(
     workflow=train,
     name="envace_weekly_retrain",
-    fixed_inputs={"profile": "gpu-8b"},
-    default_inputs={"overrides": os.environ.get(SCHEDULE_OVERRIDES_ENV, "")},
+    fixed_inputs={"profile": SCHEDULE_PROFILE},
+    default_inputs={"overrides": schedule_overrides()},
     schedule=CronSchedule(schedule=SCHEDULE),
 )

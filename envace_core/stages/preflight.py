@@ -2,14 +2,15 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from envace_core import EnvaceError
-from envace_core.config import ConfigError, RunConfig
+from envace_core.config import PLACEHOLDER, ConfigError, RunConfig
 from envace_core.models import AdapterError, check_adapter_dir, read_adapter_config
 from envace_core.store.uri import open_store
 from envace_core.training.loop import init_adapter_dir
 
 
-PLACEHOLDER = "CHANGE-ME"  # what the profiles put where an operator must name their own bucket
 PROBE = {"connect_timeout": 3, "read_timeout": 5, "max_attempts": 2}  # seconds, seconds, tries per S3 probe
 
 
@@ -31,6 +32,11 @@ def preflight(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False
 
     if remote:
         check_remote_settings(cfg)
+    else:
+        check_placeholders(cfg)
+    if cfg.data.dvc != "off" and cfg.data.dvc_repo and not (Path(cfg.data.dvc_repo) / ".dvc").is_dir():
+        raise ConfigError(f"data.dvc_repo={cfg.data.dvc_repo!r} holds no .dvc/ folder: point it at a DVC "
+                          "repository (`dvc init`), or unset it to use the checkout's own")
     if cfg.model.ref == BUNDLED:
         bundled_gguf_path()
     elif not cfg.model.ref.startswith("s3://") or resolve_remote:
@@ -50,7 +56,19 @@ def preflight(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False
                                          "set rollout.engine=hf (the transformers engine, CPU)")
 
 
-def check_remote_settings(cfg: RunConfig) -> None:
+def check_placeholders(cfg: RunConfig) -> None:
+    """Refuse the profiles' ``CHANGE-ME`` placeholders before anything tries to reach them (a local
+    check would otherwise ask S3 for a bucket named CHANGE-ME). Raises one ConfigError naming each."""
+    values = [("store.root", cfg.store.root), ("store.registry", cfg.store.registry), ("model.ref", cfg.model.ref),
+              ("data.dvc_remote", cfg.data.dvc_remote), ("train.init_adapter", cfg.train.init_adapter),
+              ("reward.judge_model", cfg.reward.judge_model)]
+    bad = [f"{name}={value!r} is a placeholder: set {name}=s3://BUCKET/PREFIX (or a local path for a local run)"
+           for name, value in values if value and PLACEHOLDER in value.upper()]
+    if bad:
+        raise ConfigError(f"{len(bad)} setting(s) still hold the profile's placeholder:\n  - " + "\n  - ".join(bad))
+
+
+def check_remote_settings(cfg: RunConfig, probe: bool = True) -> None:
     """For a cluster execution: every place a later stage reads from or writes to must be shared storage.
 
     Checks `store.root`, `store.registry`, `model.ref` and, unless `data.dvc=off`, the DVC remote curate
@@ -58,9 +76,13 @@ def check_remote_settings(cfg: RunConfig) -> None:
     must be an ``s3://`` URI (`model.ref` may also be ``bundled:...``, the GGUF inside the image) without
     the placeholder ``CHANGE-ME``, and each s3:// bucket is probed once (`store.s3.S3Store.check`: one
     HeadBucket with `PROBE`'s 3 s connect / 5 s read timeouts and 2 tries: credentials present, endpoint
-    reachable, bucket exists); `model.ref` must also list a ``config.json`` (one LIST request). After the
+    reachable, bucket exists); `model.ref` (and `reward.judge_model` for the judge reward) must also list a
+    ``config.json``, `train.init_adapter` an ``adapter_config.json`` (one LIST request each; a
+    ``registry:`` adapter is resolved from the registry checked here). After the
     first unreachable endpoint no further bucket is probed, so a dead endpoint costs one probe's time.
     `data.dvc=require` without a DVC repository here is refused too.
+
+    `probe=False` checks the settings' form only (no request; e.g. at registration).
 
     Raises:
         ConfigError: one message listing every bad setting, each with what to set instead.
@@ -78,6 +100,13 @@ def check_remote_settings(cfg: RunConfig) -> None:
         ("model.ref", cfg.model.ref, "model.ref=s3://BUCKET/PREFIX (a HF model folder) or "
                                      "bundled:smollm2-135m-instruct"),
     ]
+    optional = [("train.init_adapter", cfg.train.init_adapter, "train.init_adapter=s3://BUCKET/PREFIX (a LoRA "
+                 "adapter folder)", "adapter_config.json")]
+    if cfg.reward.name == "judge" and cfg.reward.judge_model:
+        optional.append(("reward.judge_model", cfg.reward.judge_model, "reward.judge_model=s3://BUCKET/PREFIX "
+                         "(a HF model folder), or unset (the policy's base model judges)", "config.json"))
+    settings += [(name, value, fix) for name, value, fix, _ in optional if value]
+    listed = {"model.ref": "config.json", **{name: f for name, _, _, f in optional}}  # must list this file
     problems: list[str] = []
     try:
         url, where = push_target(cfg.data)
@@ -87,6 +116,10 @@ def check_remote_settings(cfg: RunConfig) -> None:
     if url is not None:
         setting = "data.dvc_remote" if cfg.data.dvc_remote else f"data.dvc_remote (unset: {where})"
         settings.append((setting, url, "data.dvc_remote=s3://BUCKET/PREFIX, or data.dvc=off"))
+    elif cfg.data.dvc != "off" and cfg.data.dvc_remote:
+        problems.append(f"data.dvc_remote={cfg.data.dvc_remote!r} is set but {where}, so curate would not "
+                        "version the data: the image must carry .dvc/ and data.dvc (or set data.dvc_repo), "
+                        "or set data.dvc=off")
     elif cfg.data.dvc == "require":
         problems.append(f"data.dvc=require but {where}: the image must carry .dvc/ (or set data.dvc_repo), "
                         "or set data.dvc=auto/off")
@@ -98,10 +131,18 @@ def check_remote_settings(cfg: RunConfig) -> None:
         if PLACEHOLDER in value.upper():
             problems.append(f"{setting}={value!r} is a placeholder: set {fix}")
             continue
-        if name == "model.ref" and value.startswith("bundled:"):
+        if name in ("model.ref", "reward.judge_model") and value.startswith("bundled:"):
+            continue
+        if value.startswith("registry:"):
+            if name == "train.init_adapter":  # resolved from the (S3) registry, checked above
+                continue
+            problems.append(f"{setting}={value!r} is a registry reference, which names a trained adapter, not a "
+                            f"base model: set {fix} (a registered model's adapter goes in train.init_adapter)")
             continue
         if not value.startswith("s3://"):
             problems.append(f"{setting}={value!r} is a local path: {why_shared}; set {fix}")
+            continue
+        if not probe:  # registration time: the form only, S3 is the pods' to reach
             continue
         if unreachable:
             problems.append(f"{setting}={value!r}: not checked, S3 is unreachable (above)")
@@ -111,13 +152,13 @@ def check_remote_settings(cfg: RunConfig) -> None:
             if bucket not in usable:
                 S3Store(value.rstrip("/"), setting=name, **PROBE).check()
                 usable.add(bucket)
-            if name == "model.ref":
-                s3_model_listing(value, name)
+            if name in listed:
+                s3_model_listing(value, name, listed[name])
         except (StoreError, ModelNotFoundError) as e:
             unreachable = "cannot reach S3" in str(e)
             problems.append(str(e) if str(e).startswith(name) else f"{setting}={value!r}: {e}")
     if problems:
-        head = (f"this is a remote (cluster) execution and {len(problems)} setting(s) cannot work there; "
+        head = (f"checked as a remote (cluster) execution, {len(problems)} setting(s) cannot work there; "
                 "fix them in the profile or the overrides and run again")
         raise ConfigError(head + ":\n  - " + "\n  - ".join(problems))
 
