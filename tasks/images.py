@@ -23,10 +23,21 @@ every import). `source_copy_mode` is NO_COPY, so flytekit does not add the loade
 image (and to its tag) on non-fast registration: `image_name()` here, `pyflyte register --copy none`,
 `--copy auto` and `pyflyte package` all name the same image.
 
+Run as a module from the repository root, it prints what packaging needs where no Docker daemon can
+check the registry (flytekit 1.16's `ImageSpec.exist()` asks a registry other than Docker Hub only
+through the local Docker daemon):
+
+    python -m tasks.images --image-flags   # --image <ImageSpec.id>=<registry/name:tag> per image
+    python -m tasks.images --names         # registry/name:tag per image, one a line
+
+Both depend on the commit and the working tree (the tag hashes the sources and BUILD_INFO.json).
+
 Environment variables, read when this module is imported (i.e. at registration):
   ENVACE_IMAGE_REGISTRY    registry to push to and pull from, e.g. `ghcr.io/acme` (`localhost:30000`
-                           on the Flyte sandbox). Required to serialise a task for a cluster:
-                           `image_name()` raises ImageSettingsError without it.
+                           on the Flyte sandbox): HOST[:PORT][/PATH], no scheme, no trailing `/`
+                           (flytekit's `validate_container_registry_name`; ImageSettingsError at import
+                           otherwise). Required to serialise a task for a cluster: `image_name()`
+                           raises ImageSettingsError without it.
   ENVACE_CPU_BASE_IMAGE    base of CPU_IMAGE (default `debian:bookworm-slim`)
   ENVACE_CUDA_BASE_IMAGE   base of TRAIN_IMAGE/EVAL_IMAGE (default `nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04`)
   ENVACE_IMAGE_TAG_SUFFIX  appended to the content-hash tag, e.g. `-rc1` (default none)
@@ -47,7 +58,7 @@ from pathlib import Path
 
 from flytekit import ImageSpec
 from flytekit.constants import CopyFileDetection
-from flytekit.image_spec.image_spec import FLYTE_IMG_FAST_FAIL
+from flytekit.image_spec.image_spec import FLYTE_IMG_FAST_FAIL, validate_container_registry_name
 from flytekit.tools.fast_registration import compute_digest
 
 from envace_core import EnvaceError
@@ -139,18 +150,34 @@ def build_commands(kind: str, stamp: dict | None) -> list[str]:
     return [*cmds, "uv pip install --no-deps /root", "uv pip install --no-deps " + " ".join(NO_DEPS[kind])]
 
 
+def image_registry(env: dict[str, str]) -> str | None:
+    """ENVACE_IMAGE_REGISTRY of `env` (None when unset or blank). Raises ImageSettingsError for a
+    value flytekit's ImageSpec refuses (`validate_container_registry_name`: HOST[:PORT][/PATH],
+    lowercased; no `https://`, no trailing `/`)."""
+    raw = env.get("ENVACE_IMAGE_REGISTRY", "").strip()
+    if not raw:
+        return None
+    if not validate_container_registry_name(raw.lower()):
+        raise ImageSettingsError(
+            f"ENVACE_IMAGE_REGISTRY={raw!r} is not a container registry name: expected HOST[:PORT][/PATH] "
+            "without a scheme or a trailing '/', e.g. ghcr.io/acme, 123456789012.dkr.ecr.us-east-1.amazonaws.com, "
+            "localhost:30000 (the Flyte sandbox); unset it for a local pyflyte run")
+    return raw
+
+
 def image_spec(kind: str, env: dict[str, str] | None = None, stamp: dict | None = None) -> EnvaceImageSpec:
     """The ImageSpec of image `kind` ("cpu", "train-cuda", "eval-cuda") under environment `env`,
     writing BUILD_INFO.json `stamp` (None: none).
 
     Cheap (no build, no network): flytekit only builds when the task is serialised for a cluster.
+    Raises ImageSettingsError for a malformed ENVACE_IMAGE_REGISTRY (`image_registry`).
     """
     env = os.environ if env is None else env
     cuda = kind != "cpu"
     return EnvaceImageSpec(
         name=f"envace-{kind}",
         python_version=PYTHON_VERSION,
-        registry=env.get("ENVACE_IMAGE_REGISTRY", "").strip() or None,
+        registry=image_registry(env),
         base_image=(env.get("ENVACE_CUDA_BASE_IMAGE") or DEFAULT_CUDA_BASE) if cuda
         else (env.get("ENVACE_CPU_BASE_IMAGE") or DEFAULT_CPU_BASE),
         packages=requirements(kind),
@@ -170,3 +197,35 @@ _STAMP = source_stamp()
 CPU_IMAGE = image_spec("cpu", stamp=_STAMP)
 TRAIN_IMAGE = image_spec("train-cuda", stamp=_STAMP)
 EVAL_IMAGE = image_spec("eval-cuda", stamp=_STAMP)
+IMAGES = (CPU_IMAGE, TRAIN_IMAGE, EVAL_IMAGE)
+
+
+def image_flags(specs=IMAGES) -> list[str]:
+    """`pyflyte package` / `register` arguments naming each spec as a prebuilt image:
+    ["--image", "<ImageSpec.id>=<image_name()>", ...] (flytekit's ImageConfig lookup by id, which
+    skips `ImageSpec.exist()` and the build). Raises ImageSettingsError as `image_name()` does."""
+    return [a for i in specs for a in ("--image", f"{i.id}={i.image_name()}")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m tasks.images --image-flags | --names`: print `image_flags()` on one line, or the
+    image names one a line. Exit status 2 with the message on stderr for an ImageSettingsError."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="python -m tasks.images", description=main.__doc__)
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("--image-flags", action="store_true",
+                      help="--image <ImageSpec id>=<registry/name:tag> for each image (pyflyte package/register)")
+    what.add_argument("--names", action="store_true", help="registry/name:tag of each image, one a line")
+    args = parser.parse_args(argv)
+    try:
+        print(" ".join(image_flags(IMAGES)) if args.image_flags else "\n".join(i.image_name() for i in IMAGES))
+    except ImageSettingsError as e:
+        print(f"ImageSettingsError: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

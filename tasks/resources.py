@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from dataclasses import dataclass
 from datetime import timedelta
@@ -54,6 +55,9 @@ class FlyteSettingsError(EnvaceError):
 GPU_PROFILES = ("gpu-8b",)
 DEFAULT_GPU_TYPE = "A100_80GB"  # an 8B policy in bf16 + LoRA + vLLM's KV cache needs the 80 GB card
 DEFAULT_HMAC_SECRET = "envace/registry-hmac-key"
+# Kubernetes: a Secret's name is a DNS-1123 subdomain; its data keys match [-._a-zA-Z0-9]+.
+_DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+_SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 # The stages that resolve or write `registry:` entries, i.e. sign or verify manifests.
 SIGNING_STAGES = ("resolve_config", "register", "eval_bench", "rehearse_task", "adapt_tools", "measure_tools")
 
@@ -174,6 +178,10 @@ def gpu_overrides(stage: str, env: Optional[dict[str, str]] = None) -> dict[str,
 def hmac_secret(env: Optional[dict[str, str]] = None) -> Optional[Secret]:
     """The Flyte secret of the registry HMAC key (ENVACE_HMAC_SECRET=GROUP/KEY), or None for "none".
 
+    GROUP is the Kubernetes Secret's name (a DNS-1123 subdomain), KEY a key of its data
+    (`[-._a-zA-Z0-9]+`); both at most 253 characters (Kubernetes API conventions, "Object names
+    and IDs", and the Secret `data` key rule). FlyteSettingsError names the variable otherwise.
+
     Requested as an environment variable named $ENVACE_REGISTRY_HMAC_KEY where the cluster supports
     it; `stage_task` also reads it through flytekit's secrets manager (mounted file or variable).
     """
@@ -185,6 +193,15 @@ def hmac_secret(env: Optional[dict[str, str]] = None) -> Optional[Secret]:
     if not group or not key or "/" in key:
         raise FlyteSettingsError(f"ENVACE_HMAC_SECRET={raw!r}: expected GROUP/KEY (a Kubernetes secret and "
                                  "its key) or none")
+    if len(group) > 253 or not _DNS1123_SUBDOMAIN.fullmatch(group):
+        raise FlyteSettingsError(
+            f"ENVACE_HMAC_SECRET={raw!r}: the group {group!r} is the Kubernetes secret's name, a DNS-1123 "
+            "subdomain: at most 253 characters of lowercase a-z, 0-9, '-' and '.', starting and ending "
+            "with a letter or digit (e.g. envace/registry-hmac-key)")
+    if len(key) > 253 or not _SECRET_KEY.fullmatch(key):
+        raise FlyteSettingsError(
+            f"ENVACE_HMAC_SECRET={raw!r}: the key {key!r} is a key of the Kubernetes secret's data: at most "
+            "253 characters of a-z, A-Z, 0-9, '-', '_' and '.' (e.g. envace/registry-hmac-key)")
     return Secret(group=group, key=key, mount_requirement=Secret.MountType.ENV_VAR, env_var=HMAC_KEY_ENV)
 
 

@@ -403,6 +403,11 @@ def test_registry_hmac_key_is_a_declared_flyte_secret_passed_to_envace_core(monk
     assert hmac_secret({"ENVACE_HMAC_SECRET": "none"}) is None
     with pytest.raises(FlyteSettingsError, match="ENVACE_HMAC_SECRET"):
         hmac_secret({"ENVACE_HMAC_SECRET": "no-key"})
+    # Kubernetes names: the secret (group) is a DNS-1123 subdomain, the key [-._a-zA-Z0-9]+.
+    for bad, part in (("Bad_Group/key", "group"), ("-envace/key", "group"), ("envace/key with space", "key")):
+        with pytest.raises(FlyteSettingsError, match=f"ENVACE_HMAC_SECRET=.*the {part} "):
+            hmac_secret({"ENVACE_HMAC_SECRET": bad})
+    assert hmac_secret({"ENVACE_HMAC_SECRET": "ml.envace/Registry_HMAC.key"}).key == "Registry_HMAC.key"
 
     # A pod that got the secret through flytekit's secrets manager (not as the variable itself).
     monkeypatch.delenv(HMAC_KEY_ENV, raising=False)
@@ -455,3 +460,46 @@ def test_containers_readme_recipe_names_the_images_copy_none_registration_uses(s
                              check=True, env={**os.environ, "ENVACE_IMAGE_REGISTRY": ""}).stdout.split()
     serialized = [serializable(t).template.container.image for t in (curate, rollout_and_train, validate)]
     assert printed == serialized and all(n.startswith(REG + "/envace-") for n in serialized)
+
+
+def test_malformed_image_registry_is_refused_naming_the_variable():
+    """flytekit's ImageSpec raises a bare ValueError for these at import; ours names the setting."""
+    from tasks.images import ImageSettingsError, image_spec
+
+    for bad in ("ghcr.io/acme/", "https://ghcr.io/acme", "ghcr.io/ac me"):
+        with pytest.raises(ImageSettingsError, match=r"ENVACE_IMAGE_REGISTRY=.*HOST\[:PORT\]\[/PATH\]"):
+            image_spec("cpu", {"ENVACE_IMAGE_REGISTRY": bad})
+    for good in ("ghcr.io/acme", "localhost:30000", "123456789012.dkr.ecr.us-east-1.amazonaws.com/ml"):
+        assert image_spec("cpu", {"ENVACE_IMAGE_REGISTRY": good}).registry == good
+
+
+def test_image_flags_name_each_imagespec_as_the_prebuilt_image_packaging_uses(monkeypatch, capsys):
+    """`python -m tasks.images --image-flags` prints `--image <ImageSpec.id>=<image_name()>` pairs
+    that pyflyte's `--image` parser accepts and that make flytekit's serializer name each image
+    without building it or asking a registry (`ImageSpec.exist()`); without a registry it says so."""
+    from flytekit.configuration import ImageConfig
+    from flytekit.core.python_auto_container import get_registerable_container_image
+    from flytekit.image_spec.image_spec import ImageBuildEngine
+
+    from tasks import images
+
+    monkeypatch.chdir(REPO)
+    stamp = images.source_stamp()
+    specs = tuple(images.image_spec(k, {"ENVACE_IMAGE_REGISTRY": REG}, stamp) for k in ("cpu", "train-cuda", "eval-cuda"))
+    monkeypatch.setattr(images, "IMAGES", specs)
+    assert images.main(["--image-flags"]) == 0
+    args = capsys.readouterr().out.split()
+    assert args[::2] == ["--image"] * 3
+    cfg = ImageConfig.validate_image(None, "image", tuple(args[1::2]))
+
+    def no_check(*_):
+        raise AssertionError("packaging with --image flags must not build or check an image")
+
+    monkeypatch.setattr(ImageBuildEngine, "build", no_check)
+    monkeypatch.setattr(images.EnvaceImageSpec, "exist", no_check)
+    names = [get_registerable_container_image(s, cfg) for s in specs]
+    assert names == [s.image_name() for s in specs] and all(n.startswith(REG + "/envace-") for n in names)
+
+    monkeypatch.setattr(images, "IMAGES", (images.image_spec("cpu", {}, stamp),))
+    assert images.main(["--names"]) == 2
+    assert "ENVACE_IMAGE_REGISTRY is not set" in capsys.readouterr().err
