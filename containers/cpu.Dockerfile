@@ -20,6 +20,8 @@ RUN uv pip install --no-deps . && uv pip install --no-deps $(python tasks/image_
 # The Flyte tasks and workflows, for registration without fast-register (pyflyte register --copy none).
 COPY tasks tasks
 COPY workflows workflows
+# The DVC repository's config (its remotes), so curate versions the data in a pod without .git.
+COPY .dvc/config .dvc/config
 # The commit the sources come from, for the lineage of runs in this image (envace_core/buildinfo.py):
 #   --build-arg COMMIT=$(git rev-parse HEAD) --build-arg SOURCE_DATE=$(git show -s --format=%cI HEAD)
 ARG COMMIT=""

@@ -19,6 +19,8 @@ COPY envace_core envace_core
 RUN uv pip install --no-deps . && uv pip install --no-deps $(python tasks/image_requirements.py train-cuda --no-deps)
 COPY tasks tasks
 COPY workflows workflows
+# The DVC repository's config (its remotes), so curate versions the data in a pod without .git.
+COPY .dvc/config .dvc/config
 # The commit the sources come from, for the lineage of runs in this image (envace_core/buildinfo.py):
 #   --build-arg COMMIT=$(git rev-parse HEAD) --build-arg SOURCE_DATE=$(git show -s --format=%cI HEAD)
 ARG COMMIT=""

@@ -672,6 +672,8 @@ def parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"config overrides are neither a file, JSON/YAML, nor a.b=v pairs: {e}") from e
+    if isinstance(data, str) and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", text):
+        raise ConfigError(f"override {text!r} has no value: write {text}=VALUE")
     if not isinstance(data, dict):
         raise ConfigError(f"config overrides must be a mapping, got {type(data).__name__}: {text[:80]!r}")
     return data

@@ -6,7 +6,7 @@
 
 Requirements come from `tasks/image_requirements.py` (i.e. from pyproject.toml, or the installed
 metadata without it); the sources (`SOURCES`: envace_core/, tasks/, workflows/, pyproject.toml,
-README.md) are copied into /root and envace is installed with `--no-deps` after the requirements, so a
+README.md, and .dvc/config so curate DVC-tracks the data in a pod without .git) are copied into /root and envace is installed with `--no-deps` after the requirements, so a
 code change rebuilds only the last layers. The task modules are in the image, so registration without
 fast-register (`pyflyte register --copy none`) works as well as the default fast registration.
 `envace_core/BUILD_INFO.json` (commit, dirty flag, commit date; format: `envace_core.buildinfo`) is
@@ -74,7 +74,7 @@ DEFAULT_CPU_BASE = "debian:bookworm-slim"
 # for tools outside Python. The node's driver must support the CUDA version of the torch wheel.
 DEFAULT_CUDA_BASE = "nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04"
 # Copied into /root (relative to the repository root); envace is installed from them without dependencies.
-SOURCES = ["pyproject.toml", "README.md", "envace_core", "tasks", "workflows"]
+SOURCES = ["pyproject.toml", "README.md", "envace_core", "tasks", "workflows", ".dvc/config"]
 BUILD_INFO = "envace_core/BUILD_INFO.json"
 
 

@@ -44,7 +44,7 @@ from flyteidl.core import errors_pb2, literals_pb2, tasks_pb2, workflow_pb2 as c
 
 REPO = Path(__file__).resolve().parent.parent
 # What the images copy to /root (containers/*.dockerignore, tasks/images.py PACKAGE_FILES).
-IMAGE_FILES = ("pyproject.toml", "README.md", "envace_core", "tasks", "workflows")
+IMAGE_FILES = ("pyproject.toml", "README.md", "envace_core", "tasks", "workflows", ".dvc/config")
 START_NODE = "start-node"
 PROJECT, DOMAIN = "envace", "development"
 
@@ -256,6 +256,7 @@ def image_root(dest: Path, images: dict[str, dict[str, Any]] | None = None) -> P
         if src.is_dir():
             shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "BUILD_INFO.json"))
         else:
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dest / name)
     stamps = {c for spec in (images or {}).values() for c in spec["commands"] if "BUILD_INFO.json" in c}
     for cmd in sorted(stamps):

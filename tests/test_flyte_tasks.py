@@ -427,6 +427,7 @@ def test_image_tag_ignores_bytecode_and_needs_a_registry(tmp_path, monkeypatch):
         if (REPO / s).is_dir():
             shutil.copytree(REPO / s, tree / s, ignore=shutil.ignore_patterns("__pycache__"))
         else:
+            (tree / s).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(REPO / s, tree / s)
     base = source_digest(tree)
     (tree / "envace_core" / "__pycache__").mkdir(exist_ok=True)

@@ -109,7 +109,7 @@ def test_an_unreachable_endpoint_fails_within_seconds_and_is_probed_once(s3_serv
     assert time.perf_counter() - t0 < 15
     problems = _problems(err)
     assert "cannot reach S3" in problems[0] and problems[0].startswith("store.root=")
-    assert problems[1].endswith("not checked, S3 is unreachable (above)")
+    assert problems[1].endswith("not checked, S3 is unusable (above)")
 
 
 @pytest.mark.parametrize("over, named", [

@@ -145,7 +145,7 @@ def check_remote_settings(cfg: RunConfig, probe: bool = True) -> None:
         if not probe:  # registration time: the form only, S3 is the pods' to reach
             continue
         if unreachable:
-            problems.append(f"{setting}={value!r}: not checked, S3 is unreachable (above)")
+            problems.append(f"{setting}={value!r}: not checked, S3 is unusable (above)")
             continue
         bucket = value[len("s3://"):].split("/", 1)[0]
         try:
@@ -155,7 +155,8 @@ def check_remote_settings(cfg: RunConfig, probe: bool = True) -> None:
             if name in listed:
                 s3_model_listing(value, name, listed[name])
         except (StoreError, ModelNotFoundError) as e:
-            unreachable = "cannot reach S3" in str(e)
+            # after a dead endpoint or missing credentials every other probe would fail the same way
+            unreachable = "cannot reach S3" in str(e) or "no AWS credentials" in str(e)
             problems.append(str(e) if str(e).startswith(name) else f"{setting}={value!r}: {e}")
     if problems:
         head = (f"checked as a remote (cluster) execution, {len(problems)} setting(s) cannot work there; "

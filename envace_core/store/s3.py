@@ -173,9 +173,11 @@ class S3Store:
             err = e.response.get("Error", {})
             code = str(err.get("Code", "?"))
             status = e.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-            if code == "NoSuchBucket":
-                return StoreError(f"bucket {self.bucket!r} does not exist (trying to {action} {where}): "
-                                  f"create it or fix {self.setting}")
+            if code == "NoSuchBucket" or (code in ("404", "NotFound") and key is None):
+                endpoint = getattr(getattr(self._client, "meta", None), "endpoint_url", None) or "the AWS default"
+                return StoreError(f"bucket {self.bucket!r} does not exist (trying to {action} {where} at endpoint "
+                                  f"{endpoint}): create it or fix {self.setting} (or AWS_ENDPOINT_URL, if that "
+                                  "endpoint is not your S3 service)")
             if code in ("AccessDenied", "403", "Forbidden", "InvalidAccessKeyId", "SignatureDoesNotMatch",
                         "ExpiredToken", "InvalidToken", "AllAccessDisabled") or status == 403:
                 return StoreError(f"access denied ({code}) trying to {action} {where} in bucket "
