@@ -156,7 +156,7 @@ def test_actions_reward_rule(retail5):
 
 def test_reward_registry():
     assert get_reward_fn("replay") is replay_reward and get_reward_fn("actions") is actions_reward
-    assert set(REWARDS) == {"replay", "actions", "judge"}
+    assert set(REWARDS) == {"replay", "actions", "judge", "consistent"}
     with pytest.raises(EnvaceError, match="reward.name.*actions"):
         get_reward_fn("judge-gpt")
     with pytest.raises(EnvaceError, match="needs \\['judge'\\]"):

@@ -83,3 +83,23 @@ def test_an_act_prompt_over_the_context_ends_the_dialogue_named_and_counted(tok,
     assert msg.content == PROMPT_TOO_LONG and EnvaceTau2Agent.is_stop(msg)
     assert agent.stats["prompt_too_long"] == 1 and agent.parse_errors[0].startswith("PromptTooLong: ")
     assert not EnvaceTau2Agent.is_stop(AssistantMessage(role="assistant", content="Hello."))
+
+
+def test_tool_results_from_tau2s_orchestrator_get_the_canonical_rendering():
+    """ACT sees the same text for a real result under either protocol (envs.tau2.observations)."""
+    from tau2.data_model.message import AssistantMessage, ToolMessage, UserMessage
+    from tau2.data_model.message import ToolCall as Tau2ToolCall
+
+    from envace_core.envs.tau2.observations import real_observation
+    from envace_core.evaluation.tau2_agents import to_envace_history
+
+    raw = '{"name": "Kim", "payment_methods": {"cc_1": {"id": "cc_1", "source": "credit_card"}}}'
+    history = to_envace_history([
+        UserMessage(role="user", content="hi"),
+        AssistantMessage(role="assistant", tool_calls=[Tau2ToolCall(id="c1", name="get_user_details",
+                                                                    arguments={"user_id": "u"})]),
+        ToolMessage(id="c1", role="tool", content=raw),
+        ToolMessage(id="c2", role="tool", content="Error: user not found", error=True)])
+    assert history[2].content == real_observation("get_user_details", raw, False).content
+    assert history[2].content == '{"name":"Kim","payment_methods":{"cc_1":{"source":"credit_card"}}}'
+    assert (history[3].content, history[3].error) == ('{"error":"user not found"}', True)

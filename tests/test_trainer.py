@@ -328,7 +328,7 @@ def test_multi_turn_ids_equal_the_chat_template_up_to_the_newline_after_end_of_t
     # the inserted context is the template's rendering of the (rehearsed) tool message
     history = [{"role": "user", "content": ctx.first_user_message},
                {"role": "assistant", "content": call},
-               {"role": "tool", "content": '{"status": "ok"}'},
+               {"role": "tool", "content": '{"status":"ok"}'},  # the canonical rendering of the rehearsed result
                {"role": "assistant", "content": "Done, anything else?"}]
     system = act_messages(ctx, [])[0]
     whole = tok.apply_chat_template([system, *history], tokenize=True, return_dict=False)

@@ -87,21 +87,29 @@ NO_OUTPUT = "(no output)"
 PROMPT_TOO_LONG = "(prompt too long: the conversation no longer fits the model's context)"
 
 
-def to_envace_history(messages: Sequence[Any]) -> list[Message]:
+def to_envace_history(messages: Sequence[Any], _names: dict[str, str] | None = None) -> list[Message]:
     """tau2 agent-side messages -> our `Message`s (assistant text before the first user message dropped;
-    an assistant message with k tool calls becomes k assistant messages, each with one call)."""
+    an assistant message with k tool calls becomes k assistant messages, each with one call). Tool
+    results get the canonical rendering real results have everywhere else (`envs.tau2.observations.
+    real_observation`, by the name of the call whose id they answer), so ACT sees one format whichever
+    protocol runs it."""
+    from envace_core.envs.tau2.observations import real_observation
+
     out: list[Message] = []
+    names = {} if _names is None else _names  # tool call id -> tool name
     seen_user = False
     for m in messages:
         if isinstance(m, MultiToolMessage):
-            out.extend(to_envace_history(m.tool_messages))
+            out.extend(to_envace_history(m.tool_messages, names))
         elif isinstance(m, UserMessage):
             seen_user = True
             out.append(Message(role="user", content=m.content or ""))
         elif isinstance(m, ToolMessage):
-            out.append(Message(role="tool", content=m.content or "", error=bool(m.error)))
+            obs = real_observation(names.get(m.id, ""), m.content or "", bool(m.error))
+            out.append(Message(role="tool", content=obs.content, error=obs.error))
         elif isinstance(m, AssistantMessage):
             if m.is_tool_call():
+                names.update({c.id: c.name for c in m.tool_calls})
                 for c in m.tool_calls:
                     out.append(Message(role="assistant", tool_call=ToolCall(
                         name=c.name, arguments=dict(c.arguments), id=c.id)))
