@@ -151,13 +151,8 @@ def cut_head(text: str) -> str:
 
 def json_head_viable(text: str) -> bool:
     """True when some continuation of `text` is one JSON value (leading whitespace allowed)."""
-    try:
-        end = _value(text, 0, 0)
-    except _End:
-        return True
-    except _Bad:
-        return False
-    return not text[end:].strip(_WS)  # a complete value, then nothing but whitespace
+    ok, end = _json_then(text, 0)
+    return ok and (end is None or not text[end:].strip(_WS))  # a complete value: only whitespace after
 
 
 def _json_then(text: str, i: int) -> tuple[bool, int | None]:

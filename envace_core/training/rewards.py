@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from envace_core import EnvaceError
 from envace_core.envs.base import RewardResult, ToolEnvironment
+from envace_core.training.transpose import compare_args
 from envace_core.types import Observation, Role, Task, ToolCall, Trajectory
 
 if TYPE_CHECKING:
@@ -172,11 +173,6 @@ def replay_reward(task: Task, trajectory: Trajectory,
 # -------------------------------------------------------------------------------- actions reward
 
 
-def _compare_args(task: Task) -> dict[str, list[str] | None]:
-    crit = (task.source or {}).get("evaluation_criteria") or {}
-    return {a.get("action_id", ""): a.get("compare_args") for a in (crit.get("actions") or [])}
-
-
 def _matches(gold: ToolCall, pred: ToolCall, keys: list[str] | None) -> bool:
     if gold.name != pred.name:
         return False
@@ -201,7 +197,7 @@ def actions_reward(task: Task, trajectory: Trajectory) -> RewardResult:
     """
     gold = task.gold_actions
     preds = trajectory.tool_calls()
-    keys = _compare_args(task)
+    keys = compare_args(task)
     used = [False] * len(preds)
     matched: list[bool] = []
     for g in gold:

@@ -232,7 +232,8 @@ def _same(expected: Any, got: Any) -> bool:
     return canonical(expected) == canonical(got)
 
 
-def _compare_args(task: Task) -> dict[str, Optional[list[str]]]:
+def compare_args(task: Task) -> dict[str, Optional[list[str]]]:
+    """{tau2 action id: the argument names tau2 compares (``compare_args``), None = all} of `task`'s gold."""
     crit = (task.source or {}).get("evaluation_criteria") or {}
     return {a.get("action_id", ""): a.get("compare_args") for a in (crit.get("actions") or [])}
 
@@ -259,7 +260,7 @@ def transpose_and_check(task: Task, trajectory: Trajectory, reference: list[Any]
     calls = [s.action for s in trajectory.steps if s.action is not None]
     imagined = [observation_value(s.observation) for s in trajectory.steps if s.action is not None]
     t = Transposer(task, reference, imagined)
-    keys = _compare_args(task)
+    keys = compare_args(task)
     used = [False] * len(calls)
     out = Transposed()
     for j, gold in enumerate(task.gold_actions):
