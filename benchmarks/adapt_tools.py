@@ -96,10 +96,11 @@ def train_parent(cfg) -> dict[str, Any]:
     from envace_core.stages.register import register
     from envace_core.stages.train import rollout_and_train
     from envace_core.stages.validate import validate
+    from envace_core.stages.warm_start import warm_start
 
     ds = curate(cfg)
     counts = check_parent_never_saw(ds)
-    tr = rollout_and_train(cfg, ds)
+    tr = rollout_and_train(cfg, ds, warm_start(cfg, ds))
     val = validate(cfg, ds, tr)
     ev = evaluate(cfg, ds, tr)
     reg = register(cfg, ds, tr, val, ev, execution_id="benchmarks/adapt_tools.py")

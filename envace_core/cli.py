@@ -34,10 +34,11 @@ def _train(args) -> int:
     from envace_core.stages.register import register
     from envace_core.stages.train import rollout_and_train
     from envace_core.stages.validate import validate
+    from envace_core.stages.warm_start import warm_start
 
     cfg = load_config(args.profile, args.overrides)
     ds = curate(cfg)
-    tr = rollout_and_train(cfg, ds)
+    tr = rollout_and_train(cfg, ds, warm_start(cfg, ds))
     val = validate(cfg, ds, tr)
     ev = evaluate(cfg, ds, tr)
     register(cfg, ds, tr, val, ev, execution_id="cli")

@@ -155,13 +155,14 @@ def resources(env: Optional[dict[str, str]] = None) -> dict[str, dict[str, tuple
             "curate": (_res("2", "8Gi"), _res("4", "16Gi")),
             # register hashes the base model and copies the adapter: disk for both.
             "register": (_res("2", "8Gi", "100Gi"), _res("4", "16Gi", "200Gi")),
-            "rollout_and_train": cpu_train, "adapt_tools": cpu_train,
+            "warm_start": cpu_train, "rollout_and_train": cpu_train, "adapt_tools": cpu_train,
             "validate": cpu_model, "evaluate": cpu_model, "eval_bench": cpu_model,
             "rehearse_task": cpu_model, "measure_tools": cpu_model,
         },
         "gpu": {
             "rollout_and_train": (_res("8", "96Gi", "200Gi", train_gpus), _res("16", "160Gi", "400Gi", train_gpus)),
             "adapt_tools": (_res("8", "96Gi", "200Gi", 1), _res("16", "160Gi", "400Gi", 1)),
+            "warm_start": (_res("8", "96Gi", "200Gi", 1), _res("16", "160Gi", "400Gi", 1)),  # SFT, one process
             "validate": gpu_eval, "evaluate": gpu_eval, "eval_bench": gpu_eval,
             "rehearse_task": gpu_eval, "measure_tools": gpu_eval,
         },
@@ -218,6 +219,8 @@ def stages(env: Optional[dict[str, str]] = None) -> dict[str, Stage]:
         # Cheap, and its preflight (model, store, registry reachable) must run every time.
         "resolve_config": s("resolve_config", cpu, 2, 0.25, False),
         "curate": s("curate", cpu, 2, 1, True),
+        # Reuses the adapter the store holds for its warm-start id, so a retry trains at most once more.
+        "warm_start": s("warm_start", train, 2, 12, True),
         # Retries are safe: a re-run resumes from the last checkpoint in the artifact store.
         "rollout_and_train": s("rollout_and_train", train, 3, 48, True),
         "validate": s("validate", evl, 1, 4, True),

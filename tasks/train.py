@@ -26,12 +26,13 @@ _ELASTIC = train_task_config(*train_scale())
 # Elastic workers share tensors through /dev/shm, which a pod's default 64 MiB cannot hold.
 @stage_task("rollout_and_train", task_config=_ELASTIC, shared_memory=_ELASTIC is not None,
             environment=train_environment())
-def rollout_and_train(config: str, dataset: str) -> str:
-    """K iterations of rollouts + role-wise GRPO; checkpoints to the artifact store (JSON result).
+def rollout_and_train(config: str, dataset: str, warm: str) -> str:
+    """K iterations of rollouts + role-wise GRPO from the warm start `warm` (the warm_start task's
+    JSON); checkpoints to the artifact store (JSON result).
 
-    Cached on (config, dataset, code): a finished run with the same inputs is not trained again.
-    A run that failed is not cached, and re-running it resumes from its last checkpoint.
+    Cached on (config, dataset, warm, code): a finished run with the same inputs is not trained
+    again. A run that failed is not cached, and re-running it resumes from its last checkpoint.
     """
     with session():  # one worker: no process group; Elastic workers: one, torn down after
-        return json.dumps(train.rollout_and_train(config_from_json(config), json.loads(dataset)),
-                          default=str)
+        return json.dumps(train.rollout_and_train(config_from_json(config), json.loads(dataset),
+                                                  json.loads(warm)), default=str)

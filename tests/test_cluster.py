@@ -10,6 +10,7 @@ in that S3 too. Nothing passes between tasks but the literals and the blob store
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import time
@@ -32,8 +33,9 @@ from tests.cluster_run import (
 )
 
 TRAIN_WF = "workflows.train.train"
-TRAIN_TASKS = ["tasks.preflight.resolve_config", "tasks.curate.curate", "tasks.train.rollout_and_train",
-               "tasks.validate.validate", "tasks.evaluate.evaluate", "tasks.register.register"]
+TRAIN_TASKS = ["tasks.preflight.resolve_config", "tasks.curate.curate", "tasks.warm_start.warm_start",
+               "tasks.train.rollout_and_train", "tasks.validate.validate", "tasks.evaluate.evaluate",
+               "tasks.register.register"]
 HMAC_KEY = "cluster-test-signing-key"
 
 
@@ -111,6 +113,9 @@ def test_train_workflow_runs_task_by_task_like_a_cluster(cluster, tmp_path):
     assert manifest["config"]["store"]["registry"] == registry
     assert manifest["base_model"]["ref"] == cluster.model_uri
     assert "ctrain1" in manifest["execution_id"]  # the Flyte execution, from the pod's context
+    # the warm_start task's output reached register through rollout_and_train (no SFT here: fresh LoRA)
+    assert re.fullmatch(r"[0-9a-f]{12}", manifest["warm_start"]["warm_start_id"]), manifest["warm_start"]
+    assert manifest["warm_start"]["adapter_uri"] is None
     # lineage in a pod without .git: the commit the image was built from (its BUILD_INFO.json)
     built_from = json.loads((cluster.code / "envace_core" / "BUILD_INFO.json").read_text())["commit"]
     assert (manifest["code"]["commit"], manifest["code"]["commit_source"]) == (built_from, "BUILD_INFO.json")

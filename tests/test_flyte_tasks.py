@@ -109,11 +109,12 @@ def test_stage_tasks_declare_images_resources_retries_timeouts_and_cache():
         resolve_config,
         rollout_and_train,
         validate,
+        warm_start,
     )
 
     # Registered on the `cpu` tier: a GPU only through the GPU profile's overrides (test below).
     expect = {resolve_config: (images.CPU_IMAGE, None, False), curate: (images.CPU_IMAGE, None, True),
-              rollout_and_train: (images.TRAIN_IMAGE, None, True), validate: (images.EVAL_IMAGE, None, True),
+              warm_start: (images.TRAIN_IMAGE, None, True), rollout_and_train: (images.TRAIN_IMAGE, None, True), validate: (images.EVAL_IMAGE, None, True),
               evaluate: (images.EVAL_IMAGE, None, True), register: (images.CPU_IMAGE, None, False)}
     for t, (image, gpu, cached) in expect.items():
         assert t.container_image is image, t.name
@@ -123,7 +124,7 @@ def test_stage_tasks_declare_images_resources_retries_timeouts_and_cache():
         assert t.metadata.cache is cached and t.accelerator is None, t.name
         assert bool(re.fullmatch(r"[0-9a-f]{64}", t.metadata.cache_version)) is cached, t.name
     versions = {t.metadata.cache_version for t in expect if t.metadata.cache}
-    assert len(versions) == 4  # each task's own source is part of its version
+    assert len(versions) == 5  # each task's own source is part of its version
 
 
 def test_images_are_derived_from_pyproject_and_configurable(monkeypatch):
@@ -226,7 +227,7 @@ def test_training_workers_need_the_torch_elastic_rendezvous_variables(monkeypatc
     monkeypatch.delenv("MASTER_ADDR", raising=False)
     monkeypatch.delenv("MASTER_PORT", raising=False)
     with pytest.raises(DistributedSetupError, match="MASTER_ADDR"):
-        rollout_and_train.task_function(config="{}", dataset="{}")
+        rollout_and_train.task_function(config="{}", dataset="{}", warm="null")
 
 
 def test_weekly_retrain_launch_plan_fixes_the_profile_and_defaults_the_overrides():
@@ -319,9 +320,11 @@ def test_resources_follow_the_profile_and_the_gpu_profile_names_its_gpu_type(ser
     [branch] = [n for n in spec.template.nodes if n.branch_node]
     cond = branch.branch_node.if_else.case.condition.comparison
     assert cond.right_value.primitive.string_value == "gpu-8b"
-    for wf, gpu_stages in ((train_on_cpu, set()), (train_on_gpu, {"rollout_and_train", "validate", "evaluate"})):
+    gpu = {"warm_start", "rollout_and_train", "validate", "evaluate"}
+    for wf, gpu_stages in ((train_on_cpu, set()), (train_on_gpu, gpu)):
         nodes = _task_nodes(serializable(wf))
-        assert set(nodes) == {"resolve_config", "curate", "rollout_and_train", "validate", "evaluate", "register"}
+        assert set(nodes) == {"resolve_config", "curate", "warm_start", "rollout_and_train", "validate", "evaluate",
+                              "register"}
         for name, node in nodes.items():
             over = node.task_node.overrides
             gpus = [r.value for r in (over.resources.requests if over and over.resources else [])

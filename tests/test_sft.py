@@ -1,4 +1,4 @@
-"""The supervised ACT warm-up (envace_core/training/sft.py): targets, prompts, loss, and the train-stage switch."""
+"""The supervised warm-up (envace_core/training/sft.py): targets, prompts, loss, and the warm-start stage switch."""
 
 from __future__ import annotations
 
@@ -138,18 +138,25 @@ def _cfg(model_dir, root, steps):
         "store": {"root": str(Path(root) / "store"), "registry": str(Path(root) / "registry")}})
 
 
-def test_train_stage_runs_warmup_only_when_asked_and_only_on_a_fresh_run(tiny_model_dir, tmp_path, monkeypatch):
+def test_warmup_runs_only_when_asked_in_the_warm_start_stage_never_in_training(tiny_model_dir, tmp_path,
+                                                                                monkeypatch):
+    from envace_core import EnvaceError
+    from envace_core.stages.warm_start import warm_start
     from envace_core.training.sft import sft_warmup
 
     calls = []
     real = sft_warmup
     monkeypatch.setattr(sft_mod, 'sft_warmup', lambda *a, **k: calls.append(a[2]) or real(*a, **k))
-    ds = curate(_cfg(tiny_model_dir, tmp_path / "a", 0))
-    rollout_and_train(_cfg(tiny_model_dir, tmp_path / "a", 0), ds)
+    plain, sft = _cfg(tiny_model_dir, tmp_path / "a", 0), _cfg(tiny_model_dir, tmp_path / "b", 2)
+    ds = curate(plain)
+    rollout_and_train(plain, ds, warm_start(plain, ds))
     assert calls == []  # default: no warm-up
-    rollout_and_train(_cfg(tiny_model_dir, tmp_path / "b", 2), ds)
+    with pytest.raises(EnvaceError, match="train.sft_warmup_steps=2"):  # never skipped silently
+        rollout_and_train(sft, ds)
+    warm = warm_start(sft, ds)
     assert calls == [2]
-    rollout_and_train(_cfg(tiny_model_dir, tmp_path / "b", 2), ds)  # resumes: checkpoint has it
+    rollout_and_train(sft, ds, warm)
+    rollout_and_train(sft, ds, warm)  # resumes: checkpoint has it
     assert calls == [2]
 
 
@@ -208,7 +215,8 @@ def test_warm_start_trains_both_roles_and_each_per_role_adapter(tiny_model_dir, 
 
     from envace_core.config import load_config
     from envace_core.envs.tau2.tasks import load_tasks
-    from envace_core.training import loop
+    from envace_core.stages.warm_start import warm_examples, warm_up
+    from envace_core.training.loop import real_train_transitions
     from envace_core.training.policy import rollout_params
     from envace_core.training.trainer import PolicyTrainer
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -221,13 +229,12 @@ def test_warm_start_trains_both_roles_and_each_per_role_adapter(tiny_model_dir, 
         tok = AutoTokenizer.from_pretrained(tiny_model_dir)
         trainer = PolicyTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tok, cfg.train,
                                 compute_dtype="float32")
-        run = loop.TrainingRun(cfg, train, trainer, None, rollout_params(cfg), None, None, "r")
-        run.say = lambda *a, **k: None
-        by_role = loop.warm_examples(run)
+        by_role = warm_examples(cfg, train, tok, rollout_params(cfg), real_train_transitions(cfg, train))
         assert {r: {e.role for e in ex} for r, ex in by_role.items()} == {"act": {"act"}, "rehearse": {"rehearse"}}
         assert len(by_role["rehearse"]) == 2
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if "lora_B" in n}
-        loop.warm_start(run)
+        losses = warm_up(cfg, trainer, by_role, say=lambda _: None)
+        assert set(losses) == ({"act", "rehearse"} if per_role else {"policy"})
         moved = {n for n, p in trainer.model.named_parameters() if n in before and not torch.equal(p, before[n])}
         assert moved
         if per_role:  # each adapter warmed on its own role's examples

@@ -1,4 +1,4 @@
-"""The main job: curate → rollout+train → validate → evaluate → register.
+"""The main job: curate → warm start → rollout+train → validate → evaluate → register.
 
     pyflyte run workflows/train.py train                         # CPU default profile, local
     pyflyte run workflows/train.py train --profile test --overrides 'train.iterations=1'
@@ -27,19 +27,21 @@ from tasks.register import register
 from tasks.resources import GPU_PROFILES, gpu_overrides
 from tasks.train import rollout_and_train
 from tasks.validate import validate
+from tasks.warm_start import warm_start
 
 SCHEDULE = "0 3 * * 0"  # Sundays 03:00 UTC
 SCHEDULE_OVERRIDES_ENV = "ENVACE_SCHEDULE_OVERRIDES"
 
 
 def _pipeline(profile, overrides, gpu: bool):
-    """The five stages; with `gpu`, the GPU stages get `gpu_overrides` (requests, limits, GPU type)."""
+    """The stages; with `gpu`, the GPU stages get `gpu_overrides` (requests, limits, GPU type)."""
     def on(node, stage):
         return node.with_overrides(**gpu_overrides(stage)) if gpu else node
 
     config = resolve_config(profile=profile, overrides=overrides)
     dataset = curate(config=config)
-    trained = on(rollout_and_train(config=config, dataset=dataset), "rollout_and_train")
+    warm = on(warm_start(config=config, dataset=dataset), "warm_start")
+    trained = on(rollout_and_train(config=config, dataset=dataset, warm=warm), "rollout_and_train")
     validation = on(validate(config=config, dataset=dataset, trained=trained), "validate")
     evaluation = on(evaluate(config=config, dataset=dataset, trained=trained, validation=validation), "evaluate")
     return register(config=config, dataset=dataset, trained=trained, validation=validation,
@@ -54,7 +56,7 @@ def train_on_cpu(profile: str = "cpu-smoke", overrides: str = "") -> str:
 
 @workflow
 def train_on_gpu(profile: str = "gpu-8b", overrides: str = "") -> str:
-    """The main job with train / validate / evaluate on the `gpu` tier (GPU profiles: gpu-8b)."""
+    """The main job with warm_start / train / validate / evaluate on the `gpu` tier (GPU profiles: gpu-8b)."""
     return _pipeline(profile, overrides, gpu=True)
 
 

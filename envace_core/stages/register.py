@@ -30,7 +30,9 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
     {"tracked": False, "reason"} if curate ran outside a DVC repo), the code version
     (`buildinfo.build_info`: git commit or the image's BUILD_INFO.json, dirty flag, image, package
     versions), the full resolved config, the Flyte
-    execution id, metrics and both gates' per-expectation results. ``metrics.evaluation`` holds
+    execution id, metrics, both gates' per-expectation results and the warm start the run started
+    from (``warm_start``: `stages.train.warm_start_lineage` of ``trained["warm_start"]`` = id, adapter
+    URI, init adapter, examples per role, SFT losses, steps, seconds; None when it started from none). ``metrics.evaluation`` holds
     pass^1 per "<condition>|<domain>" and ``metrics.evaluation_protocol`` the tau2 protocol that
     measured them (`evaluation.protocols.describe`: name, user, turns, scoring, skips, trials, seed;
     None when `evaluation` names none, e.g. tool learning's registration, which measures separately).
@@ -73,6 +75,7 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
                         "evaluation_protocol": evaluation.get("protocol")},
             "gates": {"dataset": dataset.get("gate"), "rehearsal": validation["gate"]},
             "run_id": trained["run_id"],
+            "warm_start": trained.get("warm_start"),
             **(extra_manifest or {}),
         }
         reg = Registry(cfg.store.registry)

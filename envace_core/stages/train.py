@@ -10,6 +10,7 @@ from envace_core import EnvaceError
 from envace_core.config import RunConfig
 from envace_core.stages.console import print_training_table
 from envace_core.stages.dataset import load_dataset
+from envace_core.stages.warm_start import check_warm_start
 from envace_core.store.uri import open_store
 from envace_core.training.loop import (
     TrainingRun,
@@ -33,10 +34,15 @@ def publish_metrics(store: Any, run_id: str, history: list[dict[str, Any]]) -> s
     return store.uri(TENSORBOARD_KEY.format(run_id=run_id))
 
 
-def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]:
+def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any], warm: dict[str, Any] | None = None) -> dict[str, Any]:
     """K iterations of `loop.train_iteration`: G self-unfolded rollouts per task → replay rewards →
     rows → role-wise advantages → a GRPO update (`PolicyTrainer.update`: `ppo_epochs` ×
     mini-batches, then one LR-schedule step).
+
+    A fresh run starts from `warm`, the `stages.warm_start.warm_start` result for this config and
+    dataset (its adapter; its id is part of the run id, `loop.training_run_id`), and without one from
+    train.init_adapter or a fresh LoRA; a checkpoint of the run wins over both (resume). The SFT
+    warm-up itself is the warm_start stage: with train.sft_warmup_steps > 0, `warm` is required.
 
     Tasks come from the data cursor: epoch e visits the train tasks in a permutation seeded by
     (train.seed, e). Every `train.checkpoint_every` iterations and after the last one, a checkpoint
@@ -56,17 +62,25 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
         {"run_id", "learning_signal" (some iteration had a group with unequal rewards),
         "adapter_dir" (the checkpoint's adapter, local path), "base_model_dir", "history" (one
         metrics record per iteration), "metrics_uri" (the history as TensorBoard event files,
-        `publish_metrics`)}.
+        `publish_metrics`), "warm_start" (`warm_start_lineage` of `warm`, None without)}.
 
     Raises:
-        EnvaceError: the dataset has no train tasks; trainer.CheckpointError: a corrupt checkpoint.
+        EnvaceError: the dataset has no train tasks; train.sft_warmup_steps > 0 without `warm`; a
+        `warm` made with other settings (`warm_start.check_warm_start`); trainer.CheckpointError: a
+        corrupt checkpoint.
     """
     from envace_core.training.distributed import init_from_env
     from envace_core.training.trainer import PolicyTrainer
 
     # set-up: store, tasks, workers, policy + trainer + engine, then the checkpoint or a warm start
+    if warm is None and cfg.train.sft_warmup_steps > 0:
+        raise EnvaceError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps}: the SFT warm start is its own "
+                          "stage; pass warm=stages.warm_start.warm_start(cfg, dataset) (the train workflow and "
+                          "`envace train` do), or set train.sft_warmup_steps=0")
+    if warm is not None:
+        check_warm_start(cfg, dataset, warm)
     store = open_store(cfg.store.root)
-    run_id = training_run_id(cfg, dataset)
+    run_id = training_run_id(cfg, dataset, warm)
     tasks = load_dataset(dataset, "train")
     if not tasks:
         raise EnvaceError(f"dataset {dataset['version']} has no train tasks: re-run curate")
@@ -78,7 +92,7 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
     run = TrainingRun(cfg, tasks, trainer, policy_engine(cfg, trainer.model, tok), rollout_params(cfg),
                       world, store, run_id)
     run.say(f"[train] compute dtype {trainer.compute_dtype} (model.compute_dtype={cfg.model.compute_dtype})")
-    state = start_or_resume(run)
+    state = start_or_resume(run, warm)
     sync_engine(run)  # a vLLM engine serves a copy of the weights: start it from the trainer's
     per_it = cfg.rollout.tasks_per_iteration
     if world.enabled:
@@ -108,4 +122,15 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]
     return {"run_id": run_id, "learning_signal": signal,
             "adapter_dir": str(store.get_dir(run.checkpoint_key) / "adapter"),
             "base_model_dir": str(base), "compute_dtype": trainer.compute_dtype, "history": history,
-            "metrics_uri": store.uri(TENSORBOARD_KEY.format(run_id=run_id))}
+            "metrics_uri": store.uri(TENSORBOARD_KEY.format(run_id=run_id)),
+            "warm_start": warm_start_lineage(warm)}
+
+
+def warm_start_lineage(warm: dict[str, Any] | None) -> dict[str, Any] | None:
+    """What the registered manifest records of the warm start a run started from: {"warm_start_id",
+    "adapter_uri", "init_adapter", "examples" {role: n}, "losses" {unit: per-step losses}, "steps",
+    "seconds"}; None without one."""
+    if warm is None:
+        return None
+    return {k: warm.get(k) for k in ("warm_start_id", "adapter_uri", "init_adapter", "examples", "losses",
+                                     "steps", "seconds")}

@@ -2,9 +2,10 @@
 
 `train_iteration` is the whole iteration: draw tasks -> rollouts (scored: rewards) -> rows ->
 advantages -> update -> metrics -> checkpoint. What it needs lives in a `TrainingRun` (built by
-`stages.train.rollout_and_train`); where it stands lives in a `checkpoint.RunState`. Resume and
-warm start (`start_or_resume`), the data-parallel gather (`roll_out`), the vLLM weight sync
-(`sync_engine`) and checkpoint writes (`checkpoint_if_due`) are the helpers below it.
+`stages.train.rollout_and_train`); where it stands lives in a `checkpoint.RunState`. Resume or the
+start from the warm start's adapter (`start_or_resume`; the SFT warm start itself is the stage
+`stages.warm_start`), the data-parallel gather (`roll_out`), the vLLM weight sync (`sync_engine`) and
+checkpoint writes (`checkpoint_if_due`) are the helpers below it.
 """
 
 from __future__ import annotations
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
     from envace_core.store.s3 import S3Store
     from envace_core.training.distributed import World
     from envace_core.training.rollout import RolloutParams
-    from envace_core.training.sft import SFTExample
     from envace_core.training.trainer import PolicyTrainer
     from envace_core.training.transitions import Transition
 
@@ -150,11 +150,12 @@ def checkpoint_if_due(run: TrainingRun, state: RunState) -> None:
         run.world.barrier()
 
 
-def start_or_resume(run: TrainingRun) -> RunState:
-    """The run's checkpoint restored (`checkpoint.resume_run_state`), or, for a fresh run, the warm
-    start (`warm_start`) and an empty state. What a killed checkpoint write left is used or removed
-    first, by rank 0 (`checkpoint.recover_checkpoint`), and said. REHEARSE grounding (rollout.grounding_k)
-    is set up first (`ground_rehearsals`), so the warm start's prompts are the rollouts'."""
+def start_or_resume(run: TrainingRun, warm: dict[str, Any] | None = None) -> RunState:
+    """The run's checkpoint restored (`checkpoint.resume_run_state`), or, for a fresh run, its
+    starting adapter (`start_fresh`: the warm start `warm`, else train.init_adapter) and an empty
+    state. What a killed checkpoint write left is used or removed first, by rank 0
+    (`checkpoint.recover_checkpoint`), and said. REHEARSE grounding (rollout.grounding_k) is set up
+    first (`ground_rehearsals`)."""
     ground_rehearsals(run)
     if run.world.is_main:
         for note in recover_checkpoint(run.store, run.checkpoint_key):
@@ -168,99 +169,64 @@ def start_or_resume(run: TrainingRun) -> RunState:
                 f"{run.trainer.optimizer_steps} optimizer steps done; checkpoint {uri})")
         return state
     run.say(f"[train] run {run.run_id}: checkpoints -> {uri} (re-run the same command to resume)")
-    warm_start(run)
+    start_fresh(run, warm)
     return RunState()
 
 
-def train_transitions(run: TrainingRun) -> list[Transition]:
-    """The real transitions of the run's train tasks (`transitions.real_transitions`: gold calls of
-    the first rollout.max_turns turns, plus wrong calls' real errors when train.sft_error_transitions;
-    test-split tasks refused), built once per process and kept on `run`."""
+def start_fresh(run: TrainingRun, warm: dict[str, Any] | None) -> None:
+    """Fresh runs only (a checkpoint already holds the result): copy the starting adapter into the
+    trainer's LoRA (`load_init_adapter`): the warm start's ``adapter_uri`` (`stages.warm_start`,
+    which applied train.init_adapter and the SFT warm-up) when `warm` is given, else
+    train.init_adapter; neither: the fresh LoRA of train.seed.
+
+    Raises trainer.AdapterLoadError naming the adapter for an unusable one; EnvaceError when the warm
+    start's adapter is gone from the store."""
+    if warm is None:
+        ref, setting, what = run.cfg.train.init_adapter, "train.init_adapter", ""
+    else:
+        ref, what = warm.get("adapter_uri"), f"warm start {warm['warm_start_id']}"
+        setting = f"the adapter_uri of {what}"
+    if ref:
+        load_init_adapter(run.trainer, ref, setting=setting)
+        run.say(f"[train] starting from the LoRA adapter {ref}" + (f" ({what})" if what else ""))
+    elif warm is not None:
+        run.say(f"[train] starting from a fresh LoRA ({what}: no SFT warm-up, no train.init_adapter)")
+
+
+def real_train_transitions(cfg: RunConfig, tasks: list[Task]) -> list[Transition]:
+    """The real transitions of the train `tasks` (`transitions.real_transitions`: gold calls of the
+    first rollout.max_turns turns, plus wrong calls' real errors when train.sft_error_transitions;
+    test-split tasks refused)."""
     from envace_core.training.transitions import real_transitions
 
+    return real_transitions(tasks, errors=cfg.train.sft_error_transitions, seed=cfg.train.seed,
+                            forbid_splits=(cfg.data.test_split,), max_turns=cfg.rollout.max_turns)
+
+
+def grounded_params(cfg: RunConfig, params: RolloutParams, transitions: list[Transition]) -> RolloutParams:
+    """`params` with a `roles.grounding.GroundingIndex` over `transitions` when rollout.grounding_k > 0
+    (REHEARSE prompts then show grounding examples of other tasks), else `params` unchanged."""
+    from dataclasses import replace
+
+    from envace_core.roles.grounding import GroundingIndex
+
+    return replace(params, grounding=GroundingIndex(transitions)) if cfg.rollout.grounding_k > 0 else params
+
+
+def train_transitions(run: TrainingRun) -> list[Transition]:
+    """`real_train_transitions` of the run's train tasks, built once per process and kept on `run`."""
     if run.transitions is None:
-        cfg = run.cfg
-        run.transitions = real_transitions(run.tasks, errors=cfg.train.sft_error_transitions, seed=cfg.train.seed,
-                                           forbid_splits=(cfg.data.test_split,), max_turns=cfg.rollout.max_turns)
+        run.transitions = real_train_transitions(run.cfg, run.tasks)
     return run.transitions
 
 
 def ground_rehearsals(run: TrainingRun) -> None:
     """With rollout.grounding_k > 0, REHEARSE prompts of the run's rollouts get grounding examples from
-    a `roles.grounding.GroundingIndex` over `train_transitions` (other tasks only)."""
-    from dataclasses import replace
-
-    from envace_core.roles.grounding import GroundingIndex
-
+    a `roles.grounding.GroundingIndex` over `train_transitions` (other tasks only; `grounded_params`)."""
     if run.cfg.rollout.grounding_k > 0:
-        index = GroundingIndex(train_transitions(run))
-        run.params = replace(run.params, grounding=index)
+        run.params = grounded_params(run.cfg, run.params, train_transitions(run))
         run.say(f"[train] REHEARSE grounding: {run.cfg.rollout.grounding_k} examples of "
-                f"{len(index)} real train transitions, ≤ {run.cfg.rollout.grounding_max_tokens} tokens")
-
-
-def warm_examples(run: TrainingRun) -> dict[str, list[SFTExample]]:
-    """The warm-up examples of each role in train.sft_roles: "act" = `sft.act_examples` of the train
-    tasks (first rollout.max_turns turns), "rehearse" = `sft.rehearse_examples` of `train_transitions`
-    (prompts as rollouts build them, grounding included; targets cut to the per-tool budgets), both
-    within train.sft_max_tokens; REHEARSE capped at train.sft_max_rehearse_examples."""
-    from envace_core.training.sft import act_examples, rehearse_examples
-
-    cfg, tok = run.cfg, run.trainer.tokenizer
-    out: dict[str, list[SFTExample]] = {}
-    if "act" in cfg.train.sft_roles:
-        out["act"] = act_examples(run.tasks, tok, cfg.data.policy_max_chars, max_turns=cfg.rollout.max_turns,
-                                  max_tokens=cfg.train.sft_max_tokens)
-    if "rehearse" in cfg.train.sft_roles:
-        p = run.params
-        out["rehearse"] = rehearse_examples(
-            train_transitions(run), tok, run.tasks, cfg.data.policy_max_chars,
-            budgets=p.max_new_tokens_rehearse_per_tool, default_budget=p.max_new_tokens_rehearse,
-            max_observation_tokens=p.max_observation_tokens, grounding=p.grounding, grounding_k=p.grounding_k,
-            grounding_max_tokens=p.grounding_max_tokens, max_tokens=cfg.train.sft_max_tokens,
-            max_examples=cfg.train.sft_max_rehearse_examples, seed=cfg.train.seed)
-    return out
-
-
-def warm_start(run: TrainingRun) -> None:
-    """Fresh runs only (a checkpoint already holds the result): load `train.init_adapter` into the
-    LoRA, then `train.sft_warmup_steps` SFT steps (`sft.sft_warmup`) on the warm-up examples of
-    train.sft_roles (`warm_examples`: ACT on gold turns, REHEARSE on real transitions). A shared
-    policy trains on both roles' examples together; a per-role policy (train.policy_per_role) warms
-    each adapter on its own role's examples, sft_warmup_steps steps each.
-
-    Raises:
-        EnvaceError: SFT warm-up asked for but a role has no example within rollout.max_turns and
-            train.sft_max_tokens; trainer.AdapterLoadError for an unusable init adapter.
-    """
-    from envace_core.training.sft import sft_warmup
-    from envace_core.engines.base import ROLE_ADAPTERS
-
-    cfg, trainer = run.cfg, run.trainer
-    if cfg.train.init_adapter:
-        load_init_adapter(trainer, cfg.train.init_adapter)
-        run.say(f"[train] starting from the LoRA adapter {cfg.train.init_adapter}")
-    if cfg.train.sft_warmup_steps <= 0:
-        return
-    by_role = warm_examples(run)
-    for role, ex in by_role.items():
-        if not ex:
-            raise EnvaceError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps} with '{role}' in "
-                              f"train.sft_roles but no train task has a gold {role.upper()} turn within "
-                              f"rollout.max_turns={cfg.rollout.max_turns} and train.sft_max_tokens="
-                              f"{cfg.train.sft_max_tokens} tokens")
-    units = [(ROLE_ADAPTERS[r], ex) for r, ex in by_role.items()] if cfg.train.policy_per_role \
-        else [(None, [e for ex in by_role.values() for e in ex])]
-    counts = ", ".join(f"{len(ex)} {r.upper()}" for r, ex in by_role.items())
-    for adapter, examples in units:
-        if adapter is not None:
-            trainer.model.set_adapter(adapter)  # peft: the active adapter is the trainable one
-        losses = sft_warmup(trainer, examples, cfg.train.sft_warmup_steps, cfg.train.sft_learning_rate,
-                            cfg.train.sft_batch_rows, seed=cfg.train.seed)
-        run.say(f"[train] SFT warm-up{f' of adapter {adapter!r}' if adapter else ''}: {len(losses)} steps on "
-                f"{len(examples)} examples ({counts}), loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    if cfg.train.policy_per_role:
-        trainer.model.set_adapter(ROLE_ADAPTERS["act"])
+                f"{len(run.transitions)} real train transitions, ≤ {run.cfg.rollout.grounding_max_tokens} tokens")
 
 
 def score(task: Task, traj: Trajectory, format_penalty: float = 0.0, reward_fn=None) -> Trajectory:
@@ -306,22 +272,27 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------- run identity, init adapter, data
-def training_run_id(cfg: RunConfig, dataset: dict[str, Any]) -> str:
+def training_run_id(cfg: RunConfig, dataset: dict[str, Any], warm: dict[str, Any] | None = None) -> str:
+    """The run's id (12 hex digits of a sha256): the config (store.* aside), the dataset version and
+    what the run starts from: the warm start's id (`stages.warm_start.warm_start_id`: base model and
+    init adapter content, SFT settings) when `warm` is given, else train.init_adapter's content."""
     d = cfg.to_dict()
     d.pop("store", None)
     key: list[Any] = [d, dataset["version"]]
-    if cfg.train.init_adapter:  # the adapter's content, not only its path, decides the run
+    if warm is not None:
+        key.append({"warm_start_id": warm["warm_start_id"]})
+    elif cfg.train.init_adapter:  # the adapter's content, not only its path, decides the run
         key.append(dir_checksums(init_adapter_dir(cfg.train.init_adapter)))
     return sha256_bytes(json.dumps(key, sort_keys=True).encode())[:12]
 
 
-def init_adapter_dir(ref: str) -> Path:
+def init_adapter_dir(ref: str, setting: str = "train.init_adapter") -> Path:
     """The local directory of `train.init_adapter`: a local path, or a verified local copy of an
     s3:// URI (the store directory committed at the URI, or at its nearest ancestor that holds it,
     e.g. a registry version holding artifacts/adapter).
 
     Raises:
-        EnvaceError: no directory at `ref` (naming train.init_adapter); storage.StoreError for S3 failures.
+        EnvaceError: no directory at `ref` (naming `setting`); storage.StoreError for S3 failures.
     """
     from envace_core.store.base import StoreError
 
@@ -335,25 +306,25 @@ def init_adapter_dir(ref: str) -> Path:
             except StoreError as e:
                 if "not found" not in str(e):
                     raise
-        raise EnvaceError(f"train.init_adapter={ref!r}: no committed artifact directory at or above it")
+        raise EnvaceError(f"{setting}={ref!r}: no committed artifact directory at or above it")
     d = Path(ref).expanduser()
     if not d.is_dir():
-        raise EnvaceError(f"train.init_adapter={ref!r} is not a directory: give a LoRA adapter directory "
+        raise EnvaceError(f"{setting}={ref!r} is not a directory: give a LoRA adapter directory "
                           "(e.g. <registry>/NAME/VERSION/artifacts/adapter) or an s3:// URI of one")
     return d
 
 
-def load_init_adapter(trainer, ref: str) -> None:
+def load_init_adapter(trainer, ref: str, setting: str = "train.init_adapter") -> None:
     """Copy the weights of adapter `ref` into the trainer's fresh LoRA in place (no second model;
     `PolicyTrainer.load_adapter`: a per-role policy reads act/ and rehearse/). Raises
-    trainer.AdapterLoadError naming train.init_adapter when the adapter is missing, corrupt, or has
-    another LoRA config or layout than train.*."""
+    trainer.AdapterLoadError naming `setting` (where `ref` came from) when the adapter is missing,
+    corrupt, or has another LoRA config or layout than train.*."""
     from envace_core.training.trainer import AdapterLoadError
 
     try:
-        trainer.load_adapter(str(init_adapter_dir(ref)))
+        trainer.load_adapter(str(init_adapter_dir(ref, setting)))
     except AdapterLoadError as e:
-        raise AdapterLoadError(f"train.init_adapter={ref!r}: {e}. Use the parent's LoRA settings "
+        raise AdapterLoadError(f"{setting}={ref!r}: {e}. Use the parent's LoRA settings "
                                "(train.lora_r, lora_alpha, lora_target_modules, policy_per_role)") from e
 
 

@@ -1,0 +1,254 @@
+"""The `warm_start` stage: the supervised warm start of the policy (METHOD.md §2b), trained once per
+warm-start id and kept in the artifact store; `rollout_and_train` starts a fresh run from it.
+
+What it trains: train.init_adapter (if set) copied into a fresh LoRA, then train.sft_warmup_steps
+SFT steps (`sft.sft_warmup`) on the warm-up examples of train.sft_roles (`warm_examples`: ACT on
+the gold turns of the train tasks, REHEARSE on their real transitions, prompts as the rollouts build
+them). A shared policy trains on both roles' examples together; a per-role policy
+(train.policy_per_role) warms each adapter on its own role's examples, sft_warmup_steps steps each
+(`warm_up`).
+
+Where it goes: store key ``warm_starts/<warm_start_id>`` (`WARM_START_KEY`), one `put_dir` of
+adapter/ (`PolicyTrainer.save_adapter`: act/ + rehearse/ for a per-role policy, the layout
+train.init_adapter reads) and warm_start.json (the stage's result). `put_dir` commits atomically
+(LocalStore: version folder, CHECKSUMS.json, then one pointer swap; S3Store: the commit object last),
+so a killed write leaves no key; a directory there is reused only when its warm_start.json names the
+same id and every file matches its CHECKSUMS.json (`stored_warm_start`).
+
+The warm-start id (`warm_start_id`) hashes what decides the weights: the base model's content
+(`models.base_model_lineage`: weight files, or the S3 listing), the dataset version, the LoRA and SFT
+settings of train.*, train.init_adapter's content, train.seed and the settings that shape the SFT
+prompts and targets (`warm_start_settings`). Settings that only shape the GRPO stage (reward.*,
+rollout.source, train.iterations, ...) are not in it, so conditions that differ only there (the
+learning benchmark's) share one warm start, and a re-run reuses it without training.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from envace_core import EnvaceError
+from envace_core.config import RunConfig
+from envace_core.store.files import CHECKSUMS, dir_checksums, sha256_bytes
+from envace_core.store.uri import open_store
+from envace_core.types import Task
+
+if TYPE_CHECKING:
+    from envace_core.training.rollout import RolloutParams
+    from envace_core.training.sft import SFTExample
+    from envace_core.training.trainer import PolicyTrainer
+    from envace_core.training.transitions import Transition
+
+WARM_START_KEY = "warm_starts/{warm_start_id}"
+META = "warm_start.json"
+
+# train.* fields that decide the LoRA before any SFT step (its shape, layout and initial weights)
+LORA_FIELDS = ("lora_r", "lora_alpha", "lora_target_modules", "policy_per_role", "seed", "init_adapter")
+# train.* fields of the SFT warm-up (examples, steps, optimizer; max_grad_norm clips its steps)
+SFT_FIELDS = ("sft_warmup_steps", "sft_roles", "sft_error_transitions", "sft_max_rehearse_examples",
+              "sft_learning_rate", "sft_batch_rows", "sft_max_tokens", "max_grad_norm")
+# settings that shape the SFT prompts and targets (`warm_examples`, `sft.rehearse_examples`)
+PROMPT_FIELDS = (("data", "policy_max_chars"), ("data", "test_split"), ("rollout", "max_turns"),
+                 ("rollout", "max_new_tokens_rehearse"), ("rollout", "max_new_tokens_rehearse_per_tool"),
+                 ("rollout", "max_observation_tokens"), ("rollout", "grounding_k"),
+                 ("rollout", "grounding_max_tokens"), ("model", "compute_dtype"))
+
+
+def warm_start_settings(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]:
+    """{"model.ref", "dataset.version", "train.<field>" ...}: the settings that decide the warm start's
+    weights (module docstring), by dotted name. With train.sft_warmup_steps = 0 only the LoRA ones
+    (`LORA_FIELDS`): no SFT runs, so the SFT and prompt settings cannot change anything."""
+    out: dict[str, Any] = {"model.ref": cfg.model.ref, "dataset.version": dataset["version"]}
+    fields = LORA_FIELDS + (SFT_FIELDS if cfg.train.sft_warmup_steps > 0 else ())
+    out.update({f"train.{f}": getattr(cfg.train, f) for f in fields})
+    if cfg.train.sft_warmup_steps > 0:
+        out.update({f"{sec}.{f}": getattr(getattr(cfg, sec), f) for sec, f in PROMPT_FIELDS})
+    return out
+
+
+def warm_start_id(cfg: RunConfig, dataset: dict[str, Any], model_sha256: str) -> str:
+    """12 hex digits of sha256 over `warm_start_settings`, the base model's fingerprint `model_sha256`
+    (`models.base_model_lineage`) and the file checksums of train.init_adapter (its content, not only
+    its path). Raises EnvaceError when train.init_adapter names no directory."""
+    from envace_core.training.loop import init_adapter_dir  # torch: only with an init adapter
+
+    key: list[Any] = [warm_start_settings(cfg, dataset), model_sha256]
+    if cfg.train.init_adapter:
+        key.append(dir_checksums(init_adapter_dir(cfg.train.init_adapter)))
+    return sha256_bytes(json.dumps(key, sort_keys=True, default=str).encode())[:12]
+
+
+def check_warm_start(cfg: RunConfig, dataset: dict[str, Any], warm: dict[str, Any]) -> None:
+    """Raise EnvaceError naming every setting in which `warm` (a `warm_start` result) was made
+    differently from what `cfg` on `dataset` asks for (`warm_start_settings`), e.g. another
+    train.sft_warmup_steps or train.policy_per_role: a run must not start from another config's warm
+    start. The base model's content is not re-hashed here (`warm_start_id` covers it)."""
+    want, have = warm_start_settings(cfg, dataset), warm.get("settings") or {}
+    bad = [f"{k}={have.get(k)!r} (this run: {want.get(k)!r})" for k in sorted(set(want) | set(have))
+           if want.get(k) != have.get(k)]
+    if bad:
+        raise EnvaceError(f"warm start {warm.get('warm_start_id')!r} was made with other settings than this "
+                          f"run: {'; '.join(bad)}. Run the warm_start stage with this config and dataset")
+
+
+def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutParams,
+                  transitions: list[Transition]) -> dict[str, list[SFTExample]]:
+    """The warm-up examples of each role in train.sft_roles: "act" = `sft.act_examples` of the train
+    `tasks` (first rollout.max_turns turns), "rehearse" = `sft.rehearse_examples` of `transitions`
+    (`loop.real_train_transitions`; prompts as rollouts build them with `params`, grounding included;
+    targets cut to the per-tool budgets), both within train.sft_max_tokens; REHEARSE capped at
+    train.sft_max_rehearse_examples."""
+    from envace_core.training.sft import act_examples, rehearse_examples
+
+    out: dict[str, list[SFTExample]] = {}
+    if "act" in cfg.train.sft_roles:
+        out["act"] = act_examples(tasks, tokenizer, cfg.data.policy_max_chars, max_turns=cfg.rollout.max_turns,
+                                  max_tokens=cfg.train.sft_max_tokens)
+    if "rehearse" in cfg.train.sft_roles:
+        p = params
+        out["rehearse"] = rehearse_examples(
+            transitions, tokenizer, tasks, cfg.data.policy_max_chars,
+            budgets=p.max_new_tokens_rehearse_per_tool, default_budget=p.max_new_tokens_rehearse,
+            max_observation_tokens=p.max_observation_tokens, grounding=p.grounding, grounding_k=p.grounding_k,
+            grounding_max_tokens=p.grounding_max_tokens, max_tokens=cfg.train.sft_max_tokens,
+            max_examples=cfg.train.sft_max_rehearse_examples, seed=cfg.train.seed)
+    return out
+
+
+def warm_up(cfg: RunConfig, trainer: PolicyTrainer, by_role: dict[str, list[SFTExample]],
+            say: Callable[[str], None] = print) -> dict[str, list[float]]:
+    """train.sft_warmup_steps SFT steps (`sft.sft_warmup`) on `by_role` (`warm_examples`): a shared
+    policy on all roles' examples together, a per-role policy each adapter on its own role's examples
+    (peft's active adapter is the trainable one; "act" is active again afterwards). Returns the
+    per-step losses (nats per completion token) by unit: {"policy": [...]} or {"act": [...],
+    "rehearse": [...]} (adapter names).
+
+    Raises:
+        EnvaceError: a role of train.sft_roles has no example within rollout.max_turns and
+            train.sft_max_tokens; sft.SFTError for a non-finite loss.
+    """
+    from envace_core.engines.base import ROLE_ADAPTERS
+    from envace_core.training.sft import sft_warmup
+
+    for role, ex in by_role.items():
+        if not ex:
+            raise EnvaceError(f"train.sft_warmup_steps={cfg.train.sft_warmup_steps} with '{role}' in "
+                              f"train.sft_roles but no train task has a gold {role.upper()} turn within "
+                              f"rollout.max_turns={cfg.rollout.max_turns} and train.sft_max_tokens="
+                              f"{cfg.train.sft_max_tokens} tokens")
+    units = [(ROLE_ADAPTERS[r], ex) for r, ex in by_role.items()] if cfg.train.policy_per_role \
+        else [(None, [e for ex in by_role.values() for e in ex])]
+    counts = ", ".join(f"{len(ex)} {r.upper()}" for r, ex in by_role.items())
+    losses: dict[str, list[float]] = {}
+    for adapter, examples in units:
+        if adapter is not None:
+            trainer.model.set_adapter(adapter)  # peft: the active adapter is the trainable one
+        losses[adapter or "policy"] = got = sft_warmup(
+            trainer, examples, cfg.train.sft_warmup_steps, cfg.train.sft_learning_rate,
+            cfg.train.sft_batch_rows, seed=cfg.train.seed)
+        say(f"[warm_start] SFT warm-up{f' of adapter {adapter!r}' if adapter else ''}: {len(got)} steps on "
+            f"{len(examples)} examples ({counts}), loss {got[0]:.4f} -> {got[-1]:.4f}")
+    if cfg.train.policy_per_role:
+        trainer.model.set_adapter(ROLE_ADAPTERS["act"])
+    return losses
+
+
+def stored_warm_start(store: Any, key: str, warm_id: str) -> dict[str, Any] | None:
+    """The result recorded in the complete warm start at store `key`, or None: nothing there, a
+    warm_start.json of another id, or a file that does not match the directory's CHECKSUMS.json
+    (e.g. a directory some other writer left half-written)."""
+    if not store.exists(f"{key}/{META}"):
+        return None
+    d = store.get_dir(key)
+    try:
+        expected = json.loads((d / CHECKSUMS).read_text())
+        meta = json.loads((d / META).read_text())
+    except (OSError, ValueError):
+        return None
+    actual = {k: v for k, v in dir_checksums(d).items() if k != CHECKSUMS}
+    if not isinstance(meta, dict) or meta.get("warm_start_id") != warm_id or actual != expected:
+        return None
+    return meta
+
+
+def warm_start(cfg: RunConfig, dataset: dict[str, Any], say: Callable[[str], None] = print) -> dict[str, Any]:
+    """The warm start of `cfg` on `dataset` (module docstring): reused from the store when it holds a
+    complete one for this id, else trained and written there.
+
+    Without SFT (train.sft_warmup_steps = 0) nothing is trained or written: the start is
+    train.init_adapter itself, or, without one, the fresh LoRA of train.seed (adapter_uri None).
+
+    Returns:
+        {"warm_start_id", "key" (store key; None without SFT), "adapter_uri" (the adapter to start
+        from: in the store, train.init_adapter without SFT, or None for a fresh LoRA), "settings"
+        (`warm_start_settings`), "base_model" (`models.base_model_lineage`), "init_adapter",
+        "examples" {role: n}, "losses" {unit: per-step losses}, "steps", "seconds" (SFT wall time)}.
+        A reused warm start returns the record it was written with.
+
+    Raises:
+        EnvaceError: the dataset has no train task, or a role has no warm-up example (`warm_up`);
+        trainer.AdapterLoadError for an unusable train.init_adapter; store.StoreError for storage
+        failures.
+    """
+    from envace_core.models import base_model_lineage
+
+    t0 = time.perf_counter()
+    base = base_model_lineage(cfg.model.ref)
+    warm_id = warm_start_id(cfg, dataset, base["sha256"])
+    record: dict[str, Any] = {
+        "warm_start_id": warm_id, "key": None, "adapter_uri": cfg.train.init_adapter,
+        "settings": warm_start_settings(cfg, dataset), "base_model": base,
+        "init_adapter": cfg.train.init_adapter, "examples": {}, "losses": {}, "steps": 0, "seconds": 0.0}
+    if cfg.train.sft_warmup_steps <= 0:
+        say(f"[warm_start] {warm_id}: no SFT warm-up (train.sft_warmup_steps=0); the run starts from "
+            + (f"train.init_adapter={cfg.train.init_adapter}" if cfg.train.init_adapter else "a fresh LoRA"))
+        return record
+    store = open_store(cfg.store.root)
+    key = WARM_START_KEY.format(warm_start_id=warm_id)
+    for note in store.recover_dir(key):
+        say(f"[warm_start] store recovery: {note}")
+    found = stored_warm_start(store, key, warm_id)
+    if found is not None:
+        say(f"[warm_start] {warm_id}: reusing the warm start at {found['adapter_uri']} "
+            f"(trained in {found['seconds']:.0f}s; examples {found['examples']})")
+        return found
+    trained = train_warm_start(cfg, dataset, say)
+    record.update(key=key, adapter_uri=store.uri(f"{key}/adapter"), examples=trained["examples"],
+                  losses=trained["losses"], steps=cfg.train.sft_warmup_steps,
+                  seconds=round(time.perf_counter() - t0, 1))
+    with tempfile.TemporaryDirectory(prefix="envace-warm-") as tmp:
+        trained["trainer"].save_adapter(str(Path(tmp) / "adapter"))
+        (Path(tmp) / META).write_text(json.dumps(record, indent=1, sort_keys=True, default=str))
+        store.put_dir(tmp, key)  # atomic: the key appears only complete
+    say(f"[warm_start] {warm_id}: adapter -> {record['adapter_uri']} ({record['seconds']:.0f}s)")
+    return record
+
+
+def train_warm_start(cfg: RunConfig, dataset: dict[str, Any], say: Callable[[str], None] = print) -> dict[str, Any]:
+    """Load the policy (`policy.load_policy`, a `PolicyTrainer` with the LoRA of train.*), copy
+    train.init_adapter into it, then `warm_up` on `warm_examples` of the dataset's train tasks.
+    Returns {"trainer", "examples" {role: n}, "losses"}; raises as `warm_start`."""
+    from envace_core.stages.dataset import load_dataset
+    from envace_core.training.loop import grounded_params, load_init_adapter, real_train_transitions
+    from envace_core.training.policy import load_policy, rollout_params
+    from envace_core.training.trainer import PolicyTrainer
+
+    tasks = load_dataset(dataset, "train")
+    if not tasks:
+        raise EnvaceError(f"dataset {dataset['version']} has no train tasks: re-run curate")
+    model, tok, _ = load_policy(cfg)
+    trainer = PolicyTrainer(model, tok, cfg.train, compute_dtype=cfg.model.compute_dtype)
+    if cfg.train.init_adapter:
+        load_init_adapter(trainer, cfg.train.init_adapter)
+        say(f"[warm_start] starting from the LoRA adapter {cfg.train.init_adapter}")
+    params = rollout_params(cfg)
+    needs = "rehearse" in cfg.train.sft_roles or cfg.rollout.grounding_k > 0
+    transitions = real_train_transitions(cfg, tasks) if needs else []
+    params = grounded_params(cfg, params, transitions)
+    by_role = warm_examples(cfg, tasks, trainer.tokenizer, params, transitions)
+    losses = warm_up(cfg, trainer, by_role, say)
+    return {"trainer": trainer, "examples": {r: len(ex) for r, ex in by_role.items()}, "losses": losses}

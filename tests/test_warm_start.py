@@ -1,0 +1,136 @@
+"""The warm_start stage (envace_core/stages/warm_start.py): trained once per warm-start id and reused
+from the artifact store, never taken from a killed write, and the starting point of training."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import envace_core  # noqa: F401  (offline environment before tau2)
+import envace_core.training.sft as sft_mod
+from envace_core.config import load_config
+from envace_core.stages.curate import curate
+from envace_core.stages.warm_start import WARM_START_KEY, warm_start, warm_start_id
+
+
+def _cfg(model_dir, root: Path, train: dict | None = None, **sections):
+    return load_config("test", {
+        "model": {"ref": str(model_dir), "compute_dtype": "float32"},
+        "data": {"max_train_tasks_per_domain": 2},  # tau2 airline train: the first has no gold, the second 2 calls
+        "train": {"sft_warmup_steps": 1, "sft_batch_rows": 1, "sft_max_rehearse_examples": 2, **(train or {})},
+        "store": {"root": str(root / "store"), "registry": str(root / "registry")}, **sections})
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_model_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("warm")
+    cfg = _cfg(tiny_model_dir, root)
+    return root, cfg, curate(cfg)
+
+
+@pytest.fixture
+def sft_steps(monkeypatch):
+    """The step counts of every `sft.sft_warmup` call made during the test."""
+    calls: list[int] = []
+    real = sft_mod.sft_warmup
+    monkeypatch.setattr(sft_mod, "sft_warmup", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    return calls
+
+
+def test_warm_start_trains_once_and_a_rerun_reuses_the_stored_adapter(setup, tiny_model_dir, sft_steps):
+    root, cfg, ds = setup
+    first = warm_start(cfg, ds, say=lambda _: None)
+    assert sft_steps == [1]  # both roles together: one shared policy, one warm-up
+    adapter = Path(first["adapter_uri"])
+    assert (adapter / "adapter_config.json").is_file() and (adapter / "adapter_model.safetensors").is_file()
+    assert first["examples"]["act"] > 0 and first["examples"]["rehearse"] == 2
+    assert len(first["losses"]["policy"]) == 1 and first["key"] == WARM_START_KEY.format(
+        warm_start_id=first["warm_start_id"])
+    again = warm_start(cfg, ds, say=lambda _: None)
+    assert sft_steps == [1] and again == first  # reused from the store: no SFT step, the same record
+
+    # what decides the weights changes the id; what only shapes GRPO does not (conditions share it)
+    sha = first["base_model"]["sha256"]
+    assert warm_start_id(cfg, ds, sha) == first["warm_start_id"]
+    for other in (_cfg(tiny_model_dir, root, {"sft_learning_rate": 5e-4}),
+                  _cfg(tiny_model_dir, root, {"sft_roles": ["act"]}),
+                  _cfg(tiny_model_dir, root, {"seed": 1})):
+        assert warm_start_id(other, ds, sha) != first["warm_start_id"]
+    assert warm_start_id(cfg, ds, "another base model") != first["warm_start_id"]
+    grpo_only = _cfg(tiny_model_dir, root, {"iterations": 3, "shared_baseline": True},
+                     rollout={"source": "real"}, reward={"fidelity_lambda": 0.5})
+    assert warm_start_id(grpo_only, ds, sha) == first["warm_start_id"]
+
+
+def test_training_starts_from_the_warm_start_weights(setup, tiny_model_dir, monkeypatch):
+    import torch
+    from peft.utils import get_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    import envace_core.stages.train as train_stage
+    from envace_core import EnvaceError
+    from envace_core.training.loop import training_run_id
+
+    root, cfg, ds = setup
+    warm = warm_start(cfg, ds, say=lambda _: None)
+    seen: dict = {}
+    real = train_stage.train_iteration
+
+    def spy(run, state):
+        if state.iteration == 0:
+            seen.update({k: v.detach().clone() for k, v in get_peft_model_state_dict(run.trainer.model).items()})
+        return real(run, state)
+
+    monkeypatch.setattr(train_stage, "train_iteration", spy)
+    out = train_stage.rollout_and_train(cfg, ds, warm)
+    saved = load_file(str(Path(warm["adapter_uri"]) / "adapter_model.safetensors"))
+    assert seen.keys() == saved.keys() and all(torch.equal(seen[k], saved[k]) for k in saved)
+    assert any(v.abs().sum() > 0 for k, v in saved.items() if "lora_B" in k)  # SFT moved it off the fresh 0
+    assert out["run_id"] == training_run_id(cfg, ds, warm) != training_run_id(cfg, ds)
+    assert out["warm_start"]["warm_start_id"] == warm["warm_start_id"]
+    assert out["warm_start"]["examples"] == warm["examples"]
+    other = _cfg(tiny_model_dir, root, {"sft_learning_rate": 5e-4})
+    with pytest.raises(EnvaceError, match="train.sft_learning_rate"):  # another config's warm start
+        train_stage.rollout_and_train(other, ds, warm)
+
+
+def test_a_killed_warm_start_write_is_not_reused(setup, tiny_model_dir, sft_steps):
+    from envace_core.models import base_model_lineage
+
+    root, _, ds = setup
+    cfg = _cfg(tiny_model_dir, root, {"seed": 7})  # its own id
+    warm_id = warm_start_id(cfg, ds, base_model_lineage(cfg.model.ref)["sha256"])
+    key_dir = root / "store" / WARM_START_KEY.format(warm_start_id=warm_id)
+    # a kill during put_dir's copy leaves a hidden version folder without CHECKSUMS.json ...
+    leftover = key_dir.parent / f".{key_dir.name}.v-0000dead"
+    (leftover / "adapter").mkdir(parents=True)
+    (leftover / "adapter" / "adapter_config.json").write_text("{")
+    # ... and a writer that is not atomic leaves the key itself half-written, meta first
+    (key_dir / "adapter").mkdir(parents=True)
+    (key_dir / "warm_start.json").write_text(json.dumps({"warm_start_id": warm_id, "adapter_uri": "x"}))
+    got = warm_start(cfg, ds, say=lambda _: None)
+    assert sft_steps == [1] and got["warm_start_id"] == warm_id  # trained, not taken from the leftovers
+    assert not leftover.exists() and key_dir.is_symlink()  # cleaned up; the key is now a committed version
+    assert json.loads((Path(got["adapter_uri"]) / "adapter_config.json").read_text())["r"] == cfg.train.lora_r
+    assert warm_start(cfg, ds, say=lambda _: None) == got and sft_steps == [1]  # now complete: reused
+
+
+def test_warm_start_in_an_s3_store_is_reused_and_trained_from_on_a_fresh_machine(s3_server, tiny_model_dir,
+                                                                                tmp_path, monkeypatch, sft_steps):
+    """The cluster's layout: dataset, warm start and checkpoints in S3; the next pod has no local copy."""
+    import shutil
+
+    from envace_core.stages.train import rollout_and_train
+
+    monkeypatch.setenv("ENVACE_CACHE", str(tmp_path / "cache"))
+    cfg = _cfg(tiny_model_dir, tmp_path, store={"root": f"{s3_server.root}/envace",
+                                                "registry": str(tmp_path / "registry")})
+    ds = curate(cfg)
+    warm = warm_start(cfg, ds, say=lambda _: None)
+    assert warm["adapter_uri"] == f"{s3_server.root}/envace/{warm['key']}/adapter" and sft_steps == [1]
+    shutil.rmtree(tmp_path / "cache")  # another pod: nothing local
+    assert warm_start(cfg, ds, say=lambda _: None) == warm and sft_steps == [1]
+    out = rollout_and_train(cfg, ds, warm)
+    assert out["warm_start"]["adapter_uri"] == warm["adapter_uri"] and len(out["history"]) == 1
