@@ -411,8 +411,8 @@ class TrainConfig(_Strict):
         "(METHOD.md §2, format)")
     sft_warmup_steps: int = Field(
         0, ge=0, description="supervised warm-up steps (train.sft_roles: ACT on the gold calls, "
-        "REHEARSE on the real transitions of train tasks) before iteration 1 of a fresh run "
-        "(METHOD.md §2b; envace_core/training/sft.py); 0 = none")
+        "REHEARSE on the real transitions of train tasks) of the warm_start stage, from which a fresh "
+        "rollout_and_train run starts (METHOD.md §2b; envace_core/stages/warm_start.py); 0 = none")
     sft_roles: list[Literal["act", "rehearse"]] = Field(
         default_factory=lambda: ["act", "rehearse"], min_length=1, description="roles the SFT warm-up trains: 'act' "
         "on gold calls and answers, 'rehearse' on real (history, call) → result transitions of the "
