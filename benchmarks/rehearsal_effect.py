@@ -152,16 +152,44 @@ def item_outcomes(result: dict[str, Any]) -> dict[str, dict[str, float]]:
     return out
 
 
-def rehearsals_run(result: dict[str, Any]) -> dict[str, int]:
-    """{bench label: rehearsed trajectories in total} (0 for no rehearsal; proves rehearsal ran)."""
-    out: dict[str, int] = {}
+def rehearsal_counts(result: dict[str, Any]) -> dict[str, dict[str, int]]:
+    """{bench label: {"rehearsals": rehearsed trajectories, "rejected": those the verifier dropped,
+    "real_calls_in_rehearsal": real tool calls made while rehearsing, "isolation_checked": items whose record
+    carries that count}} summed over the items of one `run_eval` result (all 0 for no rehearsal). tau2: a
+    record's ``agent_stats`` and ``isolation`` (None under tau2_orchestrator, whose agent holds no environment
+    handle: not counted as checked); BFCL multi-turn: an entry's ``rehearsal`` stats (`bfcl_results.EntryResult`).
+    Real calls must be 0: the agent raises `rehearsal.IsolationError` otherwise (METHOD.md §4, isolation)."""
+    def add(into: dict[str, int], rehearsals: Any, rejected: Any, real: Any) -> None:
+        into["rehearsals"] += int(rehearsals or 0)
+        into["rejected"] += int(rejected or 0)
+        if real is not None:
+            into["real_calls_in_rehearsal"] += int(real)
+            into["isolation_checked"] += 1
+
+    out: dict[str, dict[str, int]] = {}
     for b in result["benches"]:
         if b["bench"] == "tau2":
-            out[f"tau2:{b['name']}"] = sum((r.get("agent_stats") or {}).get("rehearsals", 0) for r in b["results"])
+            c = out.setdefault(f"tau2:{b['name']}", zero_counts())
+            for r in b["results"]:
+                st = r.get("agent_stats") or {}
+                add(c, st.get("rehearsals"), st.get("rejected"), (r.get("isolation") or {}).get("real_calls_during_rehearsal"))
         elif b["bench"] == "bfcl":
-            for cat, c in b["report"]["categories"].items():
-                out[f"bfcl:{cat}"] = sum((e.get("rehearsal") or {}).get("rehearsals", 0) for e in c["entries"])
+            for cat, cr in b["report"]["categories"].items():
+                c = out.setdefault(f"bfcl:{cat}", zero_counts())
+                for e in cr["entries"]:
+                    st = e.get("rehearsal") or {}
+                    add(c, st.get("rehearsals"), st.get("rejected"), st.get("real_calls_during_rehearsal"))
     return out
+
+
+def zero_counts() -> dict[str, int]:
+    """The rehearsal counts of a bench with no item (`rehearsal_counts`)."""
+    return {"rehearsals": 0, "rejected": 0, "real_calls_in_rehearsal": 0, "isolation_checked": 0}
+
+
+def rehearsals_run(result: dict[str, Any]) -> dict[str, int]:
+    """{bench label: rehearsed trajectories in total} (0 for no rehearsal; proves rehearsal ran)."""
+    return {b: c["rehearsals"] for b, c in rehearsal_counts(result).items()}
 
 
 def check_same_items(by_condition: dict[str, dict[str, float]], where: str) -> list[str]:
@@ -372,7 +400,7 @@ def _protocol_text(settings: dict[str, Any]) -> str:
     return f"protocol {protocol} (opening request only, no user simulator)"
 
 
-def _append(path: Path, text: str) -> None:
+def append_section(path: Path, text: str) -> None:
     """Append `text` to `path` atomically (write the whole new file, then rename)."""
     old = path.read_text() if path.is_file() else ""
     atomic_write_text(path, old.rstrip("\n") + "\n\n" + text)
@@ -456,7 +484,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"full-scale estimate ({est['items']} items per model x condition): {estimate_text(est)}")
     print(f"report: {out}")
     if not args.no_append:
-        _append(Path(args.results_md), results_section(report))
+        append_section(Path(args.results_md), results_section(report))
         print(f"appended to {args.results_md}")
     return 0
 
