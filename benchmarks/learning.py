@@ -8,23 +8,32 @@ seed) split deterministically by the sha256 of the task id into train and held-o
 asserted; synthesis already keeps every task off the tau2 test split's users). The split is written
 as a dataset (train / "test" = held-out rows) through the same dataset gate `stages.curate` uses.
 
-Warm start (preset "sft"): the 135M base writes no parseable tool call on this curriculum (0/48,
-RESULTS.md "Feasibility"), so every GRPO group has equal rewards and nothing can learn. One SFT warm
-start on the train split's gold ACT turns (`warm_start`: `sft.sft_warmup`, preset steps / rows / LR,
-one seed) is therefore computed once and loaded by every trained condition through
-`train.init_adapter` (both adapters of the per-role policy get the same weights), so all of them
-start from the same function and only the GRPO phase differs.
+Warm start: the 135M base writes no parseable tool call on this curriculum (0/48, RESULTS.md
+"Feasibility"), so every GRPO group has equal rewards and nothing can learn. Every trained condition
+therefore starts from the warm_start stage (`stages.warm_start.warm_start`, METHOD.md §2b), with the
+preset's SFT options as train.* fields (train.sft_warmup_steps, sft_batch_rows, sft_learning_rate,
+sft_roles) and train.seed = the run's seed (the stage seeds the LoRA and the SFT batches with it, and
+a run must start from the warm start of its own seed: `warm_start.check_warm_start`). Both presets
+warm both roles, train.sft_roles = [act, rehearse] (ACT on the train split's gold turns within
+rollout.max_turns, REHEARSE on their real transitions; the stage's default): the per-role policy
+(train.policy_per_role) warms each adapter on its own role's examples, the shared policy one adapter
+on both, so the shared and per-role ablations start from the same data. The stage stores each warm
+start under ``warm_starts/<warm_start_id>`` in the benchmark's store; the conditions of one seed that
+differ only in GRPO settings (sft, world_rehearsal, standard_grpo) share one id and so one warm start,
+per_role (another LoRA layout) has its own; a re-run reuses them. Its id is part of each training
+run's id (`loop.training_run_id`) and each run records it (`stages.train.warm_start_lineage`).
 
-Conditions (issue 3 item 7), each trained with `stages.rollout_and_train` for every seed until the
+Conditions, each trained with `stages.rollout_and_train` for every seed until the
 cumulative generated tokens (HFEngine ``generated_tokens``, i.e. every ACT/REHEARSE completion token)
 first reach `--token-budget`; the data cursor, RNG and optimizer carry over between chunks through
 the stage's own checkpoint (copied to the next chunk's run id; LR schedule forced constant):
 
 * ``base``            no training (the adapter-free base model; greedy, so seed-independent)
-* ``sft``             the warm start only (the common starting point of the three below)
+* ``sft``             the warm start only (per seed; world_rehearsal and standard_grpo start from it)
 * ``world_rehearsal`` rollout.source=imagined (ACT + REHEARSE rows, role-wise GRPO)
 * ``standard_grpo``   rollout.source=real (ACT only, against private copies of the real env)
-* ``per_role``        rollout.source=imagined, train.policy_per_role=true (two LoRA adapters)
+* ``per_role``        rollout.source=imagined, train.policy_per_role=true (two LoRA adapters, each
+                      warmed on its own role)
 
 Metrics per condition and seed: held-out ACT success in the real environment (`stages.evaluate`,
 rehearsal.mode=none, greedy, success = tau2 reward 1) and REHEARSE fidelity on held-out real
@@ -67,23 +76,26 @@ CONDITIONS: dict[str, dict[str, Any] | None] = {
 }
 
 # full: sized to ~1.5 h on an idle 2-core box (RESULTS.md, "Learning benchmark"); level-2 retail tasks
-# need 3 tool calls, hence max_turns 3.
+# need 3 tool calls, hence max_turns 3. The SFT warm start's options are train.* fields (module docstring);
+# train.seed is each run's seed.
 PRESETS: dict[str, dict[str, Any]] = {
     "full": {"seeds": [0, 1], "levels": [1, 2], "tasks_per_level": 12, "heldout_mod": 3,
-             "sft": {"steps": 60, "batch_rows": 2, "learning_rate": 5e-4, "seed": 0},
              "token_budget": 12000, "max_iterations": 40, "eval_every": 0, "max_transitions": 16,
              "overrides": {"data": {"policy_max_chars": 200},
                            "rollout": {"group_size": 8, "tasks_per_iteration": 2, "max_turns": 3,
                                        "max_new_tokens_act": 48, "max_new_tokens_rehearse": 48},
-                           "train": {"learning_rate": 1e-4, "lr_scheduler": "constant"},
+                           "train": {"learning_rate": 1e-4, "lr_scheduler": "constant",
+                                     "sft_warmup_steps": 60, "sft_batch_rows": 2, "sft_learning_rate": 5e-4,
+                                     "sft_roles": ["act", "rehearse"]},
                            "eval": {"max_turns": 3}, "rehearsal": {"mode": "none"}}},
     "quick": {"seeds": [0], "levels": [1], "tasks_per_level": 4, "heldout_mod": 2,
-              "sft": {"steps": 2, "batch_rows": 1, "learning_rate": 5e-4, "seed": 0},
               "token_budget": 200, "max_iterations": 2, "eval_every": 0, "max_transitions": 4,
               "overrides": {"data": {"policy_max_chars": 200},
                             "rollout": {"group_size": 4, "tasks_per_iteration": 1, "max_turns": 1,
                                         "max_new_tokens_act": 32, "max_new_tokens_rehearse": 32},
-                            "train": {"learning_rate": 1e-4, "lr_scheduler": "constant"},
+                            "train": {"learning_rate": 1e-4, "lr_scheduler": "constant",
+                                      "sft_warmup_steps": 2, "sft_batch_rows": 1, "sft_learning_rate": 5e-4,
+                                      "sft_roles": ["act", "rehearse"]},
                             "eval": {"max_turns": 1}, "rehearsal": {"mode": "none"}}},
 }
 
@@ -253,69 +265,31 @@ def preset_key(preset: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps({k: v for k, v in preset.items() if k not in ("synthesize", "seeds")}))
 
 
-def warm_key(sft_opts: dict[str, Any] | None, train: list, model_ref: str) -> dict[str, Any] | None:
-    """What decides the warm start's weights: SFT options, train task ids, base model (None: no SFT)."""
-    if not sft_opts:
+def condition_config(overrides: dict[str, Any], cond: str, seed: int):
+    """The RunConfig of condition `cond` (`CONDITIONS`) for `seed`: the preset's `overrides`, then the
+    condition's, with train.seed = `seed` (it seeds the warm start and the GRPO phase alike)."""
+    from envace_core.config import load_config
+
+    spec = CONDITIONS[cond] or {}
+    return load_config("cpu-smoke", _merge(overrides, {**spec, "train": {**spec.get("train", {}), "seed": seed}}))
+
+
+def warm_adapter_dir(warm: dict[str, Any] | None) -> str | None:
+    """Local directory of a `stages.warm_start.warm_start` result's adapter (`loop.init_adapter_dir`
+    of its adapter_uri); None without a warm start or for one without an adapter (no SFT, no
+    train.init_adapter: the fresh LoRA, i.e. the base model's function)."""
+    from envace_core.training.loop import init_adapter_dir
+
+    if not warm or not warm.get("adapter_uri"):
         return None
-    return {"sft": sft_opts, "train_ids": sorted(t.id for t in train), "model": model_ref}
+    return str(init_adapter_dir(warm["adapter_uri"], f"the adapter_uri of warm start {warm['warm_start_id']}"))
 
 
-def warm_start(cfg, train: list, out: Path, sft_opts: dict[str, Any],
-               log: Callable[[str], None] = print) -> dict[str, Any]:
-    """One SFT warm start shared by every trained condition (same starting function for all).
-
-    `sft.sft_warmup` on the gold ACT turns of the train split (`sft.act_examples`, first
-    `rollout.max_turns` turns, final answer included) with `sft_opts` {"steps", "batch_rows",
-    "learning_rate", "seed"}; the LoRA is saved to ``out/warm_start/adapter`` and, copied into both
-    roles, to ``out/warm_start/per_role`` (act/ + rehearse/, the layout `train.init_adapter` reads
-    for `train.policy_per_role`). Reused when ``warm_start.json`` records the same options and
-    train ids (a re-run resumes). Returns {"adapter", "per_role", "losses", "examples", "seconds"}.
-
-    Raises BenchmarkError when the train split has no gold ACT turn."""
-    import shutil
-
-    import torch
-
-    from envace_core.store.files import atomic_dir
-    from envace_core.training.policy import load_policy
-    from envace_core.training.sft import act_examples, sft_warmup
-    from envace_core.training.trainer import PolicyTrainer
-
-    root = out / "warm_start"
-    meta_file, key = root / "warm_start.json", warm_key(sft_opts, train, cfg.model.ref)
-    if meta_file.is_file():
-        meta = json.loads(meta_file.read_text())
-        if meta.get("key") == key and Path(meta["adapter"]).is_dir() and Path(meta["per_role"]).is_dir():
-            log(f"[learning] warm start reused from {root}")
-            return meta
-    t0 = time.perf_counter()
-    torch.manual_seed(sft_opts["seed"])
-    model, tok, _ = load_policy(cfg)
-    trainer = PolicyTrainer(model, tok, cfg.train, compute_dtype=cfg.model.compute_dtype)
-    examples = act_examples(train, tok, cfg.data.policy_max_chars, max_turns=cfg.rollout.max_turns,
-                                max_tokens=cfg.train.sft_max_tokens)
-    if not examples:
-        raise BenchmarkError("the train split has no gold ACT turn to warm up on")
-    losses = sft_warmup(trainer, examples, sft_opts["steps"], sft_opts["learning_rate"],
-                            sft_opts["batch_rows"], seed=sft_opts["seed"])
-    adapter, per_role = root / "adapter", root / "per_role"
-    trainer.save_adapter(str(adapter))
-
-    def both_roles(tmp: Path) -> None:
-        for role in ("act", "rehearse"):
-            shutil.copytree(adapter, Path(tmp) / role)
-    atomic_dir(str(per_role), both_roles)
-    meta = {"key": key, "adapter": str(adapter), "per_role": str(per_role), "examples": len(examples),
-            "losses": [round(x, 4) for x in losses], "seconds": round(time.perf_counter() - t0, 1)}
-    atomic_write_text(meta_file, json.dumps(meta, indent=1))
-    log(f"[learning] warm start: {sft_opts['steps']} SFT steps on {len(examples)} gold ACT turns, loss "
-        f"{losses[0]:.3f} -> {losses[-1]:.3f}, {meta['seconds']:.0f}s")
-    return meta
-
-
-def train_to_budget(cfg, dataset: dict[str, Any], budget: int, max_iterations: int, eval_every: int,
-                    on_eval: Callable[[str, int], dict] | None = None) -> dict[str, Any]:
-    """`stages.rollout_and_train` in chunks until the cumulative generated tokens first reach `budget`.
+def train_to_budget(cfg, dataset: dict[str, Any], warm: dict[str, Any] | None, budget: int, max_iterations: int,
+                    eval_every: int, on_eval: Callable[[str, int], dict] | None = None) -> dict[str, Any]:
+    """`stages.rollout_and_train` from the warm start `warm` (`stages.warm_start.warm_start` of
+    `cfg`; None: train.init_adapter or a fresh LoRA) in chunks until the cumulative generated tokens
+    first reach `budget`.
 
     A chunk never runs past the point where the budget could be reached (sized from 1.5x the most
     tokens any iteration so far generated; 1 iteration when unknown) nor past `eval_every`; the
@@ -338,10 +312,10 @@ def train_to_budget(cfg, dataset: dict[str, Any], budget: int, max_iterations: i
         k = max(1, min(room, eval_every or room, max_iterations - len(history)))
         c = cfg.model_copy(deep=True)
         c.train.iterations = len(history) + k
-        key = f"runs/{training_run_id(c, dataset)}/checkpoint"
+        key = f"runs/{training_run_id(c, dataset, warm)}/checkpoint"
         if prev and not store.exists(f"{key}/state.json"):
             _copy_checkpoint(store, prev, key)
-        trained = rollout_and_train(c, dataset)
+        trained = rollout_and_train(c, dataset, warm)
         history, prev = trained["history"], key
         if on_eval and eval_every and len(history) % eval_every == 0:
             curve.append({"iteration": len(history), "tokens": sum(iteration_tokens(h) for h in history),
@@ -440,10 +414,17 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
         model_ref: str | None = None, merge: list[Path] = ()) -> dict[str, Any]:
     """The whole benchmark for one preset; returns the JSON-able report (also written to out/).
 
-    `merge`: other output folders of the same preset, dataset and warm start (e.g. conditions run
+    Each trained condition first gets its warm start from the warm_start stage (module docstring;
+    trained once per id into out/store, reused afterwards). A report in `out` made with the same
+    preset, dataset and base model (`models.base_model_lineage`; with the preset and seed they decide
+    every warm start id) resumes: its finished (condition, seed) runs are kept.
+
+    `merge`: other output folders of the same preset, dataset and base model (e.g. conditions run
     in a second process); their finished runs count as done here. A folder whose report was made
     with other settings raises BenchmarkError."""
-    from envace_core.config import load_config
+    from envace_core.models import base_model_lineage
+    from envace_core.stages.train import warm_start_lineage
+    from envace_core.stages.warm_start import warm_start
 
     t0 = time.perf_counter()
     domains = preset.get("domains", ["airline", "retail"])
@@ -459,16 +440,13 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
     log(f"[learning] curriculum: {len(train)} train / {len(held)} held-out synthesized tasks "
         f"(levels {preset['levels']}), dataset {dataset['version']}")
     runs: dict[str, dict[int, dict]] = {}
-    warm, base_cfg = None, load_config("cpu-smoke", over)
-    if preset.get("sft") and any(CONDITIONS[c] is not None for c in conditions):
-        warm = warm_start(base_cfg, train, out, preset["sft"], log)
-    report_key = {"preset": preset_key(preset), "dataset": dataset["version"],  # base-only runs share it
-                  "warm_start": warm_key(preset.get("sft"), train, base_cfg.model.ref)}
+    base_model = base_model_lineage(condition_config(over, "base", preset["seeds"][0]).model.ref)
+    report_key = {"preset": preset_key(preset), "dataset": dataset["version"], "base_model": base_model["sha256"]}
     done = _finished_runs(out, report_key)  # a killed benchmark resumes: finished (condition, seed) runs are kept
     for other in merge:
         theirs = _finished_runs(Path(other), report_key)
         if not theirs:
-            raise BenchmarkError(f"--merge {other}: no learning.json there with this preset, dataset and warm start")
+            raise BenchmarkError(f"--merge {other}: no learning.json there with this preset, dataset and base model")
         for cond, seeds in theirs.items():
             done.setdefault(cond, {}).update(seeds)
     for cond, seeds in done.items():  # conditions not asked for this time stay in the report
@@ -477,42 +455,40 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
     # seed-major: every condition of the first seed finishes before the next seed starts
     for seed in preset["seeds"]:
         for cond in conditions:
-            spec = CONDITIONS[cond]
-            trains = bool(spec)  # None: base model; {}: the warm start only; else GRPO on top of it
-            if not trains and seed != preset["seeds"][0]:
-                continue  # greedy evaluation of an untrained policy does not depend on the seed
+            spec = CONDITIONS[cond]  # None: base model; {}: the warm start only; else GRPO on top of it
+            if spec is None and seed != preset["seeds"][0]:
+                continue  # greedy evaluation of the untrained base does not depend on the seed
             if seed in done.get(cond, {}):
                 runs.setdefault(cond, {})[seed] = done[cond][seed]
                 log(f"[learning] {cond} seed {seed}: kept from the previous report")
                 continue
-            extra: dict[str, Any] = {**(spec or {}), "train": {**(spec or {}).get("train", {}), "seed": seed}}
-            if warm and spec is not None:
-                per_role = extra["train"].get("policy_per_role", False)
-                extra["train"]["init_adapter"] = warm["per_role" if per_role else "adapter"]
-            cfg = load_config("cpu-smoke", _merge(over, extra))
+            cfg = condition_config(over, cond, seed)
             t1 = time.perf_counter()
-            if not trains:
+            # one warm_start call per condition config; an id already in out/store is reused, not trained
+            warm = warm_start(cfg, dataset, say=log) if spec is not None else None
+            if not spec:
                 r: dict[str, Any] = {"history": [], "tokens": 0, "iterations": 0,
-                                     "adapter_dir": warm["adapter"] if warm and spec is not None else None}
+                                     "adapter_dir": warm_adapter_dir(warm)}
             else:
-                r = train_to_budget(cfg, dataset, preset["token_budget"], preset["max_iterations"],
+                r = train_to_budget(cfg, dataset, warm, preset["token_budget"], preset["max_iterations"],
                                     preset["eval_every"],
                                     lambda a, _, c=cfg: measure(c, dataset, a, held, preset["max_transitions"]))
+            r["warm_start"] = warm_start_lineage(warm)
             r["final"] = measure(cfg, dataset, r["adapter_dir"], held, preset["max_transitions"])
             r["seconds"] = time.perf_counter() - t1
             runs.setdefault(cond, {})[seed] = r
             log(f"[learning] {cond} seed {seed}: {r['iterations']} iterations, {r['tokens']} tokens, "
                 f"held-out success {statistics.fmean(r['final']['success']):.3f}, fidelity "
                 f"{statistics.fmean(r['final']['fidelity'] or [0]):.3f}, {r['seconds']:.0f}s")
-            _write_report(out, _report(preset, dataset, warm, train, held, runs, report_key,
+            _write_report(out, _report(preset, dataset, train, held, runs, report_key,
                                        time.perf_counter() - t0, complete=False))
-    report = _report(preset, dataset, warm, train, held, runs, report_key, time.perf_counter() - t0, complete=True)
+    report = _report(preset, dataset, train, held, runs, report_key, time.perf_counter() - t0, complete=True)
     _write_report(out, report)
     return report
 
 
 def _finished_runs(out: Path, key: dict[str, Any]) -> dict[str, dict[str, dict]]:
-    """Runs of an earlier report in `out` with the same preset, dataset and warm start ({} otherwise)."""
+    """Runs of an earlier report in `out` with the same `key` (preset, dataset, base model; {} otherwise)."""
     f = out / "learning.json"
     if not f.is_file():
         return {}
@@ -531,12 +507,16 @@ def _write_report(out: Path, report: dict[str, Any]) -> None:
     plot_curve(report["runs"], out / "learning_curve.png")
 
 
-def _report(preset, dataset, warm, train, held, runs, key, wall: float, complete: bool) -> dict[str, Any]:
-    """The JSON-able report of the runs so far: summaries per condition and paired differences."""
+def _report(preset, dataset, train, held, runs, key, wall: float, complete: bool) -> dict[str, Any]:
+    """The JSON-able report of the runs so far: summaries per condition and paired differences, and
+    "warm_starts" {warm_start_id: `warm_start_lineage`} over the runs (each run also records its own
+    under "warm_start"; None for base)."""
     runs = {c: runs[c] for c in CONDITIONS if c in runs}  # table order
+    warms = {r["warm_start"]["warm_start_id"]: r["warm_start"]
+             for seeds in runs.values() for r in seeds.values() if r.get("warm_start")}
     report = {"key": key, "complete": complete,
               "preset": {k: v for k, v in preset.items() if k != "synthesize"}, "dataset": dataset,
-              "warm_start": warm, "held_out_ids": [t.id for t in held], "train_ids": [t.id for t in train],
+              "warm_starts": warms, "held_out_ids": [t.id for t in held], "train_ids": [t.id for t in train],
               "summary": {}, "runs": runs, "wall_seconds": wall}
     for cond, seeds in runs.items():
         finals = {s: r["final"] for s, r in seeds.items()}
@@ -615,7 +595,7 @@ def main() -> int:
     if bad or not conds or len(set(conds)) != len(conds):
         ap.error(f"--conditions {args.conditions!r}: give distinct names from {list(CONDITIONS)}"
                  + (f" (unknown: {bad})" if bad else ""))
-    for m in args.merge:  # cheap checks first: the full key check needs the curriculum and warm start
+    for m in args.merge:  # cheap checks first: the full key check needs the curriculum and base model
         f = Path(m) / "learning.json"
         try:
             other = json.loads(f.read_text())

@@ -52,24 +52,56 @@ def test_confidence_intervals():
     assert lb.paired_difference({0: {"m": []}}, {0: {"m": [1.0]}}, "m")["mean"] is None
 
 
-def test_whole_run_with_tiny_model(tmp_path, tiny_model_dir):
-    preset = {"seeds": [0], "levels": [1], "tasks_per_level": 3, "heldout_mod": 2, "domains": ["airline"],
-              "sft": {"steps": 1, "batch_rows": 1, "learning_rate": 1e-3, "seed": 0},
-              "token_budget": 20, "max_iterations": 3, "eval_every": 0, "max_transitions": 2,
-              "overrides": {"data": {"policy_max_chars": 200},
-                            "rollout": {"group_size": 2, "tasks_per_iteration": 1, "max_turns": 1,
-                                        "max_new_tokens_act": 8, "max_new_tokens_rehearse": 8},
-                            "train": {"lr_scheduler": "constant", "micro_batch_rows": 8},
-                            "eval": {"max_turns": 1}, "rehearsal": {"mode": "none"}}}
+def _preset() -> dict:
+    return {"seeds": [0], "levels": [1], "tasks_per_level": 3, "heldout_mod": 2, "domains": ["airline"],
+            "token_budget": 20, "max_iterations": 3, "eval_every": 0, "max_transitions": 2,
+            "overrides": {"data": {"policy_max_chars": 200},
+                          "rollout": {"group_size": 2, "tasks_per_iteration": 1, "max_turns": 1,
+                                      "max_new_tokens_act": 8, "max_new_tokens_rehearse": 8},
+                          "train": {"lr_scheduler": "constant", "micro_batch_rows": 8,
+                                    "sft_warmup_steps": 1, "sft_batch_rows": 1, "sft_learning_rate": 1e-3,
+                                    "sft_roles": ["act", "rehearse"], "sft_max_rehearse_examples": 2},
+                          "eval": {"max_turns": 1}, "rehearsal": {"mode": "none"}}}
+
+
+@pytest.fixture
+def sft_units(monkeypatch):
+    """The step count of every `sft.sft_warmup` call (one per warmed unit: policy or adapter)."""
+    import envace_core.training.sft as sft_mod
+
+    calls: list[int] = []
+    real = sft_mod.sft_warmup
+    monkeypatch.setattr(sft_mod, "sft_warmup", lambda *a, **k: calls.append(a[2]) or real(*a, **k))
+    return calls
+
+
+def _overrides(preset: dict, root: Path, model_dir) -> dict:
+    """The overrides `lb.run` builds for `root` (store under root/store)."""
+    return {**preset["overrides"], "data": {**preset["overrides"]["data"], "domains": preset["domains"]},
+            "store": {"root": str(root / "store"), "registry": str(root / "registry")},
+            "model": {"ref": str(model_dir)}}
+
+
+def test_whole_run_with_tiny_model(tmp_path, tiny_model_dir, sft_units):
+    from envace_core.training.loop import training_run_id
+
+    preset = _preset()
     # one GRPO condition keeps this under a minute; the others differ only in config overrides
     report = lb.run(preset, tmp_path, ["sft", "world_rehearsal"], model_ref=str(tiny_model_dir))
-    warm = report["warm_start"]
-    assert len(warm["losses"]) == 1 and warm["examples"] >= 1
-    assert report["runs"]["sft"][0]["adapter_dir"] == warm["adapter"]
-    for role in ("act", "rehearse"):  # the per-role copy holds the same adapter for both roles
-        assert (Path(warm["per_role"]) / role / "adapter_model.safetensors").read_bytes() == \
-            (Path(warm["adapter"]) / "adapter_model.safetensors").read_bytes()
-    assert json.loads((tmp_path / "warm_start" / "warm_start.json").read_text())["adapter"] == warm["adapter"]
+    sft, wr = report["runs"]["sft"][0], report["runs"]["world_rehearsal"][0]
+    warm = sft["warm_start"]
+    # the warm_start stage ran once: both conditions share its id (they differ only in GRPO settings)
+    assert sft_units == [1] and wr["warm_start"] == warm and list(report["warm_starts"]) == [warm["warm_start_id"]]
+    assert warm["examples"]["act"] >= 1 and warm["examples"]["rehearse"] == 2 and len(warm["losses"]["policy"]) == 1
+    assert sft["adapter_dir"] == warm["adapter_uri"] == str(
+        tmp_path / "store" / "warm_starts" / warm["warm_start_id"] / "adapter")
+    assert (Path(sft["adapter_dir"]) / "adapter_model.safetensors").is_file()
+    # the trained run's id includes the warm start (training_run_id with warm), and it started from it
+    cfg = lb.condition_config(_overrides(preset, tmp_path, tiny_model_dir), "world_rehearsal", 0)
+    cfg.train.iterations = wr["iterations"]
+    run_id = training_run_id(cfg, report["dataset"], warm)
+    assert run_id != training_run_id(cfg, report["dataset"])
+    assert (tmp_path / "store" / "runs" / run_id / "checkpoint" / "state.json").is_file()
     assert not set(report["held_out_ids"]) & set(report["train_ids"])
     for cond in ("world_rehearsal",):
         r = report["runs"][cond][0]
@@ -91,7 +123,8 @@ def test_whole_run_with_tiny_model(tmp_path, tiny_model_dir):
     # re-running the same command resumes: finished (condition, seed) runs are kept, not recomputed
     lines: list[str] = []
     again = lb.run(preset, tmp_path, ["sft", "world_rehearsal"], log=lines.append, model_ref=str(tiny_model_dir))
-    assert sum("kept from the previous report" in line for line in lines) == 2
+    assert sum("kept from the previous report" in line for line in lines) == 2 and sft_units == [1]
+    assert again["warm_starts"] == report["warm_starts"]
     assert again["summary"]["world_rehearsal"]["success"] == report["summary"]["world_rehearsal"]["success"]
     # fewer conditions into the same folder: the others' finished runs stay in the report
     part = lb.run(preset, tmp_path, ["sft"], log=lines.append, model_ref=str(tiny_model_dir))
@@ -102,3 +135,26 @@ def test_whole_run_with_tiny_model(tmp_path, tiny_model_dir):
     (other / "learning.json").write_text(json.dumps({"key": {"preset": "another"}, "runs": {}}))
     with pytest.raises(lb.BenchmarkError, match="--merge"):
         lb.run(preset, tmp_path, ["sft"], log=lines.append, model_ref=str(tiny_model_dir), merge=[other])
+
+
+def test_per_role_warm_start_warms_each_adapter_on_its_own_role(tmp_path, tiny_model_dir, sft_units):
+    from safetensors.torch import load_file
+
+    from envace_core.stages.warm_start import warm_start, warm_start_id
+
+    preset = _preset()
+    train, held = lb.curriculum(preset["domains"], preset["levels"], preset["tasks_per_level"], 0,
+                                preset["heldout_mod"])
+    ds = lb.write_dataset(str(tmp_path / "store"), train, held, preset["domains"])
+    over = _overrides(preset, tmp_path, tiny_model_dir)
+    per_role = lb.condition_config(over, "per_role", 0)
+    assert per_role.train.policy_per_role and per_role.train.sft_roles == ["act", "rehearse"]
+    warm = warm_start(per_role, ds, say=lambda _: None)
+    assert sft_units == [1, 1] and set(warm["losses"]) == {"act", "rehearse"}  # one warm-up per adapter
+    assert warm["examples"]["act"] >= 1 and warm["examples"]["rehearse"] == 2
+    act, reh = (load_file(str(Path(warm["adapter_uri"]) / r / "adapter_model.safetensors")) for r in ("act", "rehearse"))
+    assert act and act.keys() == reh.keys()  # the layout train.init_adapter / start_fresh read: act/ + rehearse/
+    # another LoRA layout: its own warm start, never the shared policy's
+    shared = lb.condition_config(over, "world_rehearsal", 0)
+    assert warm["warm_start_id"] != warm_start_id(shared, ds, warm["base_model"]["sha256"])
+    assert lb.condition_config(over, "world_rehearsal", 1).train.seed == 1
