@@ -23,8 +23,8 @@ Order and chunks: per model, bench by bench, item-major: items 1..k of every cel
 always pairs every condition on (nearly) the same items. A chunk is one `run_eval` call on the first ``done + step``
 items of one cell (step 1 for tau2, 4 for BFCL multi-turn, the harness's batch), so its cache serves the items
 already done and only the new ones run. Before a chunk the driver estimates its seconds (the slowest seconds per
-item seen for that bench and condition in any model, else for that bench) and stops if it would end past the
-budget; a model is loaded only if its measured load time fits. With ``--engine vllm`` a call loads one model (vLLM
+item seen for that bench and condition in any model, else for that bench, else for any bench) and stops if it
+would end past the budget; a model is loaded only if its measured load time fits. With ``--engine vllm`` a call loads one model (vLLM
 keeps the GPU memory of an engine until its process exits); the next call starts the next model.
 
 Skipped, and said so in every call's summary and in the report: a chunk that raises (e.g. vLLM refusing a prompt
@@ -229,15 +229,17 @@ class Harness:
 # ---------------------------------------------------------------------------------------------- loop
 def _estimate(state: dict[str, Any], bench: str, cell: Cell) -> float | None:
     """Seconds per item to expect: the slowest chunk's per-item seconds of (bench, cell) over models, else of
-    the bench over all cells; None before anything of the bench ran."""
-    same, any_cell = [], []
+    the bench over all cells, else of any bench; None before anything ran."""
+    same, same_bench, anything = [], [], []
     for key, c in state["cells"].items():
         _, b, label = key.split("|", 2)
-        if b == bench and c.get("per_item_max_s") is not None:
-            any_cell.append(c["per_item_max_s"])
-            if label == cell.label:
-                same.append(c["per_item_max_s"])
-    xs = same or any_cell
+        if c.get("per_item_max_s") is not None:
+            anything.append(c["per_item_max_s"])
+            if b == bench:
+                same_bench.append(c["per_item_max_s"])
+                if label == cell.label:
+                    same.append(c["per_item_max_s"])
+    xs = same or same_bench or anything
     return max(xs) if xs else None
 
 
@@ -255,7 +257,7 @@ def _update(c: dict[str, Any], r: dict[str, Any]) -> None:
 
 def remaining(state: dict[str, Any], models: list[str], cells: list[Cell], totals: dict[str, int]) -> dict[str, Any]:
     """Items still to run (cells not blocked), items skipped by blocked cells, and the estimated seconds of the
-    former (None when some bench was never timed)."""
+    former (`_estimate` per item; None before anything was timed)."""
     todo, skipped, secs, untimed = 0, 0, 0.0, False
     for m in models:
         for b, total in totals.items():
@@ -450,7 +452,7 @@ def markdown(rep: dict[str, Any]) -> str:
 def summary_text(rep: dict[str, Any]) -> str:
     """Done / remaining / skipped in a few lines (printed after every call)."""
     rem = rep["remaining"]
-    secs = "unknown (some bench never timed)" if rem["seconds"] is None else f"~{rem['seconds'] / 60:.0f} min"
+    secs = "unknown (nothing timed yet)" if rem["seconds"] is None else f"~{rem['seconds'] / 60:.0f} min"
     lines = [f"[grid] {'COMPLETE' if rep['complete'] else 'INCOMPLETE'}: "
              f"{sum(c['done'] for c in rep['cells'])}/{sum(c['total'] for c in rep['cells'])} items done; "
              f"{rem['items']} to run ({secs} of chunks at the slowest per-item seconds seen), "

@@ -79,8 +79,16 @@ def test_budget_stops_between_chunks_and_the_next_call_resumes(tmp_path):
     assert {k: c["done"] for k, c in saved["cells"].items()} == {
         "a|tau2:airline|none": 2, "a|tau2:airline|parallel:2": 2, "a|tau2:airline|parallel:2/no-verifier": 2}
     assert "would end past the time budget" in saved["runs"][-1]["stopped"]
-    # bfcl never ran yet: no estimate of the time left (never a number that leaves it out)
-    assert saved["runs"][-1]["remaining"] == {"items": 3 * 3 + 3 * 5 - 6, "skipped_items": 0, "seconds": None}
+    # 18 items left at the slowest 10 s per item seen (bfcl, never timed, borrows tau2's)
+    assert saved["runs"][-1]["remaining"] == {"items": 3 * 3 + 3 * 5 - 6, "skipped_items": 0, "seconds": 180.0}
+
+    # a bench never timed borrows the slowest per-item time seen: its first chunk (4 x 10 s) is not started
+    # with 5 s left
+    other = FakeHarness()
+    code, _ = _call(other, tmp_path / "other", budget=100)
+    assert code == grid.EXIT_MORE and len(other.runs) == 9 and other.now == 95
+    assert "bfcl:multi_turn_base none items 1-4, ~40 s" in json.loads(
+        (tmp_path / "other" / grid.STATE_FILE).read_text())["runs"][-1]["stopped"]
 
     code, state = _call(fake, tmp_path, budget=None)
     assert code == grid.EXIT_DONE
