@@ -222,3 +222,43 @@ def test_validate_raises_on_unmet_thresholds_and_nothing_is_registered(tiny_mode
     with pytest.raises(Exception, match="fidelity >= 1.000"):
         train(profile="test", overrides=overrides)
     assert Registry(tmp_path / "wf-registry").list() == []
+
+
+def test_validate_rehearses_with_the_rollouts_budgets_and_grounding(bundled_tokenizer_dir):
+    """validate's REHEARSE prompts and budgets are the rollouts': each call of a tool gets that tool's
+    budget (others the flat one), and with rollout.grounding_k the prompts hold real results of the
+    train tasks (the validated ones are test-split tasks)."""
+    from transformers import AutoTokenizer
+
+    from envace_core.config import load_config
+    from envace_core.envs.tau2.tasks import load_tasks
+    from envace_core.stages.validate import held_out_transitions, rehearse_rows
+    from envace_core.training.loop import grounded_params, real_train_transitions
+    from envace_core.training.policy import rollout_params
+
+    cfg = load_config("test", {"rollout": {"grounding_k": 2, "max_new_tokens_rehearse": 8,
+                                           "max_new_tokens_rehearse_per_tool": {"get_reservation_details": 40}}})
+    params = grounded_params(cfg, rollout_params(cfg), real_train_transitions(cfg, load_tasks("airline", "train")[:6]))
+    trans = held_out_transitions(load_tasks("airline", "test")[:6], 6, errors=True)
+    assert {c.name for _, _, c, _ in trans} >= {"get_reservation_details"}
+
+    class Recorder:  # the real tokenizer and prompts; records what it was asked
+        def __init__(self, tok):
+            self.tokenizer, self.asked = tok, []
+
+        def generate(self, prompts, params):
+            from envace_core.engines.base import Completion
+
+            self.asked += [(self.tokenizer.decode(p), params.max_new_tokens) for p in prompts]
+            ids = self.tokenizer.encode('{"error": "x"}', add_special_tokens=False) + [self.tokenizer.eos_token_id]
+            return [[Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop")] for _ in prompts]
+
+    eng = Recorder(AutoTokenizer.from_pretrained(bundled_tokenizer_dir))
+    rows = rehearse_rows(cfg, eng, trans, params)  # validate's: `validation_params`
+    assert len(rows) == len(trans) == len(eng.asked)
+    want = sorted(40 if c.name == "get_reservation_details" else 8 for _, _, c, _ in trans)
+    assert sorted(b for _, b in eng.asked) == want
+    assert any("# Examples from other conversations" in t for t, _ in eng.asked), \
+        "grounding_k = 2 but no REHEARSE prompt shows a real example"
+    plain = rehearse_rows(cfg, Recorder(eng.tokenizer), trans)  # default: the profile's params, no index
+    assert len(plain) == len(trans)

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 import pandas as pd
 
 if TYPE_CHECKING:
-    pass
+    from envace_core.training.rollout import RolloutParams
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
 from envace_core.evaluation.stats import mean_or_none
@@ -36,14 +36,19 @@ def held_out_transitions(tasks: list[Task], limit: int, errors: bool = False) ->
     return out
 
 
-def rehearse_rows(cfg: RunConfig, engine: Any, trans: list[tuple[Task, list, ToolCall, Any]]) -> list[dict[str, Any]]:
+def rehearse_rows(cfg: RunConfig, engine: Any, trans: list[tuple[Task, list, ToolCall, Any]],
+                  params: RolloutParams | None = None) -> list[dict[str, Any]]:
     """REHEARSE's greedy prediction ô of each real transition (h, a, o) (`held_out_transitions`),
     one row per transition: {"id": "<task id>#<call id>", "tool", "kind" ("success" / "error": o's),
     "json_valid", "parse_error" (1 - json_valid: the strict REHEARSE parser rejected ô, empty
     included), "fidelity" (F(ô, o), `rewards.fidelity`; 0 when ô does not parse), "error_match",
     "key_f1", "value_f1", "echo_share", "echo_f1", "imagined_f1" (`evaluation.fidelity.score_pair`;
-    the last three None where undefined)}, all in [0, 1]. One batched `engine.generate` call; prompts
-    see the task's context (`task_context`, added/hidden tools applied)."""
+    the last three None where undefined)}, all in [0, 1]. Prompts and budgets are the training
+    rollouts' (`params`, default `training.policy.rollout_params(cfg)`): the task's context
+    (`task_context`, added/hidden tools applied), the grounding examples of other tasks when
+    `params.grounding` is set, and the tool's REHEARSE budget (`RolloutParams.rehearse_budget`: the
+    per-tool budget, else rollout.max_new_tokens_rehearse); one batched `engine.generate` call per
+    budget."""
     from envace_core.engines.base import SamplingParams
     from envace_core.envs.tau2.tasks import task_context
     from envace_core.evaluation.fidelity import score_pair
@@ -51,18 +56,27 @@ def rehearse_rows(cfg: RunConfig, engine: Any, trans: list[tuple[Task, list, Too
     from envace_core.roles.rehearse import parse_rehearse, rehearse_prompt_ids
     from envace_core.training.rewards import fidelity
 
+    from envace_core.roles.json_prefix import NotJsonStop
+    from envace_core.training.policy import rollout_params
+
+    p = params or rollout_params(cfg)
     tok = engine.tokenizer
     prompts = [rehearse_prompt_ids(tok, task_context(t, cfg.data.policy_max_chars), h, c,
-                                   max_observation_tokens=cfg.rollout.max_observation_tokens)
+                                   p.grounding_examples(t.id, c, tok),
+                                   max_observation_tokens=p.max_observation_tokens)
                for t, h, c, _ in trans]
-    from envace_core.roles.json_prefix import NotJsonStop
-
-    # decoding stops once the output can no longer parse (same verdict, fewer tokens)
-    sp = SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens_rehearse, temperature=0.0, role="rehearse",
-                        stop_when=NotJsonStop(tok))
+    by_budget: dict[int, list[int]] = {}
+    for i, (_, _, c, _) in enumerate(trans):
+        by_budget.setdefault(p.rehearse_budget(c.name), []).append(i)
+    texts: dict[int, str] = {}
+    for budget, idx in by_budget.items():
+        # decoding stops once the output can no longer parse (same verdict, fewer tokens)
+        sp = SamplingParams(max_new_tokens=budget, temperature=0.0, role="rehearse", stop_when=NotJsonStop(tok))
+        for i, outs in zip(idx, engine.generate([prompts[i] for i in idx], sp)):
+            texts[i] = tok.decode(outs[0].token_ids, skip_special_tokens=True)
     rows = []
-    for (task, _, call, real), outs in zip(trans, engine.generate(prompts, sp) if prompts else []):
-        text = tok.decode(outs[0].token_ids, skip_special_tokens=True)
+    for i, (task, _, call, real) in enumerate(trans):
+        text = texts[i]
         score = score_pair(real, text, call).to_dict()
         try:
             fid = fidelity(parse_rehearse(text, call.name), real)
@@ -88,6 +102,21 @@ def rehearsal_metrics(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "error_prediction_accuracy": mean["error_match"],
             **{m: mean[m] for m in ("key_f1", "value_f1", "echo_share", "echo_f1", "imagined_f1")},
             "per_tool": agg["per_tool"], "per_kind": agg["per_kind"]}
+
+
+def validation_params(cfg: RunConfig, dataset: dict[str, Any]) -> RolloutParams:
+    """The training rollouts' REHEARSE settings (`training.policy.rollout_params`), with, when
+    rollout.grounding_k > 0, the grounding index over the real transitions of the dataset's train
+    tasks (`loop.real_train_transitions`, `loop.grounded_params`): REHEARSE is validated on the
+    prompts it is trained and deployed with. Held-out transitions are test-split ones, so the index
+    (train split only) never holds the validated task."""
+    from envace_core.training.loop import grounded_params, real_train_transitions
+    from envace_core.training.policy import rollout_params
+
+    p = rollout_params(cfg)
+    if cfg.rollout.grounding_k <= 0:
+        return p
+    return grounded_params(cfg, p, real_train_transitions(cfg, load_dataset(dataset, "train")))
 
 
 def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
@@ -119,7 +148,7 @@ def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     if not trans:
         raise EnvaceError(f"no held-out transitions: the {cfg.data.test_split!r} split of "
                           f"{cfg.data.domains} has no agent-side gold tool call to validate REHEARSE on")
-    rows = rehearse_rows(cfg, engine, trans)
+    rows = rehearse_rows(cfg, engine, trans, validation_params(cfg, dataset))
     metrics = rehearsal_metrics(rows)
     gate = rehearsal_gate(pd.DataFrame(rows), cfg.validate_)
     gate_key = f"validation/{trained.get('run_id') or 'dataset-' + dataset['version']}/gate.json"
