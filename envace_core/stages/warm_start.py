@@ -119,6 +119,18 @@ def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutP
     return out
 
 
+def progress(steps: int, say: Callable[[str], None], lines: int = 12) -> Callable[[str], None]:
+    """A `sft.sft_warmup` log that says about `lines` of its per-step lines ("[sft] step k/N: loss …
+    (…s)"): every ceil(steps / lines)-th step and the last, prefixed with "[warm_start]"."""
+    every = max(1, -(-steps // lines))
+
+    def log(line: str) -> None:
+        k = int(line.split("step ", 1)[1].split("/", 1)[0])
+        if k % every == 0 or k == steps:
+            say(f"[warm_start] {line}")
+    return log
+
+
 def warm_up(cfg: RunConfig, trainer: PolicyTrainer, by_role: dict[str, list[SFTExample]],
             say: Callable[[str], None] = print) -> dict[str, list[float]]:
     """train.sft_warmup_steps SFT steps (`sft.sft_warmup`) on `by_role` (`warm_examples`): a shared
@@ -149,7 +161,7 @@ def warm_up(cfg: RunConfig, trainer: PolicyTrainer, by_role: dict[str, list[SFTE
             trainer.model.set_adapter(adapter)  # peft: the active adapter is the trainable one
         losses[adapter or "policy"] = got = sft_warmup(
             trainer, examples, cfg.train.sft_warmup_steps, cfg.train.sft_learning_rate,
-            cfg.train.sft_batch_rows, seed=cfg.train.seed)
+            cfg.train.sft_batch_rows, seed=cfg.train.seed, log=progress(cfg.train.sft_warmup_steps, say))
         say(f"[warm_start] SFT warm-up{f' of adapter {adapter!r}' if adapter else ''}: {len(got)} steps on "
             f"{len(examples)} examples ({counts}), loss {got[0]:.4f} -> {got[-1]:.4f}")
     if cfg.train.policy_per_role:
