@@ -3,8 +3,8 @@
 
 After one import of the training stack and one uninterrupted run (`stages.train.rollout_and_train`
 with `crash_config`, counting the steps of its checkpoint writes with `crash_points`: the
-reference, which also warms every lazy import), for every step k of every checkpoint write w it
-forks a training process that SIGKILLs itself right after that step, records what the kill left in
+reference, which also warms every lazy import), for each kill (w, k) of `crash_cases` (every step
+of the last checkpoint write, the distinct steps of the earlier one) it forks a training process that SIGKILLs itself right after that step, records what the kill left in
 its store, then forks the same command again (the re-run) and records what it printed and its
 metrics. The cases run in CRASH_LANES (default 2) forked lanes side by side. Writes the job's "out" JSON: {"run_id", "history" (the reference's), "writes" (step labels
 per write), "results": [{"kill": [w, k], "status" ("SIGKILL" or "exit <n>"), "after_kill",
@@ -22,6 +22,28 @@ import sys
 import time
 import traceback
 from pathlib import Path
+
+
+def commit_step(steps: list[str]) -> int:
+    """The one atomic commit of a write: the pointer created (first write) or swapped (later ones)."""
+    return next(i for i, s in enumerate(steps, 1) if s.startswith("replace(") or s.endswith(", checkpoint)"))
+
+
+def crash_cases(writes: list[list[str]]) -> list[tuple[int, int]]:
+    """The (write w, step k) kills: every step k = 0..len of the last write (its files copied into a
+    fresh version folder while an older checkpoint exists, the pointer swap, the old version's
+    removal), and of the earlier writes the steps that differ in kind: k = 0, the commit's step and
+    the one before it (a complete version without its pointer), and the last. The earlier writes'
+    other steps are file copies into a fresh version folder, which the last write's cover."""
+    out = []
+    for w, steps in enumerate(writes, 1):
+        if w == len(writes):
+            ks = range(len(steps) + 1)
+        else:
+            c = commit_step(steps)
+            ks = sorted({0, c - 1, c, len(steps)})
+        out += [(w, k) for k in ks]
+    return out
 
 
 def crash_config(model_dir, store_root, registry):
@@ -85,7 +107,7 @@ def main(job_path: str) -> None:
     full = rollout_and_train(cfg("full"), job["dataset"])
     crash_points.uninstall(saved)
     writes = [list(w) for w in crash_points.WRITES]
-    cases = [(w, k) for w, steps in enumerate(writes, 1) for k in range(len(steps) + 1)]
+    cases = crash_cases(writes)
 
     def one_case(w: int, k: int) -> dict:
         store = f"w{w}-k{k}"

@@ -3,10 +3,12 @@ checkpoint, ends with exactly the uninterrupted run's metrics, and says what it 
 
 `tests.checkpoint_crash_driver` (one subprocess) runs the uninterrupted reference (2 iterations, a
 checkpoint after each) counting the steps of its two checkpoint writes (`tests.crash_points`: every
-filesystem mutation of the store's put_dir, and step 0 before any), then, for every step k of every
-write, a real training process that kills itself with SIGKILL right after step k, and the same
-command re-run. Exact metric equality is right for the reason tests/test_resume.py gives (CPU
-kernels, weights restored bit for bit, seeded sampling); only wall-clock keys differ.
+filesystem mutation of the store's put_dir, and step 0 before any), then, for each kill of
+`crash_cases` (every step of the second write, which has an older checkpoint beside it; of the
+first, the steps that differ in kind), a real training process that kills itself with SIGKILL right
+after that step, and the same command re-run. Exact metric equality is right for the reason
+tests/test_resume.py gives (CPU kernels, weights restored bit for bit, seeded sampling); only
+wall-clock keys differ.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.checkpoint_crash_driver import crash_config
+from tests.checkpoint_crash_driver import commit_step, crash_cases, crash_config
 from tests.test_resume import _deterministic
 
 REPO = Path(__file__).resolve().parents[1]
@@ -46,16 +48,12 @@ def crashes(tiny_model_dir, tmp_path_factory):
     return json.loads((tmp / "out.json").read_text())
 
 
-def _commit_step(steps: list[str]) -> int:
-    """The one atomic commit of a write: the pointer created (first write) or swapped (later ones)."""
-    return next(i for i, s in enumerate(steps, 1) if s.startswith("replace(") or s.endswith(", checkpoint)"))
-
-
 def test_every_step_of_every_checkpoint_write_was_killed(crashes):
     writes = crashes["writes"]
     assert len(writes) == 2 and all(len(w) >= 5 for w in writes), writes  # a create, then a replace
     assert any(s.startswith("replace(") for s in writes[1]) and any(s.startswith("copyfile(") for s in writes[0])
-    assert [r["kill"] for r in crashes["results"]] == [[w, k] for w in (1, 2) for k in range(len(writes[w - 1]) + 1)]
+    assert [r["kill"] for r in crashes["results"]] == [list(c) for c in crash_cases(writes)]
+    assert [k for w, k in crash_cases(writes) if w == 2] == list(range(len(writes[1]) + 1))
     assert {r["status"] for r in crashes["results"]} == {"SIGKILL"}
     assert {r["rerun_status"] for r in crashes["results"]} == {0}
 
@@ -64,7 +62,7 @@ def test_the_key_always_names_one_complete_checkpoint(crashes):
     for r in crashes["results"]:
         w, k = r["kill"]
         # before the commit step the previous checkpoint (none before the first), from it on the new one
-        want = w if k >= _commit_step(crashes["writes"][w - 1]) else (w - 1 or None)
+        want = w if k >= commit_step(crashes["writes"][w - 1]) else (w - 1 or None)
         assert r["after_kill"]["iteration"] == want, (r["kill"], r["after_kill"])
 
 
