@@ -5,6 +5,9 @@ Run by hand (one long torch job; resumable):
     nice -n 5 env OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/rehearser_fidelity.py \
         [--limit N] [--conditions base-k0,act-k0,...] [--sft-steps 40]
 
+(--conditions also limits the written JSON to those conditions: rewrite it with --report-only and the
+default conditions after a partial run.)
+
 Held-out transitions (never in a warm start): the gold actions of the tau2 test split (airline +
 retail) replayed in the real environment, of real train-split tasks held out from the warm start and
 of synthesized tasks held out likewise, plus the tool errors that wrong calls of those tasks produce
@@ -15,7 +18,7 @@ tasks' transitions (`roles.grounding.GroundingIndex`: other tasks, same tool).
 Conditions ``<warm>-k<k>``: warm ∈ base (no warm start), act (today's ACT-only SFT warm start),
 act_rehearse (ACT + REHEARSE SFT on real transitions), act_rehearse_wide (capacity variant: LoRA on
 all linear layers, r = 64); k ∈ {0, 2, 4} grounding examples. Generation: greedy, per-tool REHEARSE
-budgets, batched per tool. Each (condition, transition) result is appended to
+budgets, batched 8 rows of similar budget. Each (condition, transition) result is appended to
 benchmarks/results/rehearser_fidelity.jsonl (keyed by the condition, the transition id and a hash of
 the prompt, so a changed prompt is re-generated); a restart skips the done ones. Metrics:
 `evaluation.fidelity` (95 % percentile bootstrap CIs over transitions). Writes
@@ -46,8 +49,11 @@ WORK = ROOT / ".envace" / "bench" / "rehearser_fidelity"
 DOMAINS = ("airline", "retail")
 WARMS = ("base", "act", "act_rehearse", "act_rehearse_wide")
 # most informative first (a run cut short still answers "does the REHEARSE warm start help?")
-DEFAULT_CONDITIONS = ["base-k0", "act_rehearse-k0", "act-k0", "act_rehearse-k2", "act_rehearse-k4", "base-k2",
+DEFAULT_CONDITIONS = ["act_rehearse-k0", "act-k0", "act_rehearse-k4", "base-k0", "act_rehearse-k2", "base-k2",
                       "act-k2", "base-k4", "act-k4", "act_rehearse_wide-k0"]
+BATCH = 8  # rows per generate call
+# > 0: the engine's prefix KV pool, in tokens (≈ 46 KB of float32 KV per token for SmolLM2-135M)
+PREFIX_CACHE_TOKENS = int(os.environ.get("FIDELITY_PREFIX_CACHE_TOKENS", "0"))
 GOAL = {"json_valid": 0.95, "error_match": 0.90, "key_f1": 0.80, "value_f1": 0.50}
 
 
@@ -154,7 +160,11 @@ def run_condition(cond: str, cfg, adapter: str | None, held: list, index, budget
 
     k = int(cond.rsplit("-k", 1)[1])
     model, tok, _ = load_policy(cfg, adapter)
-    engine = HFEngine(model, tok, compute_dtype="float32", prefix_cache_tokens=0)
+    # optional prefix caching (FIDELITY_PREFIX_CACHE_TOKENS > 0): a prompt reuses the KV of the longest
+    # prefix it shares with an earlier one (the domain's system prompt, the same task's history);
+    # float32 greedy outputs equal re-encoding. Off by default: on a 2-core AVX2 CPU it measured no
+    # faster (≈ 0.5 s per decode step at batch 8 either way; RESULTS.md)
+    engine = HFEngine(model, tok, compute_dtype="float32", prefix_cache_tokens=PREFIX_CACHE_TOKENS)
     tasks = {}
     todo = []
     for tr in held:
@@ -167,30 +177,38 @@ def run_condition(cond: str, cfg, adapter: str | None, held: list, index, budget
         if key not in done:
             todo.append((key, tr, ids))
     log(f"{cond}: {len(held) - len(todo)} cached, {len(todo)} to generate")
-    by_budget: dict[int, list] = {}
-    for item in todo:
-        by_budget.setdefault(budgets.get(item[1].tool, cfg.rollout.max_new_tokens_rehearse), []).append(item)
+
+    def budget_of(tr) -> int:
+        return budgets.get(tr.tool, cfg.rollout.max_new_tokens_rehearse)
+
     from envace_core.evaluation.fidelity import score_pair
 
-    for budget, items in sorted(by_budget.items()):
-        for i in range(0, len(items), 4):
-            chunk = items[i:i + 4]
-            t0 = time.time()
-            outs = engine.generate([ids for _, _, ids in chunk],
-                                   SamplingParams(max_new_tokens=budget, temperature=0.0, role="rehearse",
-                                                  stop_when=NotJsonStop(tok)))
-            dt = time.time() - t0
-            for (key, tr, ids), o in zip(chunk, outs):
-                text = tok.decode(o[0].token_ids, skip_special_tokens=True)
-                s = score_pair(tr.observation, text, tr.call)
-                sink.write(json.dumps({"key": key, "condition": cond, "id": transition_id(tr),
-                                       "domain": tr.domain, "prompt_tokens": len(ids),
-                                       "new_tokens": len(o[0].token_ids), "budget": budget,
-                                       "seconds": dt / len(chunk), "text": text, **s.to_dict()}) + "\n")
-                sink.flush()
-                done.add(key)
-            log(f"{cond}: {min(i + 4, len(items))}/{len(items)} at budget {budget} "
-                f"({dt:.1f}s, {sum(len(o[0].token_ids) for o in outs)} tokens)")
+    # chunks of BATCH rows, short budgets (≤ 200 tokens) first, each class by prompt length (little
+    # padding; a task's shorter, earlier prompts reach the prefix cache before its later ones): each
+    # chunk decodes to its largest budget and each row is then cut to its own, which is the row's
+    # greedy output at its budget (decoding is causal and greedy: the first b tokens do not depend on
+    # the budget)
+    todo.sort(key=lambda it: (budget_of(it[1]) > 200, len(it[2])))
+    for i in range(0, len(todo), BATCH):
+        chunk = todo[i:i + BATCH]
+        budget = max(budget_of(tr) for _, tr, _ in chunk)
+        t0 = time.time()
+        outs = engine.generate([ids for _, _, ids in chunk],
+                               SamplingParams(max_new_tokens=budget, temperature=0.0, role="rehearse",
+                                              stop_when=NotJsonStop(tok)))
+        dt = time.time() - t0
+        for (key, tr, ids), o in zip(chunk, outs):
+            new = list(o[0].token_ids)[:budget_of(tr)]
+            text = tok.decode(new, skip_special_tokens=True)
+            s = score_pair(tr.observation, text, tr.call)
+            sink.write(json.dumps({"key": key, "condition": cond, "id": transition_id(tr),
+                                   "domain": tr.domain, "prompt_tokens": len(ids),
+                                   "new_tokens": len(new), "budget": budget_of(tr),
+                                   "seconds": dt / len(chunk), "text": text, **s.to_dict()}) + "\n")
+            sink.flush()
+            done.add(key)
+        log(f"{cond}: {min(i + BATCH, len(todo))}/{len(todo)} at budget <= {budget} "
+            f"({dt:.1f}s, {sum(len(o[0].token_ids) for o in outs)} tokens)")
     del engine, model
 
 
