@@ -214,7 +214,8 @@ def effect(by_condition: dict[str, dict[str, float]], where: str, n_boot: int = 
             for c, v in by_condition.items()}
 
 
-def _ci(s: dict[str, Any], signed: bool = False) -> str:
+def ci_text(s: dict[str, Any], signed: bool = False) -> str:
+    """``mean [low, high]`` of a `stats.mean_ci` result to 3 decimals (signed: with +/-); "n/a" without a mean."""
     if s["mean"] is None:
         return "n/a"
     f = "{:+.3f}" if signed else "{:.3f}"
@@ -233,8 +234,8 @@ def markdown(cells: list[dict[str, Any]]) -> str:
             "|---|---|---|---|---|---|---|---|"]
     for c in cells:
         sec = _seconds(c)
-        diff = "—" if c["condition"] == "none" else _ci(c["diff_vs_none"], signed=True)
-        rows.append(f"| {c['model']} | {c['bench']} | {c['condition']} | {c['success']['n']} | {_ci(c['success'])} "
+        diff = "—" if c["condition"] == "none" else ci_text(c["diff_vs_none"], signed=True)
+        rows.append(f"| {c['model']} | {c['bench']} | {c['condition']} | {c['success']['n']} | {ci_text(c['success'])} "
                     f"| {diff} | {c['rehearsals']} | {sec} |")
     return "\n".join(rows)
 

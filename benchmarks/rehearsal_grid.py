@@ -428,24 +428,17 @@ def _cell_from_label(label: str) -> Cell:
     return Cell(label.removesuffix(NO_VERIFIER), not label.endswith(NO_VERIFIER))
 
 
-def _ci(s: dict[str, Any], signed: bool = False) -> str:
-    if s["mean"] is None:
-        return "n/a"
-    f = "{:+.3f}" if signed else "{:.3f}"
-    return f"{f.format(s['mean'])} [{f.format(s['ci95'][0])}, {f.format(s['ci95'][1])}]"
-
-
 def markdown(rep: dict[str, Any]) -> str:
     """The table: one row per model × bench × cell; n = items paired across that model × bench's cells."""
     rows = ["| model | bench | condition | done | n paired | success [95% CI] | Δ vs none [95% CI] | rehearsals "
             "| rejected | real calls in rehearsal | s / episode |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for c in rep["cells"]:
-        diff = "—" if c["condition"] == "none" else _ci(c["diff_vs_none"], signed=True)
+        diff = "—" if c["condition"] == "none" else effect_mod.ci_text(c["diff_vs_none"], signed=True)
         done = f"{c['done']}/{c['total']}" + (" blocked" if c["blocked"] else "")
         sec = "—" if c["per_episode_s"] is None else f"{c['per_episode_s']:.1f}"
         real = f"{c['real_calls_in_rehearsal']} ({c['isolation_checked']} checked)" if c["condition"] != "none" else "—"
         rows.append(f"| {c['model']} | {c['bench']} | {c['condition']} | {done} | {c['success']['n']} | "
-                    f"{_ci(c['success'])} | {diff} | {c['rehearsals']} | {c['rejected']} | {real} | {sec} |")
+                    f"{effect_mod.ci_text(c['success'])} | {diff} | {c['rehearsals']} | {c['rejected']} | {real} | {sec} |")
     return "\n".join(rows)
 
 
