@@ -26,8 +26,11 @@ train: install
 	$(VENV)/bin/envace --profile '$(PROFILE)' --overrides '$(OVERRIDES)' config --check > /dev/null
 	PYTHONUNBUFFERED=1 $(VENV)/bin/pyflyte run workflows/train.py train --profile '$(PROFILE)' --overrides '$(OVERRIDES)'
 
+# Two pytest-xdist workers, one thread each (two torch processes of 2 threads on 2 cores stall each
+# other); worksteal keeps both busy while the long cluster and crash tests run.
+TEST_WORKERS ?= 2
 test: install
-	$(PY) -m pytest -q -p no:cacheprovider
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
 
 clean:
 	rm -rf .envace
