@@ -86,7 +86,8 @@ def test_batching_does_not_change_greedy_completions(model, tok, prompts):
 
 @pytest.mark.parametrize("shared", [False, True])
 def test_left_padding_masks_and_position_ids(model, tok, prompts, shared):
-    """Rotary models are blind to a common position offset, so check what the model is fed directly."""
+    """Rotary models are blind to a common position offset, so check what the model is fed directly:
+    unpadded prefills, then one left-padded decode batch whose mask hides each row's padding."""
     calls = []
 
     def spy(_module, args, kwargs):
@@ -99,20 +100,19 @@ def test_left_padding_masks_and_position_ids(model, tok, prompts, shared):
                                                                                          temperature=0))
     finally:
         handle.remove()
-    ids, mask, pos = calls[0]  # prefill, rows sorted by length
     lens = sorted(len(p) for p in prompts)
-    assert ids.shape == (3, lens[-1])
-    for r, n in enumerate(lens):
-        assert mask[r].tolist() == [0] * (lens[-1] - n) + [1] * n
-        assert pos[r, -n:].tolist() == list(range(n))
-        assert ids[r, -n:].tolist() == sorted(prompts, key=len)[r]
-    for step, (ids, mask, pos) in enumerate(calls[1:]):  # decode: one token, positions continue per row
+    for r, n in enumerate(lens):  # prefill: each distinct prompt alone (no padding), sorted by length
+        ids, mask, pos = calls[r]
+        assert ids.tolist() == [sorted(prompts, key=len)[r]]
+        assert mask.tolist() == [[1] * n] and pos.tolist() == [list(range(n))]
+    for step, (ids, mask, pos) in enumerate(calls[len(lens):]):  # decode: one token, positions continue per row
         assert ids.shape == (3, 1)
         assert pos[:, 0].tolist() == [n + step for n in lens]
         if shared:  # the shared-prefix cache holds the prefill's padding mask; no mask is passed
             assert mask is None
         else:
             assert mask.shape == (3, lens[-1] + step + 1) and mask[:, -(step + 1):].eq(1).all()
+            assert [mask[r, :lens[-1]].tolist() for r in range(3)] == [[0] * (lens[-1] - n) + [1] * n for n in lens]
 
 
 @pytest.mark.parametrize("n,max_batch", [(4, 8), (2, 8), (1, 8), (3, 2)])

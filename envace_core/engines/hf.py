@@ -338,14 +338,18 @@ class HFEngine:
             ids[r, width - len(x):] = torch.tensor(x, dtype=torch.long)
             mask[r, width - len(x):] = 1
         pos = (mask.cumsum(-1) - 1).clamp_(min=0) + reused[:, None]
-        if int(reused.max()) > 0:
-            past, past_mask = padded_past(hits)
-            cache = DynamicCache([(k.to(device), v.to(device)) for k, v in past], config=self.model.config)
-            mask = torch.cat([past_mask, mask], dim=-1)
+        logits = self._prefill_unpadded(new, device, weights) if len(group) > 1 and int(reused.max()) == 0 else None
+        if logits is not None:
+            logits, cache, mask = logits
         else:
-            cache = DynamicCache(config=self.model.config)
-        ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
-        logits = self._forward(ids, mask, pos, cache, weights)  # (G, V)
+            if int(reused.max()) > 0:
+                past, past_mask = padded_past(hits)
+                cache = DynamicCache([(k.to(device), v.to(device)) for k, v in past], config=self.model.config)
+                mask = torch.cat([past_mask, mask], dim=-1)
+            else:
+                cache = DynamicCache(config=self.model.config)
+            ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
+            logits = self._forward(ids, mask, pos, cache, weights)  # (G, V)
         self.stats["prompt_tokens"] += int(lens.sum() - reused.sum())
         self.stats["cached_tokens"] += int(reused.sum())
         if pool is not None and not all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
@@ -366,6 +370,33 @@ class HFEngine:
                          lens.to(device).index_select(0, sel), owners, params, stop, base_seed, weights, results,
                          prompts)
         del cache
+
+    def _prefill_unpadded(self, prompts: list[list[int]], device, weights):
+        """Prefill each of G distinct `prompts` alone, then left-pad their KV into one decode batch.
+
+        A padded prefill batch attends through an explicit (G, L, L) mask over the longest prompt's
+        width (no causal fast path) and computes the padding too: measured on 2 AVX2 cores, float32,
+        SmolLM2-135M, 8 prompts of 1.3k-2.1k tokens, 87 s padded vs 45 s one by one. Each row's KV
+        equals re-encoding that prompt alone. Returns (last-position logits (G, V) float32, the batch
+        `DynamicCache` (G, H_kv, W, D) with W = the longest prompt, its (G, W) attention mask), or
+        None when the model's cache is not all full-attention layers (`DynamicLayer`: sliding-window
+        or hybrid caches cannot be padded this way), in which case the caller prefills padded."""
+        from types import SimpleNamespace
+
+        from transformers import DynamicCache
+
+        rows, entries = [], []
+        for x in prompts:
+            one = DynamicCache(config=self.model.config)
+            ids = torch.tensor([x], dtype=torch.long, device=device)
+            pos = torch.arange(len(x), device=device)[None]
+            rows.append(self._forward(ids, torch.ones_like(ids), pos, one, weights))
+            if not all(type(layer).__name__ == "DynamicLayer" for layer in one.layers):
+                return None
+            entries.append((len(x), SimpleNamespace(kv=[(layer.keys[0], layer.values[0]) for layer in one.layers])))
+            del one
+        past, mask = padded_past(entries)
+        return torch.cat(rows), DynamicCache(past, config=self.model.config), mask.to(device)
 
     def _decode(self, cache, logits, mask, next_pos, owners, params, stop, base_seed, weights, results,
                 prompts) -> None:
