@@ -262,3 +262,68 @@ def test_validate_rehearses_with_the_rollouts_budgets_and_grounding(bundled_toke
         "grounding_k = 2 but no REHEARSE prompt shows a real example"
     plain = rehearse_rows(cfg, Recorder(eng.tokenizer), trans)  # default: the profile's params, no index
     assert len(plain) == len(trans)
+
+
+def test_fit_budget_keeps_only_transitions_whose_real_result_fits_and_fills_the_limit(bundled_tokenizer_dir):
+    """validate.fit_budget skips held-out transitions whose real result (+ eos) exceeds its tool's
+    REHEARSE budget, and still returns validate.max_transitions of the ones that fit; without it the
+    first transitions are taken whatever their length."""
+    from transformers import AutoTokenizer
+
+    from envace_core.config import load_config
+    from envace_core.envs.tau2.tasks import load_tasks
+    from envace_core.roles.bounds import n_tokens
+    from envace_core.stages.validate import fits_budget, held_out_transitions
+    from envace_core.training.policy import rollout_params
+
+    tok = AutoTokenizer.from_pretrained(bundled_tokenizer_dir)
+    cfg = load_config("test", {"rollout": {"max_new_tokens_rehearse": 48,
+                                           "max_new_tokens_rehearse_per_tool": {"get_user_details": 2000}}})
+    params = rollout_params(cfg)
+    tasks = load_tasks("airline", "test")[:10]
+    every = held_out_transitions(tasks, 60, errors=True)
+    fit = [n_tokens(tok, o.content) + 1 <= params.rehearse_budget(c.name) for _, _, c, o in every]
+    assert any(fit) and not all(fit), "the fixture needs transitions on both sides of the budget"
+    kept = held_out_transitions(tasks, 5, errors=True, keep=fits_budget(params, tok))
+    assert len(kept) == 5
+    assert [c.id for _, _, c, _ in kept] == [c.id for (_, _, c, _), f in zip(every, fit) if f][:5]
+    assert any(c.name == "get_user_details" and not o.error for _, _, c, o in kept)  # its own, larger budget
+    assert all(n_tokens(tok, o.content) + 1 <= params.rehearse_budget(c.name) for _, _, c, o in kept)
+
+
+def test_cpu_smoke_gate_takes_the_warm_starts_lower_bounds_and_stops_a_base_level_rehearser():
+    """benchmarks/gate_calibration.py's thresholds are the warm start's 95 % lower bounds rounded down to
+    0.05; with the cpu-smoke profile's thresholds, rows at the warm start's measured level pass the
+    rehearsal gate and rows of a rehearser that fell to the base model's level (nothing parses) fail."""
+    import importlib.util
+    from pathlib import Path
+
+    from envace_core.config import load_config
+    from envace_core.stages.gates import GateFailed, gate_thresholds, rehearsal_gate
+
+    spec = importlib.util.spec_from_file_location(
+        "gate_calibration", Path(__file__).resolve().parents[1] / "benchmarks" / "gate_calibration.py")
+    gc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gc)
+    warm = {"json_valid": {"mean": 0.46, "ci_low": 0.2501}, "error_match": {"mean": 0.38, "ci_low": 0.2083},
+            "key_f1": {"mean": 0.38, "ci_low": 0.199}, "value_f1": {"mean": 0.0, "ci_low": 0.0}}
+    th = gc.proposed_thresholds(warm)
+    assert th == pytest.approx({"min_json_validity": 0.25, "min_error_accuracy": 0.2, "min_key_f1": 0.15,
+                                "min_value_f1": 0.0})
+    assert all(gc.passes(warm, th).values())
+    assert not gc.passes({**warm, "json_valid": {"mean": 0.2}}, th)["min_json_validity"]
+
+    v = load_config("cpu-smoke").validate_
+    assert v.fit_budget and gate_thresholds(v)["active"]
+
+    def rows(n_valid: int, n: int = 24) -> list[dict]:
+        # n_valid outputs parse, match error-vs-success and the key structure (value F1 0: the warm start's)
+        return [{"fidelity": 0.0, "json_valid": float(i < n_valid), "parse_error": float(i >= n_valid),
+                 "error_match": float(i < n_valid), "key_f1": float(i < n_valid), "value_f1": 0.0}
+                for i in range(n)]
+
+    assert rehearsal_gate(rows(11), v).success  # 11/24 = 0.46: the warm start's level
+    regressed = rehearsal_gate(rows(0), v)
+    assert not regressed.success and len(regressed.failed) >= 3
+    with pytest.raises(GateFailed):
+        regressed.raise_if_failed()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import pandas as pd
 
@@ -19,21 +19,36 @@ from envace_core.types import Task, ToolCall
 
 
 # -------------------------------------------------------------------------------------- validate
-def held_out_transitions(tasks: list[Task], limit: int, errors: bool = False) -> list[tuple[Task, list, ToolCall, Any]]:
+def held_out_transitions(tasks: list[Task], limit: int, errors: bool = False,
+                         keep: Callable[[ToolCall, Any], bool] | None = None) -> list[tuple[Task, list, ToolCall, Any]]:
     """The first `limit` real (task, history, call, observation) transitions of held-out `tasks`:
     their gold actions replayed in the real environment (`training.transitions.real_transitions`,
     canonical rendering), with `errors` each gold call preceded by the deterministic wrong call whose
-    real result is an error (its call id gets ``-<probe kind>``, so row ids stay unique)."""
+    real result is an error (its call id gets ``-<probe kind>``, so row ids stay unique). `keep`
+    (call, observation) -> bool, when given, skips the transitions it rejects (they do not count
+    toward `limit`)."""
     from envace_core.training.transitions import iter_real_transitions
 
     by_id = {t.id: t for t in tasks}
     out = []
     for tr in iter_real_transitions(tasks, errors=errors, forbid_splits=()):  # lazy: stops after `limit`
         call = tr.call.model_copy(update={"id": f"{tr.call.id}-{tr.probe}"}) if tr.probe else tr.call
+        if keep is not None and not keep(call, tr.observation):
+            continue
         out.append((by_id[tr.task_id], tr.history, call, tr.observation))
         if len(out) >= limit:
             break
     return out
+
+
+def fits_budget(params: RolloutParams, tokenizer) -> Callable[[ToolCall, Any], bool]:
+    """(call, observation) -> whether the real observation's text, plus the eos, fits REHEARSE's
+    budget for the call's tool (`RolloutParams.rehearse_budget`, tokens of `tokenizer`): only then can
+    an output within the budget equal it (a longer one is cut with the marker, which is not JSON, so
+    every metric but error-vs-success would score 0 whatever the rehearser knows)."""
+    from envace_core.roles.bounds import n_tokens
+
+    return lambda call, obs: n_tokens(tokenizer, obs.content) + 1 <= params.rehearse_budget(call.name)
 
 
 def rehearse_rows(cfg: RunConfig, engine: Any, trans: list[tuple[Task, list, ToolCall, Any]],
@@ -119,10 +134,35 @@ def validation_params(cfg: RunConfig, dataset: dict[str, Any]) -> RolloutParams:
     return grounded_params(cfg, p, real_train_transitions(cfg, load_dataset(dataset, "train")))
 
 
+def validation_transitions(cfg: RunConfig, dataset: dict[str, Any], tokenizer,
+                           params: RolloutParams) -> list[tuple[Task, list, ToolCall, Any]]:
+    """The held-out transitions `validate` measures: up to validate.max_transitions
+    (`held_out_transitions`, wrong-call errors included) of the dataset's test tasks first, then of
+    the rest of the test split (some tasks, e.g. telecom's, have no agent-side gold call; all of the
+    test split is held out from training); with validate.fit_budget only those whose real result fits
+    REHEARSE's budget (`fits_budget` under `params`, tokens of `tokenizer`).
+
+    Raises EnvaceError when there is none."""
+    from envace_core.envs.tau2.tasks import load_tasks
+
+    held_out = load_dataset(dataset, "test")
+    seen = {t.id for t in held_out}
+    held_out += [t for d in cfg.data.domains for t in load_tasks(d, cfg.data.test_split) if t.id not in seen]
+    keep = fits_budget(params, tokenizer) if cfg.validate_.fit_budget else None
+    trans = held_out_transitions(held_out, cfg.validate_.max_transitions, errors=True, keep=keep)
+    if not trans:
+        raise EnvaceError(f"no held-out transitions: the {cfg.data.test_split!r} split of "
+                          f"{cfg.data.domains} has no agent-side gold tool call"
+                          + (" whose real result fits REHEARSE's budget (validate.fit_budget)" if keep else "")
+                          + " to validate REHEARSE on")
+    return trans
+
+
 def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -> dict[str, Any]:
     """Rehearsal quality on held-out real transitions, then the registration gate.
 
-    For each held-out transition (h, a, o) from the test split's gold actions, REHEARSE predicts ô
+    For each held-out transition (h, a, o) from the test split's gold actions (with validate.fit_budget,
+    only those whose real o fits REHEARSE's budget for its tool: `fits_budget`), REHEARSE predicts ô
     from (h, a); we report JSON validity (ô parses), its complement the parse-error rate (the strict
     REHEARSE parser rejected ô, empty included), mean fidelity F(ô, o) (invalid ô counts 0) and
     error-prediction accuracy (ô is an error iff o is), key-structure and leaf-value F1 and the
@@ -137,18 +177,8 @@ def validate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
 
     model, tok, _ = load_policy(cfg, trained["adapter_dir"])
     engine = policy_engine(cfg, model, tok)
-    from envace_core.envs.tau2.tasks import load_tasks
-
-    # The evaluation subset first, then the rest of the held-out split: some tasks (e.g. telecom's)
-    # have no agent-side gold call, and all of the test split is held out from training.
-    held_out = load_dataset(dataset, "test")
-    seen = {t.id for t in held_out}
-    held_out += [t for d in cfg.data.domains for t in load_tasks(d, cfg.data.test_split) if t.id not in seen]
-    trans = held_out_transitions(held_out, cfg.validate_.max_transitions, errors=True)
-    if not trans:
-        raise EnvaceError(f"no held-out transitions: the {cfg.data.test_split!r} split of "
-                          f"{cfg.data.domains} has no agent-side gold tool call to validate REHEARSE on")
-    rows = rehearse_rows(cfg, engine, trans, validation_params(cfg, dataset))
+    params = validation_params(cfg, dataset)
+    rows = rehearse_rows(cfg, engine, validation_transitions(cfg, dataset, tok, params), params)
     metrics = rehearsal_metrics(rows)
     gate = rehearsal_gate(pd.DataFrame(rows), cfg.validate_)
     gate_key = f"validation/{trained.get('run_id') or 'dataset-' + dataset['version']}/gate.json"
