@@ -62,3 +62,28 @@ def test_rollout_rehearse_prompt_holds_the_examples(tok):
     call = ToolCall(name="get_order_details", arguments={"order_id": "#W2378156"})
     assert [c.arguments for c, _ in p.grounding_examples("retail/1", call, tok)] == [{"order_id": "#W2378157"}]
     assert (p.rehearse_budget("get_order_details"), p.rehearse_budget("other")) == (5, 8)
+
+
+def test_same_domain_only_and_a_long_result_is_cut_to_the_budget_instead_of_skipped(tok):
+    """Examples come from the rehearsed task's domain only; the most similar example, too long to fit
+    whole, is shown cut with the truncation marker (not replaced by a shorter, less similar one), and
+    the examples' texts stay within the budget."""
+    from envace_core.envs.tau2.observations import is_cut
+
+    long_record = '{"order_id":"#W2378157","items":[' + ",".join(f'{{"item_id":"{i:010d}","price":{i}.5}}'
+                                                                   for i in range(60)) + "]}"
+    airline = Transition("airline/7", "airline", "get_order_details", [Message(role="user", content="hi")],
+                         ToolCall(name="get_order_details", arguments={"order_id": "#W2378156"}),
+                         Observation(content='{"order_id":"airline"}'), "success")
+    idx = GroundingIndex([airline, _t("retail/2", "get_order_details", "#W2378157", long_record),
+                          _t("retail/3", "get_order_details", "#X0000000", '{"error":"not found"}')])
+    call = ToolCall(name="get_order_details", arguments={"order_id": "#W2378156"})
+    assert n_tokens(tok, long_record) > 300
+    got = idx.examples("retail/1", call, k=2, max_tokens=200, tokenizer=tok)
+    assert [c.arguments["order_id"] for c, _ in got] == ["#W2378157"]  # no airline example; the cut one first
+    assert is_cut(got[0][1].content) and got[0][1].content.startswith('{"order_id":"#W2378157"')
+    assert sum(n_tokens(tok, example_text(c, o)) + 1 for c, o in got) <= 200
+    whole = idx.examples("retail/1", call, k=2, max_tokens=2000, tokenizer=tok)
+    assert [o.content for _, o in whole] == [long_record, '{"error":"not found"}']
+    assert [c.arguments for c, _ in idx.examples("airline/8", call, k=3, max_tokens=2000, tokenizer=tok)] \
+        == [{"order_id": "#W2378156"}]

@@ -16,13 +16,15 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from envace_core.roles.bounds import n_tokens
+from envace_core.roles.bounds import bound_text, n_tokens
 from envace_core.types import Observation, ToolCall
 
 if TYPE_CHECKING:
     from envace_core.training.transitions import Transition
 
 _WORD = re.compile(r"\w+", re.UNICODE)
+# fewest result tokens an example cut to the budget left must keep to be shown (else it is skipped)
+MIN_CUT_RESULT_TOKENS = 48
 
 
 def _values(x) -> list[str]:
@@ -57,9 +59,10 @@ class GroundingIndex:
     it holds."""
 
     def __init__(self, transitions: Sequence[Transition]):
-        self._by_tool: dict[str, list[tuple[str, ToolCall, Observation, frozenset[str]]]] = {}
+        self._by_tool: dict[str, list[tuple[str, str, ToolCall, Observation, frozenset[str]]]] = {}
         for t in transitions:
-            self._by_tool.setdefault(t.tool, []).append((t.task_id, t.call, t.observation, call_features(t.call)))
+            self._by_tool.setdefault(t.tool, []).append(
+                (t.task_id, t.domain, t.call, t.observation, call_features(t.call)))
 
     def __len__(self) -> int:
         return sum(len(v) for v in self._by_tool.values())
@@ -67,16 +70,21 @@ class GroundingIndex:
     def examples(self, task_id: str, call: ToolCall, k: int, max_tokens: int,
                  tokenizer) -> list[tuple[ToolCall, Observation]]:
         """Up to `k` (call, real result) pairs of `call.name` from tasks other than `task_id` (never
-        its own; one per distinct arguments), most similar first (Jaccard of `call_features`, ties by
-        index order), taken
-        greedily while their `example_text`s total at most `max_tokens` tokens (`tokenizer`; an
-        example that does not fit is skipped for a later, shorter one). [] when k <= 0."""
+        its own; one per distinct arguments) of the same domain (``<domain>/...`` task ids; tau2's
+        domains share tool names such as ``transfer_to_human_agents`` whose results differ), most
+        similar first (Jaccard of `call_features`, ties by index order), taken greedily while their
+        `example_text`s total at most `max_tokens` tokens (`tokenizer`). An example that does not fit
+        whole is cut to the budget left (the marker of `roles.bounds.bound_text`, as ACT's
+        history cuts real results) when at least `MIN_CUT_RESULT_TOKENS` of its result fit, else
+        skipped for a later, shorter one: long records (e.g. retail product details, ~900 tokens) are
+        shown in part instead of being replaced by short, less similar error results. [] when k <= 0."""
         if k <= 0 or max_tokens <= 0:
             return []
         q = call_features(call)
+        domain = task_id.split("/", 1)[0] if "/" in task_id else None
         ranked = []
-        for i, (tid, c, o, f) in enumerate(self._by_tool.get(call.name, ())):
-            if tid == task_id:
+        for i, (tid, dom, c, o, f) in enumerate(self._by_tool.get(call.name, ())):
+            if tid == task_id or (domain is not None and dom != domain):
                 continue
             union = len(q | f)
             ranked.append((-(len(q & f) / union if union else 1.0), i, c, o))
@@ -88,7 +96,13 @@ class GroundingIndex:
                 continue
             cost = n_tokens(tokenizer, example_text(c, o)) + 1
             if used + cost > max_tokens:
-                continue
+                room = max_tokens - used - 1 - n_tokens(tokenizer, example_text(c, Observation(content="")))
+                if room < MIN_CUT_RESULT_TOKENS:
+                    continue
+                o = Observation(content=bound_text(o.content, tokenizer, room, what="tool result"), error=o.error)
+                cost = n_tokens(tokenizer, example_text(c, o)) + 1
+                if used + cost > max_tokens:  # the seam merged tokens: skip rather than overrun
+                    continue
             out.append((c, o))
             seen.add(key)
             used += cost
