@@ -65,6 +65,12 @@ def _register_f32_decode_attention() -> bool:
     return shared_prefix.register_attention(_F32_DECODE_ATTN, _f32_decode_sdpa, sdpa_mask)
 
 
+def _full_attention(cache) -> bool:
+    """Whether every layer of a transformers cache is a full-attention `DynamicLayer` (whose KV can be
+    padded, selected and stored per row; sliding-window and hybrid layers cannot)."""
+    return all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+
+
 def _row_seed(base: int, prompt_idx: int, sample_idx: int) -> int:
     """A 63-bit seed for sample `sample_idx` of prompt `prompt_idx`, derived from the call's seed."""
     digest = hashlib.blake2b(f"{base}:{prompt_idx}:{sample_idx}".encode(), digest_size=8).digest()
@@ -138,6 +144,7 @@ class HFEngine:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
         self.prefix_pool: PrefixPool | None = PrefixPool(prefix_cache_tokens) if prefix_cache_tokens else None
         self._shared_prefix = bool(shared_prefix_decode)
+        self._unpadded = True  # `_prefill_unpadded` until a model's cache proves it cannot be padded
         self.stats: dict = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "seconds": 0.0,
                             "calls": 0}
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
@@ -320,43 +327,23 @@ class HFEngine:
 
     # ------------------------------------------------------------------ the loop
     def _run_unit(self, prompts, group, chunks, n, params, stop, base_seed, device, weights, results) -> None:
-        """Prefill `group` (left-padded) once, then decode each chunk of rows from a copy of that cache."""
-        from transformers import DynamicCache
-
+        """Prefill `group` once (`_prefill_unpadded`, else `_prefill_padded`), then decode each chunk of
+        rows from that cache."""
         lens = torch.tensor([len(prompts[i]) for i in group])
         pool = self.prefix_pool
         hits = [pool.lookup(prompts[i]) for i in group] if pool is not None else [(0, None)] * len(group)
         reused = torch.tensor([m for m, _ in hits])
-        # New tokens only (the whole prompt on a miss), left-padded; position ids continue the reused prefix.
-        new = [prompts[i][m:] for i, (m, _) in zip(group, hits)]
-        width = max(len(x) for x in new)
-        pad = getattr(self.tokenizer, "pad_token_id", None)
-        pad = 0 if pad is None else pad
-        ids = torch.full((len(group), width), pad, dtype=torch.long)
-        mask = torch.zeros((len(group), width), dtype=torch.long)
-        for r, x in enumerate(new):
-            ids[r, width - len(x):] = torch.tensor(x, dtype=torch.long)
-            mask[r, width - len(x):] = 1
-        pos = (mask.cumsum(-1) - 1).clamp_(min=0) + reused[:, None]
-        logits = self._prefill_unpadded(new, device, weights) if len(group) > 1 and int(reused.max()) == 0 else None
-        if logits is not None:
-            logits, cache, mask = logits
-        else:
-            if int(reused.max()) > 0:
-                past, past_mask = padded_past(hits)
-                cache = DynamicCache([(k.to(device), v.to(device)) for k, v in past], config=self.model.config)
-                mask = torch.cat([past_mask, mask], dim=-1)
-            else:
-                cache = DynamicCache(config=self.model.config)
-            ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
-            logits = self._forward(ids, mask, pos, cache, weights)  # (G, V)
+        new = [prompts[i][m:] for i, (m, _) in zip(group, hits)]  # the whole prompt on a miss
+        unpadded = self._prefill_unpadded(new, device, weights) \
+            if self._unpadded and len(group) > 1 and int(reused.max()) == 0 else None
+        logits, cache, mask = unpadded if unpadded is not None else self._prefill_padded(new, hits, device, weights)
         self.stats["prompt_tokens"] += int(lens.sum() - reused.sum())
         self.stats["cached_tokens"] += int(reused.sum())
-        if pool is not None and not all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers):
+        if pool is not None and not _full_attention(cache):
             self.prefix_pool = pool = None  # sliding-window / hybrid caches: no safe reuse, so none
 
         shared = self._shared_prefix and shared_prefix.supports(self.model) and shared_prefix.register() \
-            and all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
+            and _full_attention(cache)
         for c, rows in enumerate(chunks):
             sel = torch.tensor([r // n for r in rows], device=device)  # prefill row of each decode row
             if shared:  # the prompts' KV once, read by every chunk; rows hold only their own tokens
@@ -371,6 +358,31 @@ class HFEngine:
                          prompts)
         del cache
 
+    def _prefill_padded(self, new: list[list[int]], hits: list, device, weights):
+        """Prefill the `new` tokens of a unit's prompts in one left-padded batch, after their reused
+        prefixes (`hits`, from the prefix pool; position ids continue each prefix). Returns
+        (last-position logits (G, V) float32, the batch `DynamicCache`, its (G, W) attention mask)."""
+        from transformers import DynamicCache
+
+        reused = torch.tensor([m for m, _ in hits])
+        width = max(len(x) for x in new)
+        pad = getattr(self.tokenizer, "pad_token_id", None)
+        pad = 0 if pad is None else pad
+        ids = torch.full((len(new), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(new), width), dtype=torch.long)
+        for r, x in enumerate(new):
+            ids[r, width - len(x):] = torch.tensor(x, dtype=torch.long)
+            mask[r, width - len(x):] = 1
+        pos = (mask.cumsum(-1) - 1).clamp_(min=0) + reused[:, None]
+        if int(reused.max()) > 0:
+            past, past_mask = padded_past(hits)
+            cache = DynamicCache([(k.to(device), v.to(device)) for k, v in past], config=self.model.config)
+            mask = torch.cat([past_mask, mask], dim=-1)
+        else:
+            cache = DynamicCache(config=self.model.config)
+        ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
+        return self._forward(ids, mask, pos, cache, weights), cache, mask
+
     def _prefill_unpadded(self, prompts: list[list[int]], device, weights):
         """Prefill each of G distinct `prompts` alone, then left-pad their KV into one decode batch.
 
@@ -379,8 +391,9 @@ class HFEngine:
         SmolLM2-135M, 8 prompts of 1.3k-2.1k tokens, 87 s padded vs 45 s one by one. Each row's KV
         equals re-encoding that prompt alone. Returns (last-position logits (G, V) float32, the batch
         `DynamicCache` (G, H_kv, W, D) with W = the longest prompt, its (G, W) attention mask), or
-        None when the model's cache is not all full-attention layers (`DynamicLayer`: sliding-window
-        or hybrid caches cannot be padded this way), in which case the caller prefills padded."""
+        None when the model's cache is not all full-attention layers (`_full_attention`: sliding-window
+        or hybrid caches cannot be padded this way), in which case the caller prefills padded, and so
+        does every later call (found out on the first prompt, so one forward is spent once)."""
         from types import SimpleNamespace
 
         from transformers import DynamicCache
@@ -391,7 +404,8 @@ class HFEngine:
             ids = torch.tensor([x], dtype=torch.long, device=device)
             pos = torch.arange(len(x), device=device)[None]
             rows.append(self._forward(ids, torch.ones_like(ids), pos, one, weights))
-            if not all(type(layer).__name__ == "DynamicLayer" for layer in one.layers):
+            if not _full_attention(one):
+                self._unpadded = False
                 return None
             entries.append((len(x), SimpleNamespace(kv=[(layer.keys[0], layer.values[0]) for layer in one.layers])))
             del one
