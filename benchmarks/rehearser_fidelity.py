@@ -149,8 +149,11 @@ def warm_adapter(warm: str, cfg, train_trans: list, train_tasks: list, steps: in
 
 
 # ------------------------------------------------------------------------------------ generation
-def run_condition(cond: str, cfg, adapter: str | None, held: list, index, budgets: dict[str, int],
+def run_condition(cond: str, cfg, adapter_of, held: list, index, budgets: dict[str, int],
                   done: set[str], sink) -> None:
+    """Generate and score `cond`'s held-out transitions that are not in `done` yet; `adapter_of()`
+    gives the warm start's adapter dir (None for the base model) and is called only when some
+    transition is left, so a condition whose results are all cached never trains its warm start."""
     from envace_core.engines.base import SamplingParams
     from envace_core.engines.hf import HFEngine
     from envace_core.envs.tau2.tasks import task_context
@@ -158,13 +161,10 @@ def run_condition(cond: str, cfg, adapter: str | None, held: list, index, budget
     from envace_core.roles.rehearse import rehearse_prompt_ids
     from envace_core.training.policy import load_policy
 
+    from envace_core.models import load_tokenizer, resolve_model
+
     k = int(cond.rsplit("-k", 1)[1])
-    model, tok, _ = load_policy(cfg, adapter)
-    # optional prefix caching (FIDELITY_PREFIX_CACHE_TOKENS > 0): a prompt reuses the KV of the longest
-    # prefix it shares with an earlier one (the domain's system prompt, the same task's history);
-    # float32 greedy outputs equal re-encoding. Off by default: on a 2-core AVX2 CPU it measured no
-    # faster (≈ 0.5 s per decode step at batch 8 either way; RESULTS.md)
-    engine = HFEngine(model, tok, compute_dtype="float32", prefix_cache_tokens=PREFIX_CACHE_TOKENS)
+    tok = load_tokenizer(resolve_model(cfg.model.ref))
     tasks = {}
     todo = []
     for tr in held:
@@ -177,6 +177,14 @@ def run_condition(cond: str, cfg, adapter: str | None, held: list, index, budget
         if key not in done:
             todo.append((key, tr, ids))
     log(f"{cond}: {len(held) - len(todo)} cached, {len(todo)} to generate")
+    if not todo:
+        return
+    model, tok, _ = load_policy(cfg, adapter_of())
+    # optional prefix caching (FIDELITY_PREFIX_CACHE_TOKENS > 0): a prompt reuses the KV of the longest
+    # prefix it shares with an earlier one (the domain's system prompt, the same task's history);
+    # float32 greedy outputs equal re-encoding. Off by default: on a 2-core AVX2 CPU it measured no
+    # faster (≈ 0.5 s per decode step at batch 8 either way; RESULTS.md)
+    engine = HFEngine(model, tok, compute_dtype="float32", prefix_cache_tokens=PREFIX_CACHE_TOKENS)
 
     def budget_of(tr) -> int:
         return budgets.get(tr.tool, cfg.rollout.max_new_tokens_rehearse)
@@ -309,8 +317,8 @@ def main() -> None:
         with CACHE.open("a") as sink:
             for cond in conditions:
                 warm = cond.rsplit("-k", 1)[0]
-                adapter = warm_adapter(warm, cfg, train_trans, train, a.sft_steps, budgets)
-                run_condition(cond, cfg, adapter, held, index, budgets, done, sink)
+                run_condition(cond, cfg, lambda: warm_adapter(warm, cfg, train_trans, train, a.sft_steps, budgets),
+                              held, index, budgets, done, sink)
                 write_report(conditions, held, train, a, cfg, budgets)  # after each condition: partial runs count
     print(write_report(conditions, held, train, a, cfg, budgets))
 
