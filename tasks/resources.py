@@ -32,6 +32,7 @@ import functools
 import os
 import re
 import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Optional
@@ -265,6 +266,23 @@ def recoverable(fn):
     return wrapper
 
 
+def timed(name: str, fn):
+    """`fn` that prints, when it returns or raises, ``[<name>] <outcome> in <s> s`` (wall-clock
+    seconds of the task body, flushed to stdout), so a run's log shows where its time went: the
+    local main job's output and each pod's log. A task served from Flyte's cache runs no body and
+    prints nothing."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        t0, outcome = time.perf_counter(), "failed"
+        try:
+            out = fn(*args, **kwargs)
+            outcome = "done"
+            return out
+        finally:
+            print(f"[{name}] {outcome} in {time.perf_counter() - t0:.1f} s", flush=True)
+    return wrapper
+
+
 def with_hmac_key(fn, secret: Secret):
     """`fn` run with $ENVACE_REGISTRY_HMAC_KEY set from Flyte secret `secret` when the pod has it."""
     @functools.wraps(fn)
@@ -299,7 +317,7 @@ def stage_task(name: str, **extra: Any):
         extra["environment"] = {"ENVACE_IMAGE": image, **(extra.get("environment") or {})}
 
     def decorate(fn):
-        body = recoverable(with_hmac_key(fn, secret) if secret is not None else fn)
+        body = timed(name, recoverable(with_hmac_key(fn, secret) if secret is not None else fn))
         return task(container_image=s.image, requests=s.requests, limits=s.limits, retries=s.retries,
                     timeout=s.timeout, cache=cache, **extra)(body)
     return decorate
