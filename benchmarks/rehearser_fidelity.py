@@ -54,6 +54,9 @@ DEFAULT_CONDITIONS = ["act_rehearse-k0", "act-k0", "act_rehearse-k4", "base-k0",
 BATCH = 8  # rows per generate call
 # > 0: the engine's prefix KV pool, in tokens (≈ 46 KB of float32 KV per token for SmolLM2-135M)
 PREFIX_CACHE_TOKENS = int(os.environ.get("FIDELITY_PREFIX_CACHE_TOKENS", "0"))
+DTYPE = "float32"  # set by --dtype in main(); the warm start's and the engine's compute dtype
+# float32 keeps the names and cache keys it had before --dtype existed
+DTYPE_SUFFIX = {"float32": "", "bfloat16": "-bf16"}
 GOAL = {"json_valid": 0.95, "error_match": 0.90, "key_f1": 0.80, "value_f1": 0.50}
 
 
@@ -117,7 +120,7 @@ def warm_adapter(warm: str, cfg, train_trans: list, train_tasks: list, steps: in
     """The adapter dir of warm start `warm` (trained once, then reused from WORK/<warm>)."""
     if warm == "base":
         return None
-    out = WORK / f"{warm}-s{steps}"
+    out = WORK / (f"{warm}-s{steps}" + DTYPE_SUFFIX[DTYPE])
     if (out / "adapter_config.json").exists():
         return str(out)
     from envace_core.training.policy import load_policy
@@ -129,7 +132,7 @@ def warm_adapter(warm: str, cfg, train_trans: list, train_tasks: list, steps: in
         tcfg = tcfg.model_copy(update={"lora_r": 64, "lora_alpha": 64, "lora_target_modules": [
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]})
     model, tok, _ = load_policy(cfg)
-    trainer = PolicyTrainer(model, tok, tcfg, compute_dtype="float32")
+    trainer = PolicyTrainer(model, tok, tcfg, compute_dtype=DTYPE)
     ex = act_examples(train_tasks, tok, cfg.data.policy_max_chars, max_turns=cfg.rollout.max_turns,
                       max_tokens=cfg.train.sft_max_tokens)
     if warm != "act":
@@ -143,7 +146,7 @@ def warm_adapter(warm: str, cfg, train_trans: list, train_tasks: list, steps: in
     trainer.save_adapter(str(out))
     log(f"{warm}: {steps} SFT steps on {len(ex)} examples in {time.time() - t0:.0f}s, "
         f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    json.dump({"examples": len(ex), "steps": steps, "losses": losses, "seconds": time.time() - t0},
+    json.dump({"examples": len(ex), "steps": steps, "losses": losses, "seconds": time.time() - t0, "dtype": DTYPE},
               open(out / "sft.json", "w"))
     return str(out)
 
@@ -173,7 +176,7 @@ def run_condition(cond: str, cfg, adapter_of, held: list, index, budgets: dict[s
         ex = index.examples(tr.task_id, tr.call, k, cfg.rollout.grounding_max_tokens, tok) if k else []
         ids = rehearse_prompt_ids(tok, tasks[tr.task_id], tr.history, tr.call, ex,
                                   max_observation_tokens=cfg.rollout.max_observation_tokens)
-        key = f"{cond}|{transition_id(tr)}|{hashlib.sha1(str(ids).encode()).hexdigest()[:10]}"
+        key = f"{cond}|{transition_id(tr)}|{hashlib.sha1(str(ids).encode()).hexdigest()[:10]}{DTYPE_SUFFIX[DTYPE]}"
         if key not in done:
             todo.append((key, tr, ids))
     log(f"{cond}: {len(held) - len(todo)} cached, {len(todo)} to generate")
@@ -184,7 +187,7 @@ def run_condition(cond: str, cfg, adapter_of, held: list, index, budgets: dict[s
     # prefix it shares with an earlier one (the domain's system prompt, the same task's history);
     # float32 greedy outputs equal re-encoding. Off by default: on a 2-core AVX2 CPU it measured no
     # faster (≈ 0.5 s per decode step at batch 8 either way; RESULTS.md)
-    engine = HFEngine(model, tok, compute_dtype="float32", prefix_cache_tokens=PREFIX_CACHE_TOKENS)
+    engine = HFEngine(model, tok, compute_dtype=DTYPE, prefix_cache_tokens=PREFIX_CACHE_TOKENS)
 
     def budget_of(tr) -> int:
         return budgets.get(tr.tool, cfg.rollout.max_new_tokens_rehearse)
@@ -210,7 +213,7 @@ def run_condition(cond: str, cfg, adapter_of, held: list, index, budgets: dict[s
             text = tok.decode(new, skip_special_tokens=True)
             s = score_pair(tr.observation, text, tr.call)
             sink.write(json.dumps({"key": key, "condition": cond, "id": transition_id(tr),
-                                   "domain": tr.domain, "prompt_tokens": len(ids),
+                                   "domain": tr.domain, "dtype": DTYPE, "prompt_tokens": len(ids),
                                    "new_tokens": len(new), "budget": budget_of(tr),
                                    "seconds": dt / len(chunk), "text": text, **s.to_dict()}) + "\n")
             sink.flush()
@@ -243,7 +246,10 @@ def report(conditions: list[str], held: list) -> dict[str, Any]:
         out[cond] = {**agg["all"], "per_tool": agg["per_tool"], "per_kind": agg["per_kind"],
                      "generated_tokens_mean": sum(r["new_tokens"] for r in rs) / len(rs),
                      "hit_budget": sum(r["new_tokens"] >= r["budget"] for r in rs) / len(rs),
-                     "seconds_per_transition": sum(r["seconds"] for r in rs) / len(rs)}
+                     "seconds_per_transition": sum(r["seconds"] for r in rs) / len(rs),
+                     # rows written before the dtype was recorded ran in float32
+                     "dtype": {d: sum(r.get("dtype", "float32") == d for r in rs)
+                               for d in sorted({r.get("dtype", "float32") for r in rs})}}
     return out
 
 
@@ -276,6 +282,9 @@ def main() -> None:
     ap.add_argument("--conditions", default=",".join(DEFAULT_CONDITIONS))
     ap.add_argument("--sft-steps", type=int, default=40)
     ap.add_argument("--report-only", action="store_true")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                    help="compute dtype of the warm starts and of generation; auto = bfloat16 on a CPU with "
+                         "native bf16 (AVX-512 BF16 / AMX), else float32 (engines.base.resolve_compute_dtype)")
     a = ap.parse_args()
     conditions = [c.strip() for c in a.conditions.split(",") if c.strip()]
     for c in conditions:
@@ -286,11 +295,15 @@ def main() -> None:
     import torch
 
     from envace_core.config import load_config
+    from envace_core.engines.base import resolve_compute_dtype
+
+    global DTYPE
+    DTYPE = resolve_compute_dtype(a.dtype, "cpu")
     from envace_core.roles.grounding import GroundingIndex
     from envace_core.training.transitions import real_transitions
 
     torch.manual_seed(0)
-    cfg = load_config("cpu-smoke", {"model": {"compute_dtype": "float32"},
+    cfg = load_config("cpu-smoke", {"model": {"compute_dtype": DTYPE},
                                     "train": {"sft_batch_rows": 4, "sft_learning_rate": 5e-4}})
     t0 = time.time()
     setup = WORK / "setup.pkl"  # tasks and their replayed transitions: deterministic, so made once
@@ -330,6 +343,7 @@ def write_report(conditions: list[str], held: list, train: list, a, cfg, budgets
             "held_out_by_source": source_counts(held), "warm_start_tasks": len(train),
             "sft_steps": a.sft_steps, "sft_batch_rows": cfg.train.sft_batch_rows,
             "sft_learning_rate": cfg.train.sft_learning_rate, "goal": GOAL, "model": cfg.model.ref,
+            "dtype_of_this_run": DTYPE,
             "budgets": budgets, "conditions_asked": conditions}
     OUT.write_text(json.dumps({"meta": meta, "conditions": res}, indent=1) + "\n")
     return table(res)
