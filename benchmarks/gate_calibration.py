@@ -16,7 +16,8 @@ Per model: every metric of `evaluation.fidelity.aggregate` over all transitions,
 ci_high, n} (95 % bootstrap over transitions), and per tool. Proposed thresholds: the warm start's
 95 % lower bound per gated metric, rounded down to 0.05 (`proposed_thresholds`): a policy whose
 rehearser fell clearly below the warm start it was trained from fails the gate; one within the warm
-start's sampling noise passes. The JSON says whether the trained policy passes them.
+start's sampling noise passes. The JSON says whether each model passes the validate stage's own gate
+(`stages.gates.rehearsal_gate` on its per-transition rows) with them, and which expectations failed.
 """
 
 from __future__ import annotations
@@ -49,26 +50,22 @@ def proposed_thresholds(warm: dict[str, dict[str, float]]) -> dict[str, float]:
     return out
 
 
-def passes(metrics: dict[str, dict[str, float]], thresholds: dict[str, float]) -> dict[str, bool]:
-    """validate.<field> -> whether `metrics`' mean meets it."""
-    inv = {f: m for m, f in GATED.items()}
-    return {f: (metrics.get(inv[f]) or {}).get("mean", 0.0) >= t - 1e-9 for f, t in thresholds.items()}
-
-
-def measure(cfg, dataset: dict[str, Any], adapter: str | None) -> dict[str, Any]:
+def measure(cfg, dataset: dict[str, Any], adapter: str | None, params) -> tuple[dict[str, Any], list[dict]]:
+    """(aggregate metrics + per tool / kind + seconds + transition ids, the validate stage's
+    per-transition rows) of the policy `adapter` (None: the base model) on `validate`'s transitions;
+    `params`: `stages.validate.validation_params(cfg, dataset)`."""
     from envace_core.evaluation.fidelity import PairScore, aggregate
-    from envace_core.stages.validate import rehearse_rows, validation_params, validation_transitions
+    from envace_core.stages.validate import rehearse_rows, validation_transitions
     from envace_core.training.policy import load_policy, policy_engine
 
     t0 = time.perf_counter()
     model, tok, _ = load_policy(cfg, adapter)
     engine = policy_engine(cfg, model, tok)
-    params = validation_params(cfg, dataset)
     trans = validation_transitions(cfg, dataset, tok, params)
     rows = rehearse_rows(cfg, engine, trans, params)
     agg = aggregate([PairScore(**{f: r[f] for f in PairScore.__dataclass_fields__}) for r in rows])
-    return {"all": agg["all"], "per_tool": agg["per_tool"], "per_kind": agg["per_kind"],
-            "seconds": time.perf_counter() - t0, "ids": [r["id"] for r in rows]}
+    return ({"all": agg["all"], "per_tool": agg["per_tool"], "per_kind": agg["per_kind"],
+             "seconds": time.perf_counter() - t0, "ids": [r["id"] for r in rows]}, rows)
 
 
 def table(res: dict[str, Any]) -> str:
@@ -90,6 +87,8 @@ def main() -> None:
     a = ap.parse_args()
     from envace_core.config import load_config
     from envace_core.stages.curate import curate
+    from envace_core.stages.gates import rehearsal_gate
+    from envace_core.stages.validate import validation_params
 
     for d in (a.warm_start, a.trained):
         if not (Path(d) / "adapter_config.json").is_file():
@@ -99,21 +98,26 @@ def main() -> None:
     cfg = load_config(a.profile, over)
     t0 = time.perf_counter()
     dataset = curate(cfg)
-    models = {}
+    params = validation_params(cfg, dataset)
+    models, rows = {}, {}
     for name, adapter in (("base", None), ("warm_start", a.warm_start), ("trained", a.trained)):
-        models[name] = measure(cfg, dataset, adapter)
+        models[name], rows[name] = measure(cfg, dataset, adapter, params)
         print(f"[gate_calibration] {name}: " + json.dumps({k: round(v["mean"], 3) for k, v in models[name]["all"].items()
                                                           if v["mean"] is not None}), flush=True)
     th = proposed_thresholds(models["warm_start"]["all"])
+    # each model's rows through the validate stage's own gate, with the proposed floors in place of
+    # the profile's (the profile's max_parse_error_rate and min_fidelity stay)
+    gated = cfg.validate_.model_copy(update=th)
+    gates = {n: rehearsal_gate(r, gated) for n, r in rows.items()}
     res = {"profile": a.profile, "overrides": a.overrides,
            "validate": cfg.validate_.model_dump(), "warm_start": a.warm_start, "trained": a.trained,
            "models": models, "proposed_thresholds": th,
-           "passes": {n: passes(m["all"], th) for n, m in models.items()},
+           "passes": {n: {"success": g.success, "failed": g.failed} for n, g in gates.items()},
            "seconds": time.perf_counter() - t0, "load_avg": os.getloadavg()}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2, default=str) + "\n")
     print(table(res))
-    print("proposed thresholds:", json.dumps(th), "; passes:", json.dumps(res["passes"]))
+    print("proposed thresholds:", json.dumps(th), "; passes:", json.dumps({n: g.success for n, g in gates.items()}))
 
 
 if __name__ == "__main__":

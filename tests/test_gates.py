@@ -310,8 +310,6 @@ def test_cpu_smoke_gate_takes_the_warm_starts_lower_bounds_and_stops_a_base_leve
     th = gc.proposed_thresholds(warm)
     assert th == pytest.approx({"min_json_validity": 0.25, "min_error_accuracy": 0.2, "min_key_f1": 0.15,
                                 "min_value_f1": 0.0})
-    assert all(gc.passes(warm, th).values())
-    assert not gc.passes({**warm, "json_valid": {"mean": 0.2}}, th)["min_json_validity"]
 
     v = load_config("cpu-smoke").validate_
     assert v.fit_budget and gate_thresholds(v)["active"]
