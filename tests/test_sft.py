@@ -240,3 +240,134 @@ def test_warm_start_trains_both_roles_and_each_per_role_adapter(tiny_model_dir, 
         if per_role:  # each adapter warmed on its own role's examples
             assert any(".act." in n for n in moved) and any(".rehearse." in n for n in moved)
             assert trainer.model.active_adapter == "act"
+
+
+# ------------------------------------------------------------------------- test-split guard of the ACT data
+def test_act_examples_refuse_a_test_split_task_before_replaying_anything(tasks, tok):
+    import re
+
+    from envace_core.training.transitions import TestSplitError
+
+    held = tasks[1].model_copy(update={"split": "test"})
+    built: list[str] = []
+
+    def factory(domain):
+        built.append(domain)
+        from envace_core.envs.tau2.environment import Tau2Environment
+        return Tau2Environment(domain)
+
+    with pytest.raises(TestSplitError, match=re.escape(repr(held.id))):
+        act_examples([tasks[0], held], tok, policy_max_chars=300, env_factory=factory)
+    assert built == []  # refused before the train task's environment was even built
+    with pytest.raises(TestSplitError, match="'test' split"):  # the guard is on by default, tasks without gold too
+        act_examples([held.model_copy(update={"gold_actions": []})], tok, 300)
+    # forbid_splits=() builds held-out examples on purpose (measurement): the same turns as the train copy
+    on_purpose = act_examples([held], tok, 300, forbid_splits=())
+    assert [e.text for e in on_purpose] == [e.text for e in act_examples([tasks[1]], tok, 300)]
+    # another forbidden split, same semantics as transitions.real_transitions
+    with pytest.raises(TestSplitError, match=re.escape(repr(tasks[0].id))):
+        act_examples([tasks[0]], tok, 300, forbid_splits=("train",))
+
+
+def test_the_warm_start_stage_builder_refuses_a_test_split_task(tasks, tok, tiny_model_dir):
+    import re
+
+    from envace_core.config import load_config
+    from envace_core.stages.warm_start import warm_examples
+    from envace_core.training.policy import rollout_params
+    from envace_core.training.transitions import TestSplitError
+
+    cfg = load_config("test", {"model": {"ref": str(tiny_model_dir), "compute_dtype": "float32"},
+                               "train": {"sft_warmup_steps": 1}})
+    held = tasks[0].model_copy(update={"split": cfg.data.test_split})
+    with pytest.raises(TestSplitError, match=re.escape(repr(held.id))):
+        warm_examples(cfg, [tasks[1], held], tok, rollout_params(cfg), [])
+
+
+# ------------------------------------------------------------------------- REHEARSE prompts never leak the own task
+@pytest.fixture(scope="module")
+def several():
+    """Four synthesized train tasks per domain (two of each tool's look-ups, one more write) and their
+    real transitions, wrong calls' errors included: every tool but one is called by >= 2 tasks."""
+    from envace_core.training.transitions import real_transitions
+
+    many = [t for d in ("airline", "retail") for t in synthesize(d, 4, levels=[1, 2], seed=0)]
+    return many, real_transitions(many, seed=0)
+
+
+def _grounding_results(prompt: str) -> list[str]:
+    """The result texts of the grounding section of a decoded REHEARSE prompt
+    (`roles.rehearse.rehearse_messages`: "call: <json>\\nresult: <text>" per example, joined by
+    newlines, between the section head and "# Conversation"); [] without that section."""
+    head = "# Examples from other conversations\n"
+    if head not in prompt:
+        return []
+    section = prompt.split(head, 1)[1].split("\n\n# Conversation\n", 1)[0]
+    return [chunk.split("\nresult: ", 1)[1] for chunk in ("\n" + section).split("\ncall: ")[1:]]
+
+
+def test_rehearse_prompts_never_show_the_own_tasks_results_as_grounding(several, tok):
+    """The REHEARSE warm-start prompt of a transition holds no real result of its own task among its
+    grounding examples (least of all its own target): only results of other tasks, or ones already
+    in its own history. Uncut (no observation bound, a large grounding budget), so a leaked result
+    would appear whole."""
+    from envace_core.roles.grounding import GroundingIndex
+    from envace_core.training.sft import rehearse_examples
+
+    many, trans = several
+    ex = rehearse_examples(trans, tok, many, 300, max_observation_tokens=None, grounding=GroundingIndex(trans),
+                           grounding_k=4, grounding_max_tokens=8192)
+    assert len(ex) == len(trans) and len({tr.task_id for tr in trans}) == len(many)
+    owners: dict[str, set[str]] = {}
+    for tr in trans:
+        owners.setdefault(tr.observation.content.strip(), set()).add(tr.task_id)
+    checked = shown = targets = 0
+    for e, tr in zip(ex, trans):
+        assert e.task_id == tr.task_id and e.gold == tr.call
+        shown_here = _grounding_results(tok.decode(e.prompt_ids))
+        shown += len(shown_here)
+        # every shown result is a real result of some task: the section was parsed right
+        assert all(r in owners for r in shown_here), shown_here
+        in_history = {m.content.strip() for m in tr.history if m.role == "tool"}
+        own = {o.observation.content.strip() for o in trans if o.task_id == tr.task_id} - in_history
+        # a text another task also got (e.g. the same look-up's result) is no leak: only the own task's
+        own = {o for o in own if owners[o] == {tr.task_id}}
+        leaked = own & set(shown_here)
+        assert not leaked, f"{tr.task_id}'s own results in its grounding examples: {leaked}"
+        checked += len(own)
+        targets += tr.observation.content.strip() in own  # its own target is among the texts checked
+    # grounding did show examples; most targets (all but shared texts such as "User not found") checked
+    assert shown >= len(ex) // 2 and checked > len(ex) and targets >= len(ex) * 3 // 4, (shown, checked, targets)
+
+
+# ------------------------------------------------------------------------- per-role ablation of the warm start
+def test_per_role_warm_start_trains_each_adapter_on_its_own_roles_examples_only(tasks, tok, transitions,
+                                                                                 tiny_model_dir, monkeypatch):
+    from transformers import AutoModelForCausalLM
+
+    from envace_core.config import load_config
+    from envace_core.stages.warm_start import warm_examples, warm_up
+    from envace_core.training.policy import rollout_params
+    from envace_core.training.trainer import PolicyTrainer
+
+    cfg = load_config("test", {"model": {"ref": str(tiny_model_dir), "compute_dtype": "float32"},
+                               "train": {"sft_warmup_steps": 1, "policy_per_role": True}})
+    trainer = PolicyTrainer(AutoModelForCausalLM.from_pretrained(tiny_model_dir), tok, cfg.train,
+                            compute_dtype="float32")
+    by_role = warm_examples(cfg, tasks, tok, rollout_params(cfg), transitions)
+    assert by_role["act"] and by_role["rehearse"]
+    seen: list[tuple[str, set[str], set[str], int]] = []
+
+    def record(trainer_, examples, steps, *a, **k):
+        # the adapter whose LoRA weights are trainable during this call (peft: only the active one)
+        trainable = {n.split(".")[i + 1] for n, p in trainer_.model.named_parameters() if p.requires_grad
+                     for i, part in enumerate(n.split(".")) if part.startswith("lora_")}
+        seen.append((trainer_.model.active_adapter, {e.role for e in examples}, trainable, len(examples)))
+        return [0.0] * steps
+
+    monkeypatch.setattr(sft_mod, "sft_warmup", record)  # warm_up imports it from the module at call time
+    losses = warm_up(cfg, trainer, by_role, say=lambda _: None)
+    assert {a: roles for a, roles, _, _ in seen} == {"act": {"act"}, "rehearse": {"rehearse"}}
+    assert len(seen) == 2 and all(trainable == {a} for a, _, trainable, _ in seen)
+    assert {a: n for a, _, _, n in seen} == {r: len(ex) for r, ex in by_role.items()}  # all of them, none other
+    assert set(losses) == {"act", "rehearse"} and trainer.model.active_adapter == "act"

@@ -134,3 +134,39 @@ def test_warm_start_in_an_s3_store_is_reused_and_trained_from_on_a_fresh_machine
     assert warm_start(cfg, ds, say=lambda _: None) == warm and sft_steps == [1]
     out = rollout_and_train(cfg, ds, warm)
     assert out["warm_start"]["adapter_uri"] == warm["adapter_uri"] and len(out["history"]) == 1
+
+
+def test_the_stage_warms_rehearse_on_the_real_errors_of_wrong_calls(setup, tiny_model_dir, monkeypatch):
+    """With train.sft_error_transitions the REHEARSE examples the stage builds (`train_warm_start`:
+    real_train_transitions -> warm_examples) hold the wrong calls and their real error results as
+    targets; without it, none. `warm_up` is replaced: only the examples are looked at."""
+    import envace_core.stages.warm_start as stage
+    from envace_core.stages.dataset import load_dataset
+    from envace_core.training.loop import real_train_transitions
+
+    root, _, ds = setup
+    built: dict[bool, dict] = {}
+    monkeypatch.setattr(stage, "warm_up", lambda cfg, trainer, by_role, say=print:
+                        built.setdefault(cfg.train.sft_error_transitions, by_role) and {})
+
+    def key(task_id, call):
+        return task_id, call.name, json.dumps(call.arguments, sort_keys=True)
+
+    cfgs = {errors: _cfg(tiny_model_dir, root, {"sft_max_rehearse_examples": None, "sft_error_transitions": errors},
+                         rollout={"max_new_tokens_rehearse": 256})  # targets whole, not the cut marker alone
+            for errors in (True, False)}
+    for cfg in cfgs.values():
+        stage.train_warm_start(cfg, ds, say=lambda _: None)
+    wrong = {key(t.task_id, t.call): t for t in real_train_transitions(cfgs[True], load_dataset(ds, "train"))
+             if t.probe}
+    assert wrong and all(t.kind == "error" for t in wrong.values())
+    rehearse = built[True]["rehearse"]
+    errs = [e for e in rehearse if key(e.task_id, e.gold) in wrong]
+    assert {key(e.task_id, e.gold) for e in errs} == set(wrong)  # every wrong call is taught
+    for e in errs:
+        real = wrong[key(e.task_id, e.gold)].observation
+        assert e.role == "rehearse" and e.text == real.content and json.loads(e.text).get("error")
+    assert len(rehearse) > len(errs)  # the gold calls' results are there as well
+    plain = built[False]["rehearse"]
+    assert plain and not [e for e in plain if key(e.task_id, e.gold) in wrong]
+    assert len(plain) == len(rehearse) - len(errs)

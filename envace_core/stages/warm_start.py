@@ -107,7 +107,7 @@ def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutP
     out: dict[str, list[SFTExample]] = {}
     if "act" in cfg.train.sft_roles:
         out["act"] = act_examples(tasks, tokenizer, cfg.data.policy_max_chars, max_turns=cfg.rollout.max_turns,
-                                  max_tokens=cfg.train.sft_max_tokens)
+                                  max_tokens=cfg.train.sft_max_tokens, forbid_splits=(cfg.data.test_split,))
     if "rehearse" in cfg.train.sft_roles:
         p = params
         out["rehearse"] = rehearse_examples(

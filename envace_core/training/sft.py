@@ -13,6 +13,8 @@ with the history h_k = user message ⊕ (a_1, o_1) ⊕ .. ⊕ (a_{k-1}, o_{k-1})
 observation of a_j executed in a private environment copy. The target is `roles.format_tool_call(a_k)`
 (the text `roles.parse_act` parses back to a_k), then `synth.gold_answer(task)` after the last call;
 each target's ids end with the tokenizer's eos (SmolLM2: `<|im_end|>`), where the engine stops.
+A test-split task is refused (`transitions.TestSplitError`), as `real_transitions` refuses it: the
+warm-start data never holds a test task.
 
 REHEARSE examples (`rehearse_examples`): one per real (history, call) → result transition of a train
 task (`training.transitions.real_transitions`: gold calls and deterministic wrong calls replayed in
@@ -30,7 +32,7 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -80,7 +82,8 @@ def completion_ids(tokenizer, text: str) -> list[int]:
 def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None = None,
                  env_factory: Callable[[str], ToolEnvironment] | None = None,
                  include_answer: bool = True, max_turns: int | None = None,
-                 max_tokens: int | None = None) -> list[SFTExample]:
+                 max_tokens: int | None = None,
+                 forbid_splits: Collection[str] = ("test",)) -> list[SFTExample]:
     """The supervised ACT turns of every task in `tasks` that has gold actions (others are skipped).
 
     `env_factory(domain)` makes the private environment the gold calls run in (default
@@ -88,12 +91,21 @@ def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None 
     `max_turns`: only the first `max_turns` ACT turns of a task (rollouts never get further:
     ``rollout.max_turns``); `max_tokens`: examples longer than this (prompt + target ids) are
     skipped, since a long tau2 history (tool results of several KB) makes one step need many GB.
-    Raises `UnknownDomainError` (from `task_context`) for a task of an unknown domain.
+    `forbid_splits`: splits whose tasks are refused (`transitions.check_splits`, as
+    `transitions.real_transitions` does: warm-start data never holds a test task); pass ``()`` to
+    build examples of held-out tasks on purpose, e.g. for measurement.
+
+    Raises:
+        TestSplitError: a task's `split` is in `forbid_splits` (the first such task is named),
+            before any environment is built.
+        UnknownDomainError: a task of an unknown domain (from `task_context`).
     """
     from envace_core.envs.tau2.environment import Tau2Environment
     from envace_core.envs.tau2.synth import gold_answer
     from envace_core.envs.tau2.tasks import task_context
+    from envace_core.training.transitions import check_splits
 
+    check_splits(tasks, forbid_splits)
     out: list[SFTExample] = []
     for task in tasks:
         if not task.gold_actions:
