@@ -3,10 +3,16 @@
 Run by hand (one long torch job; resumable):
 
     nice -n 5 env OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/rehearser_fidelity.py \
-        [--limit N] [--conditions base-k0,act-k0,...] [--sft-steps 40]
+        [--limit N] [--conditions base-k0,act-k0,...] [--sft-steps 40] [--dtype auto|float32|bfloat16]
 
 (--conditions also limits the written JSON to those conditions: rewrite it with --report-only and the
 default conditions after a partial run.)
+
+--dtype (default auto: bfloat16 on a CPU with native bf16, else float32) is the compute dtype of the
+warm starts and of generation. Results of the two dtypes are cached apart (bf16 keys and warm-start
+folders end in "-bf16"), and the latest row of a transition is the one reported, so a condition re-run
+in the other dtype replaces its results; the JSON gives each condition's rows per dtype. On an
+AVX2-only CPU pass --dtype bfloat16 to reuse bf16 rows (bf16 is ~4x slower there).
 
 Held-out transitions (never in a warm start): the gold actions of the tau2 test split (airline +
 retail) replayed in the real environment, of real train-split tasks held out from the warm start and
@@ -146,8 +152,8 @@ def warm_adapter(warm: str, cfg, train_trans: list, train_tasks: list, steps: in
     trainer.save_adapter(str(out))
     log(f"{warm}: {steps} SFT steps on {len(ex)} examples in {time.time() - t0:.0f}s, "
         f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    json.dump({"examples": len(ex), "steps": steps, "losses": losses, "seconds": time.time() - t0, "dtype": DTYPE},
-              open(out / "sft.json", "w"))
+    (out / "sft.json").write_text(json.dumps({"examples": len(ex), "steps": steps, "losses": losses,
+                                              "seconds": time.time() - t0, "dtype": DTYPE}))
     return str(out)
 
 
@@ -160,11 +166,10 @@ def run_condition(cond: str, cfg, adapter_of, held: list, index, budgets: dict[s
     from envace_core.engines.base import SamplingParams
     from envace_core.engines.hf import HFEngine
     from envace_core.envs.tau2.tasks import task_context
+    from envace_core.models import load_tokenizer, resolve_model
     from envace_core.roles.json_prefix import NotJsonStop
     from envace_core.roles.rehearse import rehearse_prompt_ids
     from envace_core.training.policy import load_policy
-
-    from envace_core.models import load_tokenizer, resolve_model
 
     k = int(cond.rsplit("-k", 1)[1])
     tok = load_tokenizer(resolve_model(cfg.model.ref))
