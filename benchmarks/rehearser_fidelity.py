@@ -335,7 +335,7 @@ def main() -> None:
         with CACHE.open("a") as sink:
             for cond in conditions:
                 warm = cond.rsplit("-k", 1)[0]
-                run_condition(cond, cfg, lambda: warm_adapter(warm, cfg, train_trans, train, a.sft_steps, budgets),
+                run_condition(cond, cfg, lambda warm=warm: warm_adapter(warm, cfg, train_trans, train, a.sft_steps, budgets),
                               held, index, budgets, done, sink)
                 write_report(conditions, held, train, a, cfg, budgets)  # after each condition: partial runs count
     print(write_report(conditions, held, train, a, cfg, budgets))
