@@ -22,8 +22,10 @@ train-split tasks (real and synthesized) only; grounding examples come from thos
 tasks' transitions (`roles.grounding.GroundingIndex`: other tasks, same tool).
 
 Conditions ``<warm>-k<k>``: warm ∈ base (no warm start), act (today's ACT-only SFT warm start),
-act_rehearse (ACT + REHEARSE SFT on real transitions), act_rehearse_wide (capacity variant: LoRA on
-all linear layers, r = 64); k ∈ {0, 2, 4} grounding examples. Generation: greedy, per-tool REHEARSE
+act_rehearse (ACT + REHEARSE SFT on real transitions, one wrong call's error per gold call: about half
+errors), act_rehearse_bal (the same with errors subsampled to BAL_ERROR_SHARE of the REHEARSE
+examples), act_rehearse_wide / act_rehearse_bal_wide (capacity variants: LoRA on all linear layers,
+r = 64); k ∈ {0, 2, 4} grounding examples. Generation: greedy, per-tool REHEARSE
 budgets, batched 8 rows of similar budget. Each (condition, transition) result is appended to
 benchmarks/results/rehearser_fidelity.jsonl (keyed by the condition, the transition id and a hash of
 the prompt, so a changed prompt is re-generated); a restart skips the done ones. Metrics:
@@ -53,10 +55,14 @@ CACHE = RESULTS / "rehearser_fidelity.jsonl"
 OUT = RESULTS / "rehearser_fidelity.json"
 WORK = ROOT / ".envace" / "bench" / "rehearser_fidelity"
 DOMAINS = ("airline", "retail")
-WARMS = ("base", "act", "act_rehearse", "act_rehearse_wide")
+WARMS = ("base", "act", "act_rehearse", "act_rehearse_wide", "act_rehearse_bal", "act_rehearse_bal_wide")
+# share of wrong-call errors among the REHEARSE examples of the "_bal" warm starts (sft.rehearse_examples'
+# error_share): the others keep one error per gold call, about half
+BAL_ERROR_SHARE = 0.25
 # most informative first (a run cut short still answers "does the REHEARSE warm start help?")
 DEFAULT_CONDITIONS = ["act_rehearse-k0", "act-k0", "act_rehearse-k4", "base-k0", "act_rehearse-k2", "base-k2",
-                      "act-k2", "base-k4", "act-k4", "act_rehearse_wide-k0"]
+                      "act-k2", "base-k4", "act-k4", "act_rehearse_bal-k0", "act_rehearse_bal-k2",
+                      "act_rehearse_bal_wide-k0"]
 BATCH = 8  # rows per generate call
 # > 0: the engine's prefix KV pool, in tokens (≈ 46 KB of float32 KV per token for SmolLM2-135M)
 PREFIX_CACHE_TOKENS = int(os.environ.get("FIDELITY_PREFIX_CACHE_TOKENS", "0"))
@@ -134,7 +140,7 @@ def warm_adapter(warm: str, cfg, train_trans: list, train_tasks: list, steps: in
     from envace_core.training.trainer import PolicyTrainer
 
     tcfg = cfg.train
-    if warm == "act_rehearse_wide":
+    if warm.endswith("_wide"):
         tcfg = tcfg.model_copy(update={"lora_r": 64, "lora_alpha": 64, "lora_target_modules": [
             "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]})
     model, tok, _ = load_policy(cfg)
@@ -145,14 +151,17 @@ def warm_adapter(warm: str, cfg, train_trans: list, train_tasks: list, steps: in
         ex = ex + rehearse_examples(train_trans, tok, train_tasks, cfg.data.policy_max_chars, budgets=budgets,
                                     default_budget=cfg.rollout.max_new_tokens_rehearse,
                                     max_observation_tokens=cfg.rollout.max_observation_tokens,
-                                    max_tokens=cfg.train.sft_max_tokens)
+                                    max_tokens=cfg.train.sft_max_tokens,
+                                    error_share=BAL_ERROR_SHARE if "_bal" in warm else None)
     t0 = time.time()
     losses = sft_warmup(trainer, ex, steps, cfg.train.sft_learning_rate, cfg.train.sft_batch_rows, seed=0,
                         log=lambda s: log(f"{warm}: {s}") if s.split("/")[0].endswith("0") else None)
     trainer.save_adapter(str(out))
     log(f"{warm}: {steps} SFT steps on {len(ex)} examples in {time.time() - t0:.0f}s, "
         f"loss {losses[0]:.3f} -> {losses[-1]:.3f}")
-    (out / "sft.json").write_text(json.dumps({"examples": len(ex), "steps": steps, "losses": losses,
+    (out / "sft.json").write_text(json.dumps({"examples": len(ex), "rehearse_examples": sum(e.role == "rehearse" for e in ex),
+                                              "rehearse_errors": sum(e.role == "rehearse" and e.text.lstrip().startswith('{"error"')
+                                                                     for e in ex), "steps": steps, "losses": losses,
                                               "seconds": time.time() - t0, "dtype": DTYPE}))
     return str(out)
 

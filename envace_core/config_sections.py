@@ -414,6 +414,10 @@ class TrainConfig(_Strict):
     sft_error_transitions: bool = Field(
         True, description="REHEARSE warm-up data also holds one deterministic wrong call per gold "
         "call (wrong id, missing argument, value outside the enum) and its real error")
+    sft_rehearse_error_share: Optional[float] = Field(
+        None, ge=0, lt=1, description="most share of error transitions among the REHEARSE warm-up "
+        "examples: errors are a seeded sample, every success is kept (sft.rehearse_examples' "
+        "error_share); None = one error per gold call (about half)")
     sft_max_rehearse_examples: Optional[int] = Field(
         None, ge=1, description="most REHEARSE warm-up examples (a seeded sample of the transitions); "
         "None = all")

@@ -188,6 +188,32 @@ def test_rehearse_examples_target_the_real_results(tasks, tok, transitions):
     assert len(rehearse_examples(transitions, tok, tasks, 300, max_examples=3, seed=1)) == 3
 
 
+def test_rehearse_error_share_caps_the_errors_and_keeps_every_success(tasks, tok, transitions):
+    """error_share subsamples only the error transitions (seeded, order kept) so they are at most that
+    share of the examples; every success stays; a share outside [0, 1) is refused."""
+    from envace_core.training.sft import rehearse_examples
+
+    full = rehearse_examples(transitions, tok, tasks, 300)
+    n_succ = sum(t.kind == "success" for t in transitions)
+    n_err = len(transitions) - n_succ
+    assert n_err >= 2 and n_succ >= 2
+    for share in (0.0, 0.2, 1 / 3):
+        ex = rehearse_examples(transitions, tok, tasks, 300, error_share=share, seed=3)
+        errs = [e for e in ex if e.text.startswith('{"error"')]
+        assert len(ex) - len(errs) == n_succ  # every success kept
+        assert len(errs) == min(n_err, int(share / (1 - share) * n_succ + 1e-9))
+        assert len(errs) <= share * len(ex) + 1e-9
+        # order kept: the kept examples appear in the full list's order
+        idx = [next(i for i, f in enumerate(full) if f.prompt_ids == e.prompt_ids and f.text == e.text) for e in ex]
+        assert idx == sorted(idx)
+    again = [rehearse_examples(transitions, tok, tasks, 300, error_share=0.2, seed=3) for _ in range(2)]
+    assert [e.prompt_ids for e in again[0]] == [e.prompt_ids for e in again[1]]  # deterministic
+    assert rehearse_examples(transitions, tok, tasks, 300, error_share=0.99)[0].text == full[0].text
+    for bad in (-0.1, 1.0):
+        with pytest.raises(SFTError, match="error_share"):
+            rehearse_examples(transitions, tok, tasks, 300, error_share=bad)
+
+
 def test_rehearse_grounding_never_shows_the_task_its_own_results(tasks, tok, transitions):
     import json
 

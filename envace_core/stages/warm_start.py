@@ -49,7 +49,8 @@ META = "warm_start.json"
 # train.* fields that decide the LoRA before any SFT step (its shape, layout and initial weights)
 LORA_FIELDS = ("lora_r", "lora_alpha", "lora_target_modules", "policy_per_role", "seed", "init_adapter")
 # train.* fields of the SFT warm-up (examples, steps, optimizer; max_grad_norm clips its steps)
-SFT_FIELDS = ("sft_warmup_steps", "sft_roles", "sft_error_transitions", "sft_max_rehearse_examples",
+SFT_FIELDS = ("sft_warmup_steps", "sft_roles", "sft_error_transitions", "sft_rehearse_error_share",
+              "sft_max_rehearse_examples",
               "sft_learning_rate", "sft_batch_rows", "sft_max_tokens", "max_grad_norm")
 # settings that shape the SFT prompts and targets (`warm_examples`, `sft.rehearse_examples`)
 PROMPT_FIELDS = (("data", "policy_max_chars"), ("data", "test_split"), ("rollout", "max_turns"),
@@ -100,8 +101,8 @@ def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutP
     """The warm-up examples of each role in train.sft_roles: "act" = `sft.act_examples` of the train
     `tasks` (first rollout.max_turns turns), "rehearse" = `sft.rehearse_examples` of `transitions`
     (`loop.real_train_transitions`; prompts as rollouts build them with `params`, grounding included;
-    targets cut to the per-tool budgets), both within train.sft_max_tokens; REHEARSE capped at
-    train.sft_max_rehearse_examples."""
+    targets cut to the per-tool budgets), both within train.sft_max_tokens; REHEARSE errors capped at
+    train.sft_rehearse_error_share of them, then REHEARSE capped at train.sft_max_rehearse_examples."""
     from envace_core.training.sft import act_examples, rehearse_examples
 
     out: dict[str, list[SFTExample]] = {}
@@ -115,7 +116,8 @@ def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutP
             budgets=p.max_new_tokens_rehearse_per_tool, default_budget=p.max_new_tokens_rehearse,
             max_observation_tokens=p.max_observation_tokens, grounding=p.grounding, grounding_k=p.grounding_k,
             grounding_max_tokens=p.grounding_max_tokens, max_tokens=cfg.train.sft_max_tokens,
-            max_examples=cfg.train.sft_max_rehearse_examples, seed=cfg.train.seed)
+            max_examples=cfg.train.sft_max_rehearse_examples, error_share=cfg.train.sft_rehearse_error_share,
+            seed=cfg.train.seed)
     return out
 
 

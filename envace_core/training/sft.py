@@ -138,7 +138,8 @@ def rehearse_examples(transitions: Sequence[Transition], tokenizer, tasks: Seque
                       default_budget: int | None = None, max_observation_tokens: int | None = None,
                       grounding: GroundingIndex | None = None, grounding_k: int = 0,
                       grounding_max_tokens: int = 512, max_tokens: int | None = None,
-                      max_examples: int | None = None, seed: int = 0) -> list[SFTExample]:
+                      max_examples: int | None = None, error_share: float | None = None,
+                      seed: int = 0) -> list[SFTExample]:
     """Supervised REHEARSE turns, one per real transition (`training.transitions.real_transitions`).
 
     Prompt: exactly the REHEARSE prompt a rollout builds (`roles.rehearse.rehearse_prompt_ids`) for
@@ -150,16 +151,28 @@ def rehearse_examples(transitions: Sequence[Transition], tokenizer, tasks: Seque
     ~16 tokens gives the marker alone, `roles.bounds.bound_text`), + eos: what REHEARSE
     generates and `parse_rehearse` reads back into the same text. `gold` is the call rehearsed.
 
-    `max_tokens`: examples longer (prompt + target) are dropped; `max_examples`: a seeded sample of
-    that many (order kept). Raises `SFTError` for a transition whose task is not in `tasks`.
+    `max_tokens`: examples longer (prompt + target) are dropped; `error_share` (in [0, 1)): the error
+    transitions kept are a seeded sample of at most ``floor(error_share / (1 - error_share) * S)``
+    of them, S the success examples left, so errors are at most that share of the examples (order
+    kept; None = all). Why: with one wrong call per gold call half the targets open with the same
+    ``{"error"`` token while the successes' openings split over each tool's keys, so greedy decoding
+    of a briefly warmed rehearser answers every call with an error (measured in
+    benchmarks/RESULTS.md, REHEARSE fidelity). `max_examples`: then a seeded sample of that many
+    (order kept).
+
+    Raises:
+        SFTError: a transition whose task is not in `tasks`; `error_share` outside [0, 1).
     """
     from envace_core.envs.tau2.observations import cut_observation
     from envace_core.envs.tau2.tasks import task_context
     from envace_core.roles.rehearse import rehearse_prompt_ids
 
+    if error_share is not None and not 0 <= error_share < 1:
+        raise SFTError(f"error_share must be in [0, 1), got {error_share!r}")
     by_id = {t.id: t for t in tasks}
     contexts: dict[str, object] = {}
     out: list[SFTExample] = []
+    is_error: list[bool] = []
     for tr in transitions:
         if tr.task_id not in by_id:
             raise SFTError(f"transition of task {tr.task_id!r}, which is not among the given tasks")
@@ -171,8 +184,18 @@ def rehearse_examples(transitions: Sequence[Transition], tokenizer, tasks: Seque
         out.append(SFTExample(tr.task_id, rehearse_prompt_ids(tokenizer, ctx, tr.history, tr.call, examples,
                                                               max_observation_tokens),
                               completion_ids(tokenizer, text), text, tr.call, role="rehearse"))
+        is_error.append(bool(tr.observation.error))
     if max_tokens is not None:
-        out = [e for e in out if len(e.prompt_ids) + len(e.completion_ids) <= max_tokens]
+        fit = [len(e.prompt_ids) + len(e.completion_ids) <= max_tokens for e in out]
+        out = [e for e, f in zip(out, fit) if f]
+        is_error = [k for k, f in zip(is_error, fit) if f]
+    if error_share is not None:
+        errors = [i for i, k in enumerate(is_error) if k]
+        cap = math.floor(error_share / (1 - error_share) * (len(out) - len(errors)) + 1e-9)
+        if len(errors) > cap:
+            perm = torch.randperm(len(errors), generator=torch.Generator().manual_seed(seed + 1)).tolist()
+            drop = {errors[j] for j in perm[cap:]}
+            out = [e for i, e in enumerate(out) if i not in drop]
     if max_examples is not None and len(out) > max_examples:
         keep = sorted(torch.randperm(len(out), generator=torch.Generator().manual_seed(seed))[:max_examples].tolist())
         out = [out[i] for i in keep]
