@@ -6,7 +6,8 @@ Usage:
         [--profile cpu-smoke] [--overrides K=V,...] [--out benchmarks/results/gate_calibration.json]
 
 DIR: a LoRA adapter folder, e.g. ``.envace/store/warm_starts/<id>/adapter`` and
-``.envace/store/runs/<run id>/adapter`` after ``make train``. The profile's dataset is curated into a
+``.envace/store/runs/<run id>/checkpoint/adapter`` (or the registered version's ``artifacts/adapter``)
+after ``make train``. The profile's dataset is curated into a
 scratch store (``.envace/bench/gate_calibration``), so the user's store is not touched; the held-out
 transitions are `stages.validate.validation_transitions` (validate.max_transitions of the test split's
 gold calls and their wrong-call errors, with validate.fit_budget only those whose real result fits
@@ -85,7 +86,7 @@ def main() -> None:
     ap.add_argument("--overrides", default="")
     ap.add_argument("--out", default=str(ROOT / "benchmarks/results/gate_calibration.json"))
     a = ap.parse_args()
-    from envace_core.config import load_config
+    from envace_core.config import ConfigError, load_config
     from envace_core.stages.curate import curate
     from envace_core.stages.gates import rehearsal_gate
     from envace_core.stages.validate import validation_params
@@ -95,7 +96,10 @@ def main() -> None:
             sys.exit(f"gate_calibration: {d} is not a LoRA adapter folder (no adapter_config.json)")
     store = ROOT / ".envace/bench/gate_calibration"
     over = ",".join(x for x in (a.overrides, f"store.root={store}", 'data.dvc="off"') if x)
-    cfg = load_config(a.profile, over)
+    try:
+        cfg = load_config(a.profile, over)
+    except ConfigError as e:
+        sys.exit(f"gate_calibration: --profile {a.profile!r} / --overrides: {e}")
     t0 = time.perf_counter()
     dataset = curate(cfg)
     params = validation_params(cfg, dataset)

@@ -3,7 +3,7 @@
 Run by hand (one long torch job; resumable):
 
     nice -n 5 env OMP_NUM_THREADS=2 HF_HUB_OFFLINE=1 .venv/bin/python benchmarks/rehearser_fidelity.py \
-        [--limit N] [--conditions base-k0,act-k0,...] [--sft-steps 40] [--dtype auto|float32|bfloat16]
+        [--limit 100] [--conditions base-k0,act-k0,...] [--sft-steps 24] [--dtype auto|float32|bfloat16]
 
 (--conditions also limits the written JSON to those conditions: rewrite it with --report-only and the
 default conditions after a partial run.)
@@ -70,6 +70,21 @@ DTYPE = "float32"  # set by --dtype in main(); the warm start's and the engine's
 # float32 keeps the names and cache keys it had before --dtype existed
 DTYPE_SUFFIX = {"float32": "", "bfloat16": "-bf16"}
 GOAL = {"json_valid": 0.95, "error_match": 0.90, "key_f1": 0.80, "value_f1": 0.50}
+# rows written before they recorded their warm start's SFT steps all came from 24-step warm starts
+OLD_ROWS_SFT_STEPS = 24
+
+
+def row_sft_steps(row: dict[str, Any]) -> int | None:
+    """The SFT steps of the warm start a cached row was generated with (None: the base model)."""
+    if row["condition"].startswith("base-"):
+        return None
+    return row.get("sft_steps", OLD_ROWS_SFT_STEPS)
+
+
+def cached_rows(steps: int) -> list[dict[str, Any]]:
+    """The cache's rows that belong to a run with `steps` SFT steps (base-model rows always do)."""
+    rows = [json.loads(line) for line in CACHE.read_text().splitlines()] if CACHE.exists() else []
+    return [r for r in rows if row_sft_steps(r) in (None, steps)]
 
 
 def log(msg: str) -> None:
@@ -168,7 +183,7 @@ def warm_adapter(warm: str, cfg, train_trans: list, train_tasks: list, steps: in
 
 # ------------------------------------------------------------------------------------ generation
 def run_condition(cond: str, cfg, adapter_of, held: list, index, budgets: dict[str, int],
-                  done: set[str], sink) -> None:
+                  done: set[str], sink, steps: int) -> None:
     """Generate and score `cond`'s held-out transitions that are not in `done` yet; `adapter_of()`
     gives the warm start's adapter dir (None for the base model) and is called only when some
     transition is left, so a condition whose results are all cached never trains its warm start."""
@@ -227,6 +242,7 @@ def run_condition(cond: str, cfg, adapter_of, held: list, index, budgets: dict[s
             text = tok.decode(new, skip_special_tokens=True)
             s = score_pair(tr.observation, text, tr.call)
             sink.write(json.dumps({"key": key, "condition": cond, "id": transition_id(tr),
+                                   "sft_steps": None if cond.startswith("base-") else steps,
                                    "domain": tr.domain, "dtype": DTYPE, "prompt_tokens": len(ids),
                                    "new_tokens": len(new), "budget": budget_of(tr),
                                    "seconds": dt / len(chunk), "text": text, **s.to_dict()}) + "\n")
@@ -238,7 +254,7 @@ def run_condition(cond: str, cfg, adapter_of, held: list, index, budgets: dict[s
 
 
 # ------------------------------------------------------------------------------------------ report
-def report(conditions: list[str], held: list) -> dict[str, Any]:
+def report(conditions: list[str], held: list, steps: int) -> dict[str, Any]:
     """condition -> metric -> {mean, ci_low, ci_high, n}, "per_tool", "per_kind", generated tokens and
     seconds per transition, from the cache; each output is re-scored from its stored text with the
     current `evaluation.fidelity` (the latest prompt's result of a transition wins)."""
@@ -246,8 +262,7 @@ def report(conditions: list[str], held: list) -> dict[str, Any]:
 
     by_id = {transition_id(tr): tr for tr in held}
     rows: dict[str, dict[str, dict]] = {}
-    for line in CACHE.read_text().splitlines() if CACHE.exists() else []:
-        r = json.loads(line)
+    for r in cached_rows(steps):
         if r["condition"] in conditions and r["id"] in by_id:
             rows.setdefault(r["condition"], {})[r["id"]] = r
     out: dict[str, Any] = {}
@@ -292,19 +307,27 @@ def source_counts(held: list) -> dict[str, int]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--limit", type=int, default=120, help="held-out transitions (>= 100 for the report)")
+    ap.add_argument("--limit", type=int, default=100, help="held-out transitions (>= 100 for the report)")
     ap.add_argument("--conditions", default=",".join(DEFAULT_CONDITIONS))
-    ap.add_argument("--sft-steps", type=int, default=40)
+    ap.add_argument("--sft-steps", type=int, default=24,
+                    help="SFT steps of each warm start (cached rows of other step counts are not reused)")
     ap.add_argument("--report-only", action="store_true")
     ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                     help="compute dtype of the warm starts and of generation; auto = bfloat16 on a CPU with "
                          "native bf16 (AVX-512 BF16 / AMX), else float32 (engines.base.resolve_compute_dtype)")
     a = ap.parse_args()
-    conditions = [c.strip() for c in a.conditions.split(",") if c.strip()]
+    conditions = list(dict.fromkeys(c.strip() for c in a.conditions.split(",") if c.strip()))
+    if a.limit < 1:
+        ap.error(f"--limit must be >= 1, got {a.limit}")
+    if a.sft_steps < 1:
+        ap.error(f"--sft-steps must be >= 1, got {a.sft_steps}")
+    if not conditions:
+        ap.error("--conditions names no condition")
     for c in conditions:
         w, _, k = c.rpartition("-k")
-        if w not in WARMS or not k.isdigit():
-            ap.error(f"--conditions: {c!r} is not <warm>-k<k> with warm in {WARMS}")
+        if w not in WARMS or not k.isdigit() or int(k) > 8:
+            ap.error(f"--conditions: {c!r} is not <warm>-k<k> with warm in {WARMS} and k in 0..8 "
+                     "(grounding examples per prompt)")
 
     import torch
 
@@ -337,22 +360,20 @@ def main() -> None:
     budgets = rehearse_budgets(cfg, train_trans)
     if not a.report_only:
         index = GroundingIndex(train_trans)
-        done = set()
-        if CACHE.exists():
-            done = {json.loads(line)["key"] for line in CACHE.read_text().splitlines()}
+        done = {r["key"] for r in cached_rows(a.sft_steps)}
         RESULTS.mkdir(parents=True, exist_ok=True)
         with CACHE.open("a") as sink:
             for cond in conditions:
                 warm = cond.rsplit("-k", 1)[0]
                 run_condition(cond, cfg, lambda warm=warm: warm_adapter(warm, cfg, train_trans, train, a.sft_steps, budgets),
-                              held, index, budgets, done, sink)
+                              held, index, budgets, done, sink, a.sft_steps)
                 write_report(conditions, held, train, a, cfg, budgets)  # after each condition: partial runs count
     print(write_report(conditions, held, train, a, cfg, budgets))
 
 
 def write_report(conditions: list[str], held: list, train: list, a, cfg, budgets: dict[str, int]) -> str:
     """Write OUT from the cache (the conditions done so far) and return the table."""
-    res = report(conditions, held)
+    res = report(conditions, held, a.sft_steps)
     meta = {"held_out_transitions": len(held), "errors": sum(tr.observation.error for tr in held),
             "held_out_by_source": source_counts(held), "warm_start_tasks": len(train),
             "sft_steps": a.sft_steps, "sft_batch_rows": cfg.train.sft_batch_rows,

@@ -229,14 +229,19 @@ class RolloutConfig(_Strict):
     max_new_tokens_rehearse_per_tool: dict[str, PositiveInt] = Field(
         default_factory=lambda: dict(REHEARSE_TOKENS_PER_TOOL), description="REHEARSE token budget per tool name (overrides "
         "max_new_tokens_rehearse for that tool): the 95th percentile of its real results' tokens under "
-        "the canonical rendering (benchmarks/results/observation_lengths.json) + 1 for the eos; a "
-        "longer real result is taught cut to it with the truncation marker")
+        "the canonical rendering, or its longest wrong-call error if longer, + 1 for the eos "
+        "(benchmarks/results/observation_lengths.json); a longer real result is taught cut to it with "
+        "the truncation marker. A mapping given replaces the whole table: tools it does not name get "
+        "max_new_tokens_rehearse")
     grounding_k: int = Field(
         0, ge=0, description="k: real (call, result) examples of the same tool from other train tasks "
-        "in each REHEARSE prompt (training rollouts, validate, rehearsals; METHOD.md §1 grounding; "
-        "envace_core/roles/grounding.py); 0 = none")
+        "in each REHEARSE prompt of training rollouts, the REHEARSE warm-up examples and validate "
+        "(METHOD.md §1 grounding; envace_core/roles/grounding.py; the index holds the train split's "
+        "real transitions, so Private Rehearsal at test time runs without it); 0 = none")
     grounding_max_tokens: int = Field(
-        512, ge=1, description="most tokens of one REHEARSE prompt's grounding examples together")
+        512, ge=1, description="most tokens of one REHEARSE prompt's grounding examples together; an "
+        "example is cut to fit when at least 48 of its result tokens do, else left out, so below ~64 "
+        "no example fits")
     temperature: float = Field(
         1.0, gt=0, description="T of training rollouts (all roles): tokens are drawn from "
         "softmax(logits / T); the behaviour and training log-probs are both taken at this T")
@@ -426,6 +431,13 @@ class TrainConfig(_Strict):
     sft_max_tokens: int = Field(
         4096, ge=16, description="SFT warm-up examples longer than this (prompt + target, tokens) are "
         "skipped: memory grows with length (logits alone are ~0.2 MB per token)")
+    @field_validator("sft_rehearse_error_share", mode="before")
+    @classmethod
+    def _share_not_bool(cls, v: Any) -> Any:
+        if isinstance(v, bool):
+            raise ValueError(f"a share in [0, 1) (e.g. 0.25) or null, not the boolean {v!r}")
+        return v
+
     @field_validator("init_adapter")
     @classmethod
     def _init_adapter(cls, v: Optional[str]) -> Optional[str]:
