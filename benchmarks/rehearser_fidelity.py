@@ -340,7 +340,10 @@ def main() -> None:
     from envace_core.training.transitions import real_transitions
 
     torch.manual_seed(0)
+    # per-tool budgets measured on the warm-start transitions (`rehearse_budgets`), as every recorded
+    # row used them, whatever the profile's table is
     cfg = load_config("cpu-smoke", {"model": {"compute_dtype": DTYPE},
+                                    "rollout": {"max_new_tokens_rehearse_per_tool": {}},
                                     "train": {"sft_batch_rows": 4, "sft_learning_rate": 5e-4}})
     t0 = time.time()
     setup = WORK / "setup.pkl"  # tasks and their replayed transitions: deterministic, so made once

@@ -79,11 +79,11 @@ PROFILES: dict[str, dict[str, Any]] = {
             "max_test_tasks_per_domain": 3,
             "policy_max_chars": 1200,
         },
-        # REHEARSE at 64 tokens for every tool: the per-tool p95 budgets (up to 956 tokens, ~970 per
-        # imagined 3-call trajectory) do not fit the job's time on 2 CPU cores
+        # REHEARSE budgets per tool (the config default, REHEARSE_TOKENS_PER_TOOL: each tool's p95 real
+        # result or longest wrong-call error, up to 956 tokens; ≤ ~980 per imagined 3-call trajectory,
+        # generation stops at the eos); 64 tokens for a tool not in that table
         "rollout": {"group_size": 4, "tasks_per_iteration": 3, "max_turns": 3,
-                    "max_new_tokens_act": 64, "max_new_tokens_rehearse": 64,
-                    "max_new_tokens_rehearse_per_tool": {}},
+                    "max_new_tokens_act": 64, "max_new_tokens_rehearse": 64},
         # the warm_start stage: 12 SFT steps of 2 rows, ACT on gold turns and REHEARSE on real
         # transitions together (≈ 5 min on 2 AVX2 cores, once: re-runs reuse it)
         "train": {"iterations": 3, "sft_warmup_steps": 12, "sft_batch_rows": 2, "sft_learning_rate": 5e-4},

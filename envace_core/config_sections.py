@@ -27,17 +27,18 @@ from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
 
 KNOWN_DOMAINS = ("airline", "retail", "telecom", "mock")
 
-# REHEARSE budget per tool: p95 + 1 (eos) of its real results' tokens under the canonical rendering, bundled
-# SmolLM2 tokenizer, 701 gold actions of airline + retail train + test (benchmarks/observation_lengths.py).
+# REHEARSE budget per tool: max(p95 of its gold calls' real results, longest wrong-call error) + 1 (eos), in
+# tokens of the bundled SmolLM2 tokenizer under the canonical rendering; 701 gold actions of airline + retail
+# train + test and their 671 wrong calls (benchmarks/observation_lengths.py, results/observation_lengths.json).
 REHEARSE_TOKENS_PER_TOOL: dict[str, int] = {
-    "book_reservation": 422, "calculate": 8, "cancel_pending_order": 560, "cancel_reservation": 380,
-    "exchange_delivered_order_items": 665, "find_user_id_by_email": 15, "find_user_id_by_name_zip": 16,
+    "book_reservation": 422, "calculate": 21, "cancel_pending_order": 560, "cancel_reservation": 380,
+    "exchange_delivered_order_items": 665, "find_user_id_by_email": 29, "find_user_id_by_name_zip": 33,
     "get_order_details": 610, "get_product_details": 956, "get_reservation_details": 361,
     "get_user_details": 410, "modify_pending_order_address": 520, "modify_pending_order_items": 583,
-    "modify_pending_order_payment": 327, "modify_user_address": 184, "return_delivered_order_items": 651,
-    "search_direct_flight": 481, "send_certificate": 33, "transfer_to_human_agents": 6,
-    "update_reservation_baggages": 354, "update_reservation_flights": 354,
-    "update_reservation_passengers": 285,
+    "modify_pending_order_payment": 327, "modify_user_address": 184,
+    "return_delivered_order_items": 651, "search_direct_flight": 481, "send_certificate": 33,
+    "transfer_to_human_agents": 27, "update_reservation_baggages": 354,
+    "update_reservation_flights": 354, "update_reservation_passengers": 285,
 }
 
 
