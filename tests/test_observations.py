@@ -148,3 +148,23 @@ def test_cut_marker_is_the_same_for_real_and_imagined(tok):
     # a REHEARSE output cut the same way is read back as that text
     obs = parse_rehearse(cut, "get_order_details")
     assert obs.content == cut and not obs.error
+
+
+def test_rehearse_budget_table_is_the_measured_one_and_covers_p95_and_errors():
+    """`REHEARSE_TOKENS_PER_TOOL` (every profile's per-tool REHEARSE budget, cpu-smoke included) equals
+    the budgets benchmarks/observation_lengths.py measured, and each budget holds the tool's p95 gold
+    result and its longest wrong-call error plus the eos (so no error is taught as the bare marker)."""
+    import json
+    from pathlib import Path
+
+    from envace_core.config import REHEARSE_TOKENS_PER_TOOL, load_config
+
+    measured = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+                           / "observation_lengths.json").read_text())
+    assert REHEARSE_TOKENS_PER_TOOL == measured["budgets"]
+    for key, v in measured["per_tool"].items():
+        budget = REHEARSE_TOKENS_PER_TOOL[key.split("/", 1)[1]]
+        assert budget >= v["after"]["p95"] + 1
+        if v.get("errors"):
+            assert budget >= v["errors"]["max"] + 1
+    assert load_config("cpu-smoke").rollout.max_new_tokens_rehearse_per_tool == REHEARSE_TOKENS_PER_TOOL
