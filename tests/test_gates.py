@@ -313,15 +313,28 @@ def test_cpu_smoke_gate_takes_the_warm_starts_lower_bounds_and_stops_a_base_leve
 
     v = load_config("cpu-smoke").validate_
     assert v.fit_budget and gate_thresholds(v)["active"]
+    # the profile's floors are that rule applied to the main job's warm start (RESULTS.md, "Rehearsal
+    # gate"): 17/24 outputs parse (95 % bootstrap lower bound 0.54), 8/24 match error-vs-success and key
+    # structure (lower bound 0.17)
+    from envace_core.evaluation.stats import mean_ci
 
-    def rows(n_valid: int, n: int = 24) -> list[dict]:
-        # n_valid outputs parse, match error-vs-success and the key structure (value F1 0: the warm start's)
+    def low(k: int, n: int = 24) -> dict:
+        return {"ci_low": mean_ci([1.0] * k + [0.0] * (n - k))["ci95"][0]}
+
+    measured = gc.proposed_thresholds({"json_valid": low(17), "error_match": low(8), "key_f1": low(8)})
+    assert (v.min_json_validity, v.min_error_accuracy, v.min_key_f1, v.max_parse_error_rate) == pytest.approx(
+        (measured["min_json_validity"], measured["min_error_accuracy"], measured["min_key_f1"],
+         1 - measured["min_json_validity"]))
+
+    def rows(n_valid: int, n_match: int, n: int = 24) -> list[dict]:
+        # n_valid outputs parse, the first n_match of them match error-vs-success and the key structure
+        # (value F1 0: the warm start's)
         return [{"fidelity": 0.0, "json_valid": float(i < n_valid), "parse_error": float(i >= n_valid),
-                 "error_match": float(i < n_valid), "key_f1": float(i < n_valid), "value_f1": 0.0}
+                 "error_match": float(i < n_match), "key_f1": float(i < n_match), "value_f1": 0.0}
                 for i in range(n)]
 
-    assert rehearsal_gate(rows(11), v).success  # 11/24 = 0.46: the warm start's level
-    regressed = rehearsal_gate(rows(0), v)
+    assert rehearsal_gate(rows(17, 8), v).success  # the warm start's level
+    regressed = rehearsal_gate(rows(0, 0), v)
     assert not regressed.success and len(regressed.failed) >= 3
     with pytest.raises(GateFailed):
         regressed.raise_if_failed()
