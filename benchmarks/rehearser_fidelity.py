@@ -61,8 +61,7 @@ WARMS = ("base", "act", "act_rehearse", "act_rehearse_wide", "act_rehearse_bal",
 BAL_ERROR_SHARE = 0.25
 # most informative first (a run cut short still answers "does the REHEARSE warm start help?")
 DEFAULT_CONDITIONS = ["act_rehearse-k0", "act-k0", "act_rehearse-k4", "base-k0", "act_rehearse-k2", "base-k2",
-                      "act-k2", "base-k4", "act-k4", "act_rehearse_bal-k0", "act_rehearse_bal-k2",
-                      "act_rehearse_bal_wide-k0"]
+                      "act-k2", "base-k4", "act-k4", "act_rehearse_wide-k0", "act_rehearse_bal-k0"]
 BATCH = 8  # rows per generate call
 # > 0: the engine's prefix KV pool, in tokens (≈ 46 KB of float32 KV per token for SmolLM2-135M)
 PREFIX_CACHE_TOKENS = int(os.environ.get("FIDELITY_PREFIX_CACHE_TOKENS", "0"))
