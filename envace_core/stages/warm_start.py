@@ -37,6 +37,10 @@ from envace_core.store.files import CHECKSUMS, dir_checksums, sha256_bytes
 from envace_core.store.uri import open_store
 from envace_core.types import Task
 
+# The SFT warm-up's batch order (`sft.batch_order`): part of the warm-start id, so a warm start
+# made with another order is not reused.
+SFT_BATCHING = "prompt-cluster-v1"
+
 if TYPE_CHECKING:
     from envace_core.training.rollout import RolloutParams
     from envace_core.training.sft import SFTExample
@@ -68,6 +72,7 @@ def warm_start_settings(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, An
     out.update({f"train.{f}": getattr(cfg.train, f) for f in fields})
     if cfg.train.sft_warmup_steps > 0:
         out.update({f"{sec}.{f}": getattr(getattr(cfg, sec), f) for sec, f in PROMPT_FIELDS})
+        out["sft.batching"] = SFT_BATCHING  # how steps draw their examples: same settings, other weights
     return out
 
 

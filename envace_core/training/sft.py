@@ -25,7 +25,7 @@ of other tasks (`roles.grounding`); the target is the real result's canonical te
 
 Loss (`sft_warmup`): token-mean cross-entropy over completion tokens only,
     L = -(1 / #completion tokens) Σ_i Σ_t log p_θ(y_{i,t} | prompt_i, y_{i,<t}),
-one AdamW step (gradient norm clipped) per batch of `batch_rows` examples.
+one AdamW step (gradient norm clipped) per batch of `batch_rows` examples of one prompt cluster.
 """
 
 from __future__ import annotations
@@ -202,16 +202,35 @@ def rehearse_examples(transitions: Sequence[Transition], tokenizer, tasks: Seque
     return out
 
 
-def _row_loss_sum(model, row: SFTExample, device, compute_dtype: str) -> torch.Tensor:
-    """Summed CE (nats) over `row`'s completion tokens, scalar. One unpadded sequence, no attention
-    mask (SDPA's causal fast path, no L x L score matrix), and the LM head only on the C positions
-    that predict the completion (`logits_to_keep`, as `PolicyTrainer._logits` does)."""
-    P, C = len(row.prompt_ids), len(row.completion_ids)
-    ids = torch.tensor([row.prompt_ids + row.completion_ids], device=device)
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=compute_dtype == "bfloat16"):
-        logits = model(input_ids=ids, use_cache=False, logits_to_keep=C + 1).logits[0, :-1]  # [C, V]
-    return torch.nn.functional.cross_entropy(logits.float(), torch.tensor(row.completion_ids, device=device),
-                                             reduction="sum")
+# Two prompts whose common prefix is at least this long (tokens) are in one cluster: the chat
+# template's header alone is ~10 tokens, a role's system message for one domain ~400-1,700.
+CLUSTER_MIN_PREFIX = 64
+
+
+def prompt_clusters(examples: Sequence[SFTExample], min_prefix: int = CLUSTER_MIN_PREFIX) -> list[list[int]]:
+    """Indices of `examples` grouped by shared prompt prefix (≥ `min_prefix` tokens with the cluster's
+    first example): one cluster per role × domain system message. Order: first appearance."""
+    clusters: list[list[int]] = []
+    for i, e in enumerate(examples):
+        for c in clusters:
+            head = examples[c[0]].prompt_ids
+            k = min(min_prefix, len(head), len(e.prompt_ids))
+            if k == min_prefix and head[:k] == e.prompt_ids[:k]:
+                c.append(i)
+                break
+        else:
+            clusters.append([i])
+    return clusters
+
+
+def batch_order(clusters: list[list[int]], batch_rows: int, gen: torch.Generator) -> list[list[int]]:
+    """One pass over the examples as batches of ≤ `batch_rows` indices, each from one cluster: every
+    cluster shuffled and cut into batches (its last one shorter), the batches of all clusters shuffled."""
+    batches = []
+    for c in clusters:
+        perm = [c[j] for j in torch.randperm(len(c), generator=gen).tolist()]
+        batches += [perm[k:k + batch_rows] for k in range(0, len(perm), batch_rows)]
+    return [batches[j] for j in torch.randperm(len(batches), generator=gen).tolist()]
 
 
 def sft_warmup(trainer: PolicyTrainer, examples: Sequence[SFTExample], steps: int, learning_rate: float,
@@ -222,8 +241,10 @@ def sft_warmup(trainer: PolicyTrainer, examples: Sequence[SFTExample], steps: in
 
     Uses its own AdamW (lr `learning_rate`, no weight decay, grad norm clipped to
     `trainer.cfg.max_grad_norm`), so the GRPO optimizer and LR schedule start fresh afterwards.
-    Batches: `batch_rows` examples per step from a seeded permutation of `examples`, a new one per
-    pass. Returns the loss of each step (nats per completion token, before that step's update).
+    Batches (`batch_order`): each pass shuffles the examples within their prompt cluster (role ×
+    domain system message, `prompt_clusters`), cuts each cluster into batches of `batch_rows` (its
+    last one shorter) and shuffles the batches; a step takes one batch, so its rows share the
+    system message, which runs once (`PolicyTrainer.completion_ce_backward`). Returns the loss of each step (nats per completion token, before that step's update).
 
     Raises:
         SFTError: `examples` is empty, or no trainable LoRA parameter is found.
@@ -237,22 +258,19 @@ def sft_warmup(trainer: PolicyTrainer, examples: Sequence[SFTExample], steps: in
         raise SFTError("the policy has no trainable LoRA parameter to warm up")
     opt = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
-    order: list[int] = []
+    clusters = prompt_clusters(examples)
+    order: list[list[int]] = []
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(steps):
-        while len(order) < batch_rows:  # a new pass when the current one runs out
-            order += torch.randperm(len(examples), generator=gen).tolist()
-        batch, order = [examples[i] for i in order[:batch_rows]], order[batch_rows:]
-        # token-mean CE over the batch, one row per forward/backward (gradients accumulate), so memory
-        # is one sequence's whatever batch_rows is
+        if not order:  # a new pass when the current one runs out
+            order = batch_order(clusters, batch_rows, gen)
+        batch = [examples[i] for i in order.pop(0)]
+        # token-mean CE over the batch; its rows share their cluster's system message, which runs
+        # once (`PolicyTrainer.completion_ce_backward`)
         n_tok = sum(len(r.completion_ids) for r in batch)
         opt.zero_grad(set_to_none=True)
-        loss = 0.0
-        for r in batch:
-            part = _row_loss_sum(model, r, trainer.device, trainer.compute_dtype) / n_tok
-            part.backward()
-            loss += part.item()
+        loss = trainer.completion_ce_backward([(r.prompt_ids, r.completion_ids) for r in batch], 1.0 / n_tok)
         if not math.isfinite(loss):
             raise SFTError(f"SFT loss is {loss} at step {step + 1}: lower train.sft_learning_rate")
         torch.nn.utils.clip_grad_norm_(params, trainer.cfg.max_grad_norm)

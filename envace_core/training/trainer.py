@@ -67,6 +67,7 @@ from envace_core.config import TrainConfig
 from envace_core.engines.base import ROLE_ADAPTERS, resolve_compute_dtype
 from envace_core.training.distributed import World, balanced_slices
 from envace_core.training.grpo import policy_loss, token_logprobs
+from envace_core.training.prefix_grad import shared_prefix_ce_backward
 from envace_core.training.persistence import (
     CHECKPOINT_FORMAT,
     AdapterLoadError,
@@ -489,6 +490,26 @@ class PolicyTrainer(TrainerPersistence):
             h = h[:, b.start - n:-1]
         # The LM head in float32 outside autocast: cheap (completion positions only), exact ratios.
         return self._head(h.to(self._head.weight.dtype)).float()
+
+    def completion_ce_backward(self, rows: Sequence[tuple[list[int], list[int]]], scale: float) -> float:
+        """Backward of ``scale · Σ_rows CE(completion | prompt)`` (summed nats per row) into the
+        trainable LoRA weights; returns that scaled loss. Rows with a common prompt prefix run it once
+        (`prefix_grad.shared_prefix_ce_backward`: same values and gradients, less compute); a model
+        whose logits are not lm_head(backbone(x)) runs each row whole. rows: (prompt ids, completion
+        ids, ≥ 1 id)."""
+        bf16 = self.compute_dtype == "bfloat16"
+        if self._split_head:
+            return shared_prefix_ce_backward(self._backbone, self._head, self._cache_kw, rows, scale,
+                                             self.device, bf16, self.min_shared_prefix)
+        total = 0.0
+        for p, c in rows:
+            ids = torch.tensor([p + c], device=self.device)
+            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+                logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=len(c) + 1).logits[0, :-1]
+            loss = torch.nn.functional.cross_entropy(logits.float(), ids[0, -len(c):], reduction="sum") * scale
+            loss.backward()
+            total += loss.item()
+        return total
 
     @staticmethod
     def _entropy_sum(logits: torch.Tensor, b: _Batch) -> float:
