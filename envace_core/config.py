@@ -75,18 +75,31 @@ PROFILES: dict[str, dict[str, Any]] = {
     "cpu-smoke": {
         "data": {
             "domains": ["airline", "retail"],
-            "max_train_tasks_per_domain": None,
+            # the curriculum: synthesized levels 1-3 (one look-up; one write; a look-up then a write)
+            # plus 10 tau2 train tasks per domain
+            "max_train_tasks_per_domain": 10,
+            "synthetic_tasks_per_domain": 10,
+            # + 3 synthesized tasks per domain (one per level) held out: the evaluate stage compares
+            # base, warm start and trained policy on them and on the test tasks
+            "synthetic_heldout_per_domain": 3,
             "max_test_tasks_per_domain": 3,
             "policy_max_chars": 1200,
         },
         # REHEARSE budgets per tool (the config default, REHEARSE_TOKENS_PER_TOOL: each tool's p95 real
         # result or longest wrong-call error, up to 956 tokens; ≤ ~980 per imagined 3-call trajectory,
         # generation stops at the eos); 64 tokens for a tool not in that table
-        "rollout": {"group_size": 4, "tasks_per_iteration": 3, "max_turns": 3,
+        # T = 0.7: after the warm start, 38 % of first ACT turns on synthesized tasks are a parseable
+        # call at 0.7 against 8 % at 1.0 (RESULTS.md "Signal"); rollouts need a mix to compare
+        "rollout": {"group_size": 4, "tasks_per_iteration": 3, "max_turns": 3, "temperature": 0.7,
                     "max_new_tokens_act": 64, "max_new_tokens_rehearse": 64},
-        # the warm_start stage: 12 SFT steps of 2 rows, ACT on gold turns and REHEARSE on real
-        # transitions together (≈ 5 min on 2 AVX2 cores, once: re-runs reuse it)
-        "train": {"iterations": 3, "sft_warmup_steps": 12, "sft_batch_rows": 2, "sft_learning_rate": 5e-4},
+        # imagined trajectories are scored in the world REHEARSE showed ACT (README "Roles, rewards")
+        "reward": {"name": "consistent"},
+        # the warm_start stage: 30 SFT steps of 8 rows (each batch from one role x domain system
+        # message), ACT on gold turns and REHEARSE on real transitions together (≈ 19 min on 2 AVX2
+        # cores, once: re-runs reuse it). format_penalty: a trajectory ended by an unparseable output
+        # scores below a clean wrong one, so groups that mix the two have a signal
+        "train": {"iterations": 3, "sft_warmup_steps": 30, "sft_batch_rows": 8, "sft_learning_rate": 5e-4,
+                  "format_penalty": -0.5},
         "rehearsal": {"mode": "parallel", "n": 2},
         "eval": {"max_turns": 3},
         # The rehearsal gate: 24 held-out transitions whose real result fits the tool's REHEARSE budget
@@ -104,7 +117,7 @@ PROFILES: dict[str, dict[str, Any]] = {
                     "max_new_tokens_act": 8, "max_new_tokens_rehearse": 8, "max_new_tokens_rehearse_per_tool": {}},
         "train": {"iterations": 1, "micro_batch_rows": 8},
         "rehearsal": {"mode": "parallel", "n": 2, "memory_max_tokens": 32},
-        "eval": {"max_turns": 1},
+        "eval": {"max_turns": 1, "compare": []},
         "validate": {"max_transitions": 2},
     },
     # A GPU cluster run with an 8B model given by path or s3:// URI.
@@ -113,6 +126,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "data": {"domains": ["airline", "retail", "telecom"], "dvc_remote": "s3://CHANGE-ME/envace/dvc"},
         "rollout": {"group_size": 8, "tasks_per_iteration": 16, "max_turns": 12, "engine": "vllm",
                     "max_new_tokens_act": 512, "max_new_tokens_rehearse": 512},
+        "reward": {"name": "consistent"},
         "train": {"iterations": 50, "learning_rate": 1e-6, "micro_batch_rows": 8},
         "rehearsal": {"mode": "parallel", "n": 4, "memory_max_tokens": 1024},
         "eval": {"max_turns": 30, "protocol": "tau2_orchestrator"},
