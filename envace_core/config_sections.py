@@ -133,6 +133,10 @@ class DataConfig(_Strict):
     synthetic_tasks_per_domain: int = Field(
         0, ge=0, description="extra train tasks synthesized per domain from its database and verified by "
         "gold replay (envace_core/envs/tau2/synth.py; airline and retail); 0 = none")
+    synthetic_heldout_per_domain: int = Field(
+        0, ge=0, description="synthesized tasks per domain held out of training (split 'heldout', same "
+        "levels and seed, disjoint from the train ones): the evaluate stage scores the base model, the "
+        "warm start and the trained policy on them (eval.compare); 0 = none")
     synthetic_levels: list[Literal[1, 2, 3]] = Field(
         default_factory=lambda: [1, 2, 3], min_length=1,
         description="difficulty levels of synthesized tasks, split evenly: 1 = one look-up to report, "
@@ -502,6 +506,12 @@ class EvalConfig(_Strict):
         "tool calls replayed and scored by tau2's evaluate_simulation (fast, CPU); tau2_orchestrator = tau2's own "
         "Orchestrator with a simulated user (the policy itself), as tau2-bench's run_task; NL assertions are "
         "skipped in both (no judge offline)")
+    compare: list[Literal["base", "warm_start"]] = Field(
+        default_factory=lambda: ["base", "warm_start"], description="models the evaluate stage also "
+        "scores, greedy without rehearsal, on the test tasks and the held-out synthesized tasks "
+        "(data.synthetic_heldout_per_domain), against the trained policy with paired 95 % bootstrap "
+        "CIs (envace_core/stages/compare.py): base = the base model, warm_start = the run's SFT warm "
+        "start; [] = the trained policy only")
     lenient_tool_format: bool = Field(
         False, description="when evaluating on tau2, take ACT's tool calls written in another model "
         "family's format (envace_core/roles/foreign.py) as calls, e.g. for a model prompted in its own "

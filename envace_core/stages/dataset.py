@@ -54,9 +54,12 @@ def write_dataset(cfg: RunConfig, records: list[dict[str, Any]], gate: Any,
     tasks always get the same version and re-writing one is a no-op; tasks.parquet and
     manifest.json ({"version", **manifest}) go in with one `put_dir`. The passing `gate`'s results
     (`gates.GateResult`) are saved to `validation/dataset/<version>/gate.json`. Used by `curate`
-    and tool learning (`tool_learning.adapt`). Returns {"store", "key", "dir", "version", "gate",
-    "gate_key"} (`load_dataset` takes it)."""
+    and tool learning (`tool_learning.adapt`). Returns {"store", "key", "dir", "version",
+    "train_version" (the same hash over the train split's records alone: what a warm start depends
+    on), "gate", "gate_key"} (`load_dataset` takes it)."""
     version = sha256_bytes(json.dumps(records, sort_keys=True).encode())[:16]
+    train = [r for r in records if r["split"] == cfg.data.train_split]
+    train_version = sha256_bytes(json.dumps(train, sort_keys=True).encode())[:16]
     store = open_store(cfg.store.root)
     key, gate_key = f"datasets/{version}", f"validation/dataset/{version}/gate.json"
     if not store.exists(f"{key}/manifest.json"):
@@ -66,7 +69,7 @@ def write_dataset(cfg: RunConfig, records: list[dict[str, Any]], gate: Any,
             store.put_dir(tmp, key)
     store.write_json(gate_key, gate.to_dict())
     return {"store": cfg.store.root, "key": key, "dir": store.uri(key), "version": version,
-            "gate": gate.checks, "gate_key": gate_key}
+            "train_version": train_version, "gate": gate.checks, "gate_key": gate_key}
 
 
 def load_dataset(dataset: dict[str, Any], split: str) -> list[Task]:

@@ -7,7 +7,8 @@ from typing import Any
 from tqdm.auto import tqdm
 
 from envace_core.config import RunConfig
-from envace_core.stages.console import print_eval_table
+from envace_core.stages.compare import compare_models
+from envace_core.stages.console import print_comparison_table, print_eval_table
 from envace_core.stages.dataset import load_dataset
 from envace_core.training.policy import load_policy, policy_engine
 
@@ -24,7 +25,9 @@ def evaluate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
 
     Returns {"summary": {"<condition>|<domain or all>": `tau2.summarize_results` + "pass^1" (tau2's pass^1
     over scored tasks, None when none was scored) + "n" (tasks)}, "results": the harness records, each
-    with its "condition", "protocol": `protocols.describe` of the protocol used}.
+    with its "condition", "comparison": `compare.compare_models` (base and warm start vs the trained
+    policy on the test and held-out synthesized tasks, ``eval.compare``; {} when off), "protocol":
+    `protocols.describe` of the protocol used}.
     """
     from envace_core.evaluation.protocols import MAX_STEPS, TAU2_ORCHESTRATOR, USER_MAX_NEW_TOKENS, describe
     from envace_core.evaluation.tau2 import evaluate_policy
@@ -45,10 +48,14 @@ def evaluate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     summary = summarise_eval(results)
     print_eval_table(summary, protocol)
     _print_isolation(results)
+    del model, engine  # the comparison loads each model in turn
+    comparison = compare_models(cfg, dataset, trained, [r for r in results if r["condition"] == "no_rehearsal"])
+    if comparison:
+        print_comparison_table(comparison["summary"], protocol)
     user = f"the evaluated policy itself, {USER_MAX_NEW_TOKENS} tokens per reply"
     extra = {"max_steps": MAX_STEPS, "user_model": user} if protocol == TAU2_ORCHESTRATOR else \
         {"max_turns": cfg.eval.max_turns}
-    return {"summary": summary, "results": results,
+    return {"summary": summary, "results": results, "comparison": comparison,
             "protocol": describe(protocol, trials=1, seed=cfg.train.seed, **extra)}
 
 

@@ -232,7 +232,8 @@ def _tool_calls_ok(domain: Any, text: Any, tools: Mapping[str, Mapping[str, Any]
 def dataset_gate(df: pd.DataFrame, test_ids: Iterable[str], min_rows: int = 1,
                  max_rows: int | None = None, *, train_split: str = "train",
                  test_split: str = "test", domains: Iterable[str] | None = None,
-                 tools: Mapping[str, Mapping[str, Any]] | None = None) -> GateResult:
+                 tools: Mapping[str, Mapping[str, Any]] | None = None,
+                 extra_splits: Iterable[str] = ()) -> GateResult:
     """Validate the curated task table `df` (one row per task, train and test rows together).
 
     `test_ids`: every id of the benchmark's test split (not only the ones kept), for the leakage
@@ -240,7 +241,9 @@ def dataset_gate(df: pd.DataFrame, test_ids: Iterable[str], min_rows: int = 1,
     allowed domains (default: any). `tools`: {domain: {tool name: JSON-schema parameters}}
     (default: the tau2 domains' own tools). An optional `tools_added` column (JSON list of tool
     specs, `stages._task_record`; tool learning) adds its row's tools, whose schemas must be valid
-    too. Never raises on bad data: see `raise_if_failed()`.
+    too. `extra_splits`: other split names allowed besides train and test (e.g. the held-out
+    synthesized tasks, `synth.HELDOUT_SPLIT`); they may be empty. Never raises on bad data: see
+    `raise_if_failed()`.
     """
     t0 = time.perf_counter()
     gx = _gx()
@@ -266,8 +269,10 @@ def dataset_gate(df: pd.DataFrame, test_ids: Iterable[str], min_rows: int = 1,
     if "id" in have:
         exp.append(E.ExpectColumnValuesToBeUnique(column="id", description="id is unique"))
     if "split" in have:
-        exp += [E.ExpectColumnValuesToBeInSet(column="split", value_set=[train_split, test_split],
-                                              description=f"split is '{train_split}' or '{test_split}'"),
+        splits = [train_split, test_split, *extra_splits]
+        exp += [E.ExpectColumnValuesToBeInSet(column="split", value_set=splits,
+                                              description=f"split is one of {splits}" if extra_splits
+                                              else f"split is '{train_split}' or '{test_split}'"),
                 E.ExpectColumnDistinctValuesToContainSet(column="split", value_set=[train_split, test_split],
                                                          description="both splits are non-empty")]
     exp += [

@@ -35,7 +35,9 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
     URI, init adapter, examples per role, SFT losses, steps, seconds; None when it started from none). ``metrics.evaluation`` holds
     pass^1 per "<condition>|<domain>" and ``metrics.evaluation_protocol`` the tau2 protocol that
     measured them (`evaluation.protocols.describe`: name, user, turns, scoring, skips, trials, seed;
-    None when `evaluation` names none, e.g. tool learning's registration, which measures separately).
+    None when `evaluation` names none, e.g. tool learning's registration, which measures separately);
+    ``metrics.comparison`` the base / warm start / trained comparison (`compare.summarize`; None when
+    not made).
     Works with a local or an s3:// registry (`store.registry`); returns {"name", "version", "path", "manifest"}.
     `extra_manifest` adds top-level manifest keys (tool learning: `parent`, `tools`, ...) and
     `extra_artifacts` ({relative path: text}) adds hashed artifact files.
@@ -72,7 +74,8 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
                         "learning_signal": trained.get("learning_signal"),
                         "validation": validation["metrics"],
                         "evaluation": {k: v["pass^1"] for k, v in evaluation["summary"].items()},
-                        "evaluation_protocol": evaluation.get("protocol")},
+                        "evaluation_protocol": evaluation.get("protocol"),
+                        "comparison": (evaluation.get("comparison") or {}).get("summary")},
             "gates": {"dataset": dataset.get("gate"), "rehearsal": validation["gate"]},
             "run_id": trained["run_id"],
             "warm_start": trained.get("warm_start"),

@@ -16,7 +16,7 @@ so a killed write leaves no key; a directory there is reused only when its warm_
 same id and every file matches its CHECKSUMS.json (`stored_warm_start`).
 
 The warm-start id (`warm_start_id`) hashes what decides the weights: the base model's content
-(`models.base_model_lineage`: weight files, or the S3 listing), the dataset version, the LoRA and SFT
+(`models.base_model_lineage`: weight files, or the S3 listing), the train split's version, the LoRA and SFT
 settings of train.*, train.init_adapter's content, train.seed and the settings that shape the SFT
 prompts and targets (`warm_start_settings`). Settings that only shape the GRPO stage (reward.*,
 rollout.source, train.iterations, ...) are not in it, so conditions that differ only there (the
@@ -64,10 +64,16 @@ PROMPT_FIELDS = (("data", "policy_max_chars"), ("data", "test_split"), ("rollout
 
 
 def warm_start_settings(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, Any]:
-    """{"model.ref", "dataset.version", "train.<field>" ...}: the settings that decide the warm start's
+    """{"model.ref", "dataset.train_version", "train.<field>" ...}: the settings that decide the warm start's
     weights (module docstring), by dotted name. With train.sft_warmup_steps = 0 only the LoRA ones
     (`LORA_FIELDS`): no SFT runs, so the SFT and prompt settings cannot change anything."""
-    out: dict[str, Any] = {"model.ref": cfg.model.ref, "dataset.version": dataset["version"]}
+    # the train split's records alone decide the examples: a dataset that differs only in its test
+    # or held-out tasks shares the warm start (a dataset dict from before train_version: its version)
+    out: dict[str, Any] = {"model.ref": cfg.model.ref}
+    if dataset.get("train_version"):
+        out["dataset.train_version"] = dataset["train_version"]
+    else:
+        out["dataset.version"] = dataset["version"]
     fields = LORA_FIELDS + (SFT_FIELDS if cfg.train.sft_warmup_steps > 0 else ())
     out.update({f"train.{f}": getattr(cfg.train, f) for f in fields})
     if cfg.train.sft_warmup_steps > 0:

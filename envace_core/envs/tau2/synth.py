@@ -143,6 +143,15 @@ def build_task(domain: str, cand: Candidate, split: str = "train") -> Task:
     return to_task(domain, split, t)
 
 
+def level_of(task: Task) -> int:
+    """The level (1-3) of a synthesized task, from its id ``<domain>/synth-L<level>-<hash>``.
+    Raises SynthesisError for a task that is not synthesized."""
+    m = re.search(r"synth-L(\d)-", task.id)
+    if not m:
+        raise SynthesisError(f"task {task.id!r} is not a synthesized task")
+    return int(m.group(1))
+
+
 def gold_answer(task: Task) -> str:
     """The final message of the gold trajectory: states every ``communicate_info`` item."""
     info = (task.source.get("evaluation_criteria") or {}).get("communicate_info") or []
@@ -247,20 +256,39 @@ def synthesize(domain: str, n: int, levels: Sequence[int] = LEVELS, seed: int = 
     return out
 
 
-def synthesize_for_curate(data: Any, full_test: dict[str, list[Task]]) -> list[Task]:
-    """The synthetic train tasks a `DataConfig` asks for (``synthetic_tasks_per_domain``,
-    ``synthetic_levels``, ``synthetic_seed``), for each configured domain synthesis supports; other
-    domains are skipped with a printed notice. `full_test`: {domain: its whole test split}."""
+HELDOUT_SPLIT = "heldout"  # split name of synthesized tasks kept out of training, for evaluation
+
+
+def synthesize_for_curate(data: Any, full_test: dict[str, list[Task]]) -> tuple[list[Task], list[Task]]:
+    """(train, held-out) synthetic tasks a `DataConfig` asks for, for each configured domain synthesis
+    supports; other domains are skipped with a printed notice. `full_test`: {domain: its whole test split}.
+
+    Train: ``synthetic_tasks_per_domain`` per domain (``synthetic_levels``, ``synthetic_seed``), split
+    ``data.train_split``. Held-out: ``synthetic_heldout_per_domain`` more per domain, split
+    `HELDOUT_SPLIT`, never trained on (the evaluate stage measures base, warm start and trained
+    policy on them). Both come from one `synthesize` call of n + h tasks: each level's candidates are
+    validated in one seeded order, so its first quota(n) tasks are exactly what `synthesize` with n
+    alone returns (the train tasks do not change when h does) and the rest are held out, disjoint."""
     n = getattr(data, "synthetic_tasks_per_domain", 0)
-    if not n:
-        return []
-    out: list[Task] = []
+    h = getattr(data, "synthetic_heldout_per_domain", 0)
+    if not n and not h:
+        return [], []
+    train: list[Task] = []
+    held: list[Task] = []
     for dom in data.domains:
         if dom not in SYNTH_DOMAINS:
             print(f"[curate] synthetic tasks: skipping {dom} (supported: {', '.join(SYNTH_DOMAINS)})")
             continue
-        out += synthesize(dom, n, data.synthetic_levels, data.synthetic_seed,
-                          test_tasks=full_test[dom], split=data.train_split)
-    print(f"[curate] synthetic tasks: {len(out)} added to {data.train_split} "
+        tasks = synthesize(dom, n + h, data.synthetic_levels, data.synthetic_seed,
+                           test_tasks=full_test[dom], split=data.train_split)
+        quota = level_quotas(n, data.synthetic_levels)
+        for t in tasks:
+            lv = level_of(t)
+            if quota.get(lv, 0) > 0:
+                quota[lv] -= 1
+                train.append(t)
+            else:
+                held.append(t.model_copy(update={"split": HELDOUT_SPLIT}))
+    print(f"[curate] synthetic tasks: {len(train)} added to {data.train_split}, {len(held)} held out "
           f"(levels {list(data.synthetic_levels)}, seed {data.synthetic_seed})")
-    return out
+    return train, held
