@@ -38,13 +38,20 @@ def task_sets(dataset: dict[str, Any]) -> dict[str, list]:
 
 def warm_start_adapter(cfg: RunConfig, trained: dict[str, Any]) -> str | None:
     """A local folder of the warm start's adapter the run started from (fetched from the artifact
-    store: on a cluster the warm_start stage ran in another pod), or None when the run had no SFT
-    warm start (then there is nothing between base and trained to compare)."""
+    store: on a cluster the warm_start stage ran in another pod); without SFT steps the run's
+    train.init_adapter (the adapter it started from), or None when it started from a fresh LoRA
+    (then there is nothing between base and trained to compare)."""
     from envace_core.stages.warm_start import WARM_START_KEY
     from envace_core.store.uri import open_store
 
     warm = trained.get("warm_start") or {}
-    if not warm.get("warm_start_id") or not warm.get("steps"):
+    if not warm.get("steps"):  # no SFT: the run started from train.init_adapter (or a fresh LoRA)
+        if not warm.get("init_adapter"):
+            return None
+        from envace_core.training.loop import init_adapter_dir
+
+        return str(init_adapter_dir(warm["init_adapter"]))
+    if not warm.get("warm_start_id"):
         return None
     key = WARM_START_KEY.format(warm_start_id=warm["warm_start_id"])
     return str(open_store(cfg.store.root).get_dir(key) / "adapter")
