@@ -77,7 +77,8 @@ def curate(cfg: RunConfig) -> dict[str, Any]:
 
     dvc = track_dataset(store, key, d)  # data.dvc + push; {"tracked": False, "reason"} outside a DVC repo
     return {"store": cfg.store.root, "key": key, "dir": store.uri(key), "version": version,
-            "train_version": written["train_version"], "n_train": len(train), "n_test": len(test), "n_heldout": len(heldout), "gate": gate.checks, "gate_key": gate_key,
+            "train_version": written["train_version"], "n_train": len(train), "n_test": len(test),
+            "n_heldout": len(heldout), "gate": gate.checks, "gate_key": gate_key,
             "dvc": dvc}
 
 
