@@ -46,8 +46,9 @@ Speed (PERF_NOTES.md; 16 rows of ~300 prompt + 64 completion tokens, SmolLM2-135
 2 cores): ~5.6 s/step in bf16, ~9 s in float32, against ~40 s for TRL's loss forward+backward.
   - Rows sharing a prompt (a GRPO group) or a prefix (a system message) are batched together and
     the common prefix runs once at batch size 1; its KV cache, with grad, is repeated over the rows.
-  - The LM head runs only on completion positions (a 300-token prompt costs no [300, V] logits),
-    in float32: bf16 logits would add ~1.7x more noise to the importance ratio.
+  - The LM head runs only on completion tokens (a 300-token prompt costs no [300, V] logits),
+    `logprob_chunk_tokens` at a time (`training.logprobs`: no [B, T, V] tensor, forward or
+    backward), in float32: bf16 logits would add ~1.7x more noise to the importance ratio.
   - The reference policy for KL is the same model with its adapters disabled, never a second copy.
 """
 
@@ -67,13 +68,14 @@ from envace_core.config import TrainConfig
 from envace_core.engines.base import ROLE_ADAPTERS, resolve_compute_dtype
 from envace_core.training.distributed import World, balanced_slices
 from envace_core.training.grpo import policy_loss, token_logprobs
-from envace_core.training.prefix_grad import shared_prefix_ce_backward
+from envace_core.training.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
 from envace_core.training.persistence import (
     CHECKPOINT_FORMAT,
     AdapterLoadError,
     CheckpointError,
     TrainerPersistence,
 )
+from envace_core.training.prefix_grad import shared_prefix_ce_backward
 from envace_core.training.rows import TrainingRow, role_name, trainable_rows
 
 __all__ = ["CHECKPOINT_FORMAT", "AdapterLoadError", "CheckpointError", "PolicyTrainer"]
@@ -120,10 +122,13 @@ class PolicyTrainer(TrainerPersistence):
     """
 
     min_shared_prefix: int = 16  # tokens; a shorter common prefix is not worth a separate call
-    # tokens; rows whose prompt lengths differ by more share no micro-batch: `_logits` computes
-    # [B, L - min prompt, V] float32 logits, so a turn-1 row next to a turn-3 row of the same
-    # trajectory (adjacent in prompt order) would make every row pay the whole later history
-    # (measured: 4 such rows with ~2k-token tool histories took > 15 GB on the 135M model).
+    # completion tokens whose logits exist at a time (`_token_logprobs`); None: the full [B, T, V]
+    # float32 logits of `_logits` (also the path of a head that is not a plain linear).
+    logprob_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
+    # tokens; rows whose prompt lengths differ by more share no micro-batch: the full-logits path
+    # (`_logits`) computes [B, L - min prompt, V] float32 logits, so a turn-1 row next to a turn-3
+    # row of the same trajectory (adjacent in prompt order) would make every row pay the whole later
+    # history (measured: 4 such rows with ~2k-token tool histories took > 15 GB on the 135M model).
     max_prompt_spread: int = 256
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, compute_dtype: str = "bfloat16"):
@@ -340,9 +345,8 @@ class PolicyTrainer(TrainerPersistence):
         ref = None
         if cfg.kl_beta > 0:  # reference = same weights, adapters off; no second model copy
             with torch.no_grad(), self.model.disable_adapter():
-                ref = token_logprobs(self._logits(b), b.targets, b.temperature)
-        logits = self._logits(b)
-        lp = token_logprobs(logits, b.targets, b.temperature)
+                ref, _ = self._token_logprobs(b)
+        lp, entropy = self._token_logprobs(b, entropy=True)
         loss, m = policy_loss(lp, b.old, b.adv, b.mask, cfg.clip_eps, cfg.loss_agg, ref, cfg.kl_beta)
         mb_tok = int(b.mask.sum())
         weight = mb_tok / unit_tok if cfg.loss_agg == "token-mean" else len(mb) / len(unit)
@@ -350,7 +354,7 @@ class PolicyTrainer(TrainerPersistence):
         out["loss"] += loss.item() * weight * share
         for k, v in m.items():
             out[k] += v * mb_tok / n_tok
-        out["entropy"] += self._entropy_sum(logits, b) / n_tok
+        out["entropy"] += entropy / n_tok
 
     # --- pieces of the step ----------------------------------------------------------------------
 
@@ -461,23 +465,45 @@ class PolicyTrainer(TrainerPersistence):
                       old.to(dev), torch.tensor([float(r.advantage) for r in rows], device=dev),
                       torch.tensor([float(r.temperature) for r in rows], device=dev))
 
+    def _token_logprobs(self, b: _Batch, entropy: bool = False) -> tuple[torch.Tensor, float]:
+        """(log-probs [B, T] float32 of b.targets under the logits / b.temperature, valid where b.mask;
+        entropy sum over the masked tokens in nats, 0.0 unless `entropy`).
+
+        With a plain linear head (`_split_head`) and `logprob_chunk_tokens` set, the head runs on
+        completion tokens only, that many at a time (`logprobs.chunked_token_logprobs`: no [B, T, V]
+        tensor, forward or backward; 0 off the mask). Otherwise the full logits (`_logits`) feed
+        `grpo.token_logprobs` and `_entropy_sum`.
+        """
+        chunked = self._split_head and isinstance(self._head, torch.nn.Linear)
+        if self.logprob_chunk_tokens is None or not chunked:
+            logits = self._logits(b)
+            lp = token_logprobs(logits, b.targets, b.temperature)
+            return lp, (self._entropy_sum(logits, b) if entropy else 0.0)
+        return chunked_token_logprobs(self._hidden(b), self._head, b.targets, b.temperature, b.mask,
+                                      self.logprob_chunk_tokens, entropy)
+
     def _logits(self, b: _Batch) -> torch.Tensor:
-        """[B, T, V] float32 logits for positions start .. L-2 only (the completion span).
+        """[B, T, V] float32 logits for positions start .. L-2 only (the completion span)."""
+        if self._split_head:
+            # The LM head in float32 outside autocast: cheap (completion span only), exact ratios.
+            return self._head(self._hidden(b).to(self._head.weight.dtype)).float()
+        with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.compute_dtype == "bfloat16"):
+            out = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask, use_cache=False,
+                             logits_to_keep=b.input_ids.shape[1] - b.start)
+        return out.logits[:, :-1].float()
+
+    def _hidden(self, b: _Batch) -> torch.Tensor:
+        """[B, T, d] final hidden states (the LM head's input) at positions start .. L-2; needs
+        `_split_head`. Under bf16 autocast when compute_dtype is bfloat16.
 
         When the rows share a prefix of >= `min_shared_prefix` tokens (a GRPO group's prompt, a
         system message), it is run once at batch size 1 and its KV cache (with grad) is repeated
         over the rows: same numbers, and its gradient is summed over the rows as in the plain batch.
         """
         B, n = b.input_ids.shape[0], b.shared
-        share = self._split_head and B > 1 and n >= self.min_shared_prefix
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.compute_dtype == "bfloat16"):
-            if not self._split_head:
-                keep = b.input_ids.shape[1] - b.start
-                out = self.model(input_ids=b.input_ids, attention_mask=b.attention_mask,
-                                 use_cache=False, logits_to_keep=keep)
-                return out.logits[:, :-1].float()
-            if share:
+            if B > 1 and n >= self.min_shared_prefix:
                 cache = DynamicCache(config=self._backbone.config)  # filled in place by the call
                 self._backbone(input_ids=b.input_ids[:1, :n], use_cache=True, **{self._cache_kw: cache})
                 cache.batch_repeat_interleave(B)
@@ -487,9 +513,7 @@ class PolicyTrainer(TrainerPersistence):
                 n = 0
                 h = self._backbone(input_ids=b.input_ids, attention_mask=b.attention_mask,
                                    use_cache=False).last_hidden_state
-            h = h[:, b.start - n:-1]
-        # The LM head in float32 outside autocast: cheap (completion positions only), exact ratios.
-        return self._head(h.to(self._head.weight.dtype)).float()
+        return h[:, b.start - n:-1]
 
     def completion_ce_backward(self, rows: Sequence[tuple[list[int], list[int]]], scale: float) -> float:
         """Backward of ``scale · Σ_rows CE(completion | prompt)`` (summed nats per row) into the
@@ -539,7 +563,7 @@ class PolicyTrainer(TrainerPersistence):
                     for idx in self._micro_batches([rows[i] for i in unit]):
                         chunk = [unit[i] for i in idx]
                         b = self._collate([rows[i] for i in chunk])
-                        lp = token_logprobs(self._logits(b), b.targets, b.temperature)
+                        lp, _ = self._token_logprobs(b)
                         for j, i in enumerate(chunk):
                             out[i] = lp[j][b.mask[j]].tolist()
         return out
