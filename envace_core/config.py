@@ -90,8 +90,10 @@ PROFILES: dict[str, dict[str, Any]] = {
         # generation stops at the eos); 64 tokens for a tool not in that table
         # T = 0.7: after the warm start, 38 % of first ACT turns on synthesized tasks are a parseable
         # call at 0.7 against 8 % at 1.0 (RESULTS.md "Signal"); rollouts need a mix to compare
-        "rollout": {"group_size": 4, "tasks_per_iteration": 3, "max_turns": 3, "temperature": 0.7,
-                    "max_new_tokens_act": 64, "max_new_tokens_rehearse": 64},
+        # max_turns 5: a level-3 synthesized task needs up to 4 calls and the answer; 128 ACT tokens: 5 of
+        # the 86 gold calls of the curriculum's first 3 turns are 94-131 tokens (a 64-token cut is a parse error)
+        "rollout": {"group_size": 4, "tasks_per_iteration": 3, "max_turns": 5, "temperature": 0.7,
+                    "max_new_tokens_act": 128, "max_new_tokens_rehearse": 64},
         # imagined trajectories are scored in the world REHEARSE showed ACT (README "Roles, rewards")
         "reward": {"name": "consistent"},
         # the warm_start stage: 30 SFT steps of 8 rows (each batch from one role x domain system
@@ -101,7 +103,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "train": {"iterations": 3, "sft_warmup_steps": 30, "sft_batch_rows": 8, "sft_learning_rate": 5e-4,
                   "format_penalty": -0.5},
         "rehearsal": {"mode": "parallel", "n": 2},
-        "eval": {"max_turns": 3},
+        "eval": {"max_turns": 5},
         # The rehearsal gate: 24 held-out transitions whose real result fits the tool's REHEARSE budget
         # (12 wrong-call errors, 12 successes), thresholds = 95 % lower bounds (benchmarks/gate_calibration.py's
         # rule; RESULTS.md "Rehearsal gate") of the policy trained from this profile's warm start (the
