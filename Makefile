@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed-$(shell cat pyproject.toml Makefile | sha256sum | c
 PROFILE ?= cpu-smoke
 OVERRIDES ?=
 
-.PHONY: install train test clean
+.PHONY: install train test clean delete-registry-and-dvc-remote
 
 install: $(STAMP)
 
@@ -32,5 +32,13 @@ TEST_WORKERS ?= 2
 test: install
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) --dist worksteal
 
+# A fresh `make train`: drops what a run rebuilds, the local Flyte task cache and the artifact store
+# (datasets, warm starts, checkpoints, gate reports). The model registry and the DVC remote are kept:
+# registered models and the pushed data are the audit trail (data.dvc points into the remote).
+FLYTE_CACHE ?= $(or $(ENVACE_FLYTE_CACHE),.envace/flyte-cache)
 clean:
-	rm -rf .envace
+	rm -rf '$(FLYTE_CACHE)' .envace/store
+
+# Deletes every registered model and the data pushed to the local DVC remote: not undoable.
+delete-registry-and-dvc-remote:
+	rm -rf .envace/registry .envace/dvc-remote
