@@ -100,6 +100,7 @@ class Generation(BaseModel):
     text: str = ""
     finish_reason: str = "stop"  # "stop" | "length"
     parse_error: Optional[str] = None  # the typed parse error's class name and message, if any
+    schema_error: Optional[str] = None  # a well-formed call's UnknownTool / InvalidArguments, answered as a tool error
 
 
 class Step(BaseModel):
@@ -110,6 +111,7 @@ class Step(BaseModel):
     observation: Optional[Observation] = None  # imagined (rehearsal) or real (real rollout)
     real_observation: Optional[Observation] = None  # filled by replay, for fidelity
     fidelity: Optional[float] = None  # F(imagined, real) in [0, 1]
+    schema_error: Optional[str] = None  # the call failed the tool list / schema: observation is that error, not rehearsed
 
 
 class Trajectory(BaseModel):

@@ -8,7 +8,10 @@
   renders our ACT prompt (`roles.act_prompt_ids` over a `TaskContext` of the domain's tools and
   policy), generates with the agent's engine at its ``act`` settings (max_new_tokens_act, temperature,
   top_p, strict) and parses (`roles.parse_act`). A tool call becomes an ``AssistantMessage`` with one
-  tau2 ``ToolCall``; a plain message becomes a text ``AssistantMessage``.
+  tau2 ``ToolCall``; a plain message becomes a text ``AssistantMessage``. With the ``act`` settings'
+  ``schema_errors`` (``rollout.schema_errors``), a well-formed call of an unknown tool or with invalid
+  arguments is sent too, and tau2's environment answers it with its own ``"Error: ..."`` message
+  (counted in ``stats["schema_errors"]``).
   **Parse failure**: the raw generated text is sent to the user as the message content (tau2's own
   ``LLMAgent`` would likewise pass a malformed reply through), or ``"(no output)"`` when it is empty
   (tau2 rejects empty messages); it is counted in ``agent.stats["parse_errors"]`` (a call in another
@@ -166,7 +169,7 @@ class EnvaceTau2Agent(LocalAgent[EnvaceAgentState]):
         self.seed = seed
         self.specs = [tool_spec(t) for t in tools]
         self.policy = truncate_policy(domain_policy, policy_max_chars)
-        self.stats: dict[str, int] = Counter(act_calls=0, tool_calls=0, messages=0, parse_errors=0,
+        self.stats: dict[str, int] = Counter(act_calls=0, tool_calls=0, messages=0, parse_errors=0, schema_errors=0,
                                              prompt_too_long=0, rehearsal_rounds=0, rehearsals=0, rejected=0)
         self.parse_errors: list[str] = []
         self.rounds: list[RehearsalRound] = []
@@ -221,14 +224,15 @@ class EnvaceTau2Agent(LocalAgent[EnvaceAgentState]):
         text = tok.decode(c.token_ids, skip_special_tokens=True)
         self.stats["act_calls"] += 1
         try:
-            out = parse_act(text, ctx.tools, strict=act.strict, lenient=act.lenient)
+            out = parse_act(text, ctx.tools, strict=act.strict, lenient=act.lenient, schema_errors=act.schema_errors)
         except ParseError as e:
             self.stats["parse_errors"] += 1
             self.parse_errors.append(format_error(e))
             msg = AssistantMessage(role="assistant", content=text.strip() or NO_OUTPUT, cost=0.0)
         else:
-            if out.tool_call is not None:
+            if out.tool_call is not None:  # a schema error goes to tau2, which answers "Error: ..."
                 self.stats["tool_calls"] += 1
+                self.stats["schema_errors"] += out.schema_error is not None
                 msg = AssistantMessage(role="assistant", content=None, cost=0.0, tool_calls=[Tau2ToolCall(
                     id=f"call_{uuid.uuid4().hex[:12]}", name=out.tool_call.name,
                     arguments=out.tool_call.arguments, requestor="assistant")])

@@ -11,8 +11,10 @@ from envace_core.roles.chat import chat_ids, render_history
 from envace_core.roles.errors import (
     EmptyOutput,
     ForeignToolCallFormat,
+    InvalidArguments,
     MalformedToolCall,
     MultipleToolCalls,
+    ParseError,
     TextOutsideToolCall,
     UnknownTool,
 )
@@ -82,16 +84,23 @@ def act_prompt_ids(tokenizer, ctx: TaskContext, history: list[Message], memory: 
 # ----------------------------------------------------------------------------------------- parsing
 @dataclass
 class ActOutput:
-    """ACT's parsed output: exactly one of `tool_call` / `message` is set (message is "" for a call)."""
+    """ACT's parsed output: exactly one of `tool_call` / `message` is set (message is "" for a call).
+
+    `schema_error`: only with ``parse_act(..., schema_errors=True)``: the `UnknownTool` or
+    `InvalidArguments` error of a well-formed call (`tool_call` is then that call, unchecked), which
+    the environment answers with an error observation instead of ending the turn.
+    """
 
     tool_call: ToolCall | None
     message: str
+    schema_error: ParseError | None = None
 
 
 _TAG = re.compile(r"</?tool_call\b[^>]*>?")
 
 
-def _foreign_output(call: ForeignCall, text: str, tools: list[ToolSpec], strict: bool, lenient: bool) -> ActOutput:
+def _foreign_output(call: ForeignCall, text: str, tools: list[ToolSpec], strict: bool, lenient: bool,
+                    schema_errors: bool = False) -> ActOutput:
     """A foreign-format call: `ForeignToolCallFormat`, or (lenient) the one call it holds, checked as ours."""
     if not lenient or not call.calls:
         what = "recognised but not decodable" if lenient else "write it as " + TOOL_CALL_OPEN + \
@@ -101,7 +110,7 @@ def _foreign_output(call: ForeignCall, text: str, tools: list[ToolSpec], strict:
         raise MultipleToolCalls(f"{len(call.calls)} tool calls in one turn ({call.format}); make exactly one", text)
     if strict and call.outside:
         raise TextOutsideToolCall(f"text outside the tool call: {call.outside[:80]!r}", text)
-    return _checked_call(*call.calls[0], text, tools)
+    return _checked_call(*call.calls[0], text, tools, schema_errors)
 
 
 def _foreign_in_tags(body: str, names: list[str]) -> ForeignCall | None:
@@ -110,17 +119,23 @@ def _foreign_in_tags(body: str, names: list[str]) -> ForeignCall | None:
     return None if foreign is None or foreign.format == "json_call" else foreign
 
 
-def _checked_call(name: Any, arguments: Any, text: str, tools: list[ToolSpec]) -> ActOutput:
+def _checked_call(name: Any, arguments: Any, text: str, tools: list[ToolSpec], schema_errors: bool = False) -> ActOutput:
     if not isinstance(name, str) or not name:
         raise MalformedToolCall('tool call has no "name" string', text)
     spec = next((t for t in tools if t.name == name), None)
-    if spec is None:
-        raise UnknownTool(f"unknown tool {name!r}; tools: {sorted(t.name for t in tools)}", text)
-    validate_arguments(arguments, spec, text)
+    try:
+        if spec is None:
+            raise UnknownTool(f"unknown tool {name!r}; tools: {sorted(t.name for t in tools)}", text)
+        validate_arguments(arguments, spec, text)
+    except (UnknownTool, InvalidArguments) as e:
+        if not schema_errors or not isinstance(arguments, dict):
+            raise
+        return ActOutput(tool_call=ToolCall(name=name, arguments=arguments), message="", schema_error=e)
     return ActOutput(tool_call=ToolCall(name=name, arguments=arguments), message="")
 
 
-def parse_act(text: str, tools: list[ToolSpec], strict: bool = True, lenient: bool = False) -> ActOutput:
+def parse_act(text: str, tools: list[ToolSpec], strict: bool = True, lenient: bool = False,
+              schema_errors: bool = False) -> ActOutput:
     """Parse one ACT output (format: METHOD.md §1, module docstring).
 
     It must hold exactly one `<tool_call>{"name": .., "arguments": {..}}</tool_call>` whose name is one of
@@ -139,6 +154,12 @@ def parse_act(text: str, tools: list[ToolSpec], strict: bool = True, lenient: bo
     or misspelt tag, bad JSON, not an object, "name" missing or not a string, keys other than
     "name"/"arguments"), or its subclass `ForeignToolCallFormat`; `MultipleToolCalls`;
     `TextOutsideToolCall` (strict only); `UnknownTool`; `InvalidArguments`.
+
+    `schema_errors` (off by default): a well-formed call whose name is unknown or whose argument
+    object fails the tool's schema is returned with `ActOutput.schema_error` set instead of raising
+    `UnknownTool` / `InvalidArguments` — tau2-bench's environment answers such a call with an
+    ``"Error: ..."`` tool message and the conversation goes on (``Environment.get_response``), so it is
+    a tool error, not a format error. Arguments that are not an object still raise.
     """
     if not isinstance(text, str) or not text.strip():
         raise EmptyOutput("empty output", text if isinstance(text, str) else "")
@@ -146,7 +167,7 @@ def parse_act(text: str, tools: list[ToolSpec], strict: bool = True, lenient: bo
     if not _TAG.search(text):
         foreign = find_foreign_call(text, names)
         if foreign is not None:
-            return _foreign_output(foreign, text, tools, strict, lenient)
+            return _foreign_output(foreign, text, tools, strict, lenient, schema_errors)
         if "<tool_call" in text or TOOL_CALL_CLOSE in text:
             raise MalformedToolCall(f"malformed tag: expected {TOOL_CALL_OPEN} ... {TOOL_CALL_CLOSE}", text)
         return ActOutput(tool_call=None, message=text.strip())
@@ -184,7 +205,7 @@ def parse_act(text: str, tools: list[ToolSpec], strict: bool = True, lenient: bo
     except ValueError as e:
         foreign = _foreign_in_tags(body, names)  # e.g. Qwen3-Coder's <function=f> or GLM's <arg_key> in our tags
         if foreign is not None:
-            return _foreign_output(foreign, text, tools, False, lenient)
+            return _foreign_output(foreign, text, tools, False, lenient, schema_errors)
         raise MalformedToolCall(f"tool call is not valid JSON: {e}", text) from None
     if not isinstance(obj, dict):
         raise MalformedToolCall(f"tool call must be a JSON object, got {type(obj).__name__}", text)
@@ -192,8 +213,8 @@ def parse_act(text: str, tools: list[ToolSpec], strict: bool = True, lenient: bo
     if extra:
         foreign = _foreign_in_tags(body, names)  # e.g. {"name": .., "parameters": ..} (Llama's keys)
         if foreign is not None:
-            return _foreign_output(foreign, text, tools, False, lenient)
+            return _foreign_output(foreign, text, tools, False, lenient, schema_errors)
         if not isinstance(obj.get("name"), str) or not obj.get("name"):
             raise MalformedToolCall('tool call has no "name" string', text)
         raise MalformedToolCall(f'tool call has keys {extra}; only "name" and "arguments" are allowed', text)
-    return _checked_call(obj.get("name"), obj.get("arguments", {}), text, tools)
+    return _checked_call(obj.get("name"), obj.get("arguments", {}), text, tools, schema_errors)

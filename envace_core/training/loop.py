@@ -246,7 +246,9 @@ def score(task: Task, traj: Trajectory, format_penalty: float = 0.0, reward_fn=N
 
 def rollout_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
     """Rollout metrics of one iteration: trajectories, fidelity, success_rate, per role
-    ``parse_error_rate/<role>`` and ``rows/<role>``, ``parse_error_rate`` over all generations,
+    ``parse_error_rate/<role>`` and ``rows/<role>``, ``schema_error_rate/act`` (well-formed calls of an
+    unknown tool or with invalid arguments, answered as tool errors: not parse errors),
+    ``parse_error_rate`` over all generations,
     ``termination/<name>`` = trajectories ended that way (``termination/prompt_too_long`` always, 0
     when none), and ``masked_trajectories`` (reward None: their rows carry no loss)."""
     from envace_core.training.rollout import PROMPT_TOO_LONG
@@ -262,6 +264,8 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
             continue  # USER-REHEARSE off: keep the training table as it was
         out[f"parse_error_rate/{role.value}"] = mean_or_none([float(g.parse_error is not None) for g in rg])
         out[f"rows/{role.value}"] = len(rg)
+        if role == Role.ACT:
+            out["schema_error_rate/act"] = mean_or_none([float(g.schema_error is not None) for g in rg])
     out["parse_error_rate"] = mean_or_none([float(g.parse_error is not None) for g in gens])
     out[f"termination/{PROMPT_TOO_LONG}"] = 0
     for t in trajs:

@@ -110,7 +110,8 @@ def replay_observations(task: Task, trajectory: Trajectory,
     (default `Tau2Environment`) reset to `task`; returns that environment (for scoring).
 
     Mutates `trajectory`: each action step gets ``real_observation``; when the trajectory is
-    imagined and the step has an observation, ``fidelity`` = `fidelity`(imagined, real). Errors
+    imagined and the step has a rehearsed observation (not a ``schema_error`` answer), ``fidelity`` =
+    `fidelity`(imagined, real). Errors
     building the environment (e.g. `UnknownDomainError`) propagate; tool errors are observations.
     """
     env = (env_factory or _default_env_factory)(task.domain)
@@ -120,7 +121,7 @@ def replay_observations(task: Task, trajectory: Trajectory,
             continue
         real = env.step(step.action)
         step.real_observation = real
-        if trajectory.imagined and step.observation is not None:
+        if trajectory.imagined and step.observation is not None and not step.schema_error:
             step.fidelity = fidelity(step.observation, real)
     return env
 
@@ -275,9 +276,10 @@ def consistent_reward(task: Task, trajectory: Trajectory,
     except Exception as e:  # noqa: BLE001 - any scorer failure masks the trajectory
         _mask(trajectory, "consistent", e)
         return None
-    calls = trajectory.tool_calls()
+    steps = [s for s in trajectory.steps if s.action is not None]  # k indexes these, as in `matched`
     matched = {k for k in checked.matched if k is not None}
-    stray = [c.name for k, c in enumerate(calls) if k not in matched and c.name in _WRITE_TOOLS[task.domain]]
+    stray = [s.action.name for k, s in enumerate(steps)  # a call refused by its schema changed nothing
+             if k not in matched and not s.schema_error and s.action.name in _WRITE_TOOLS[task.domain]]
     score = checked.score()
     items = [{"kind": i.kind, "index": i.index, "outcome": i.outcome, "why": i.why} for i in checked.items]
     if score is None:
@@ -418,7 +420,8 @@ def row_rewards(trajectory: Trajectory, fidelity_lambda: float = 0.0) -> list[fl
 
     Every row gets the trajectory reward R (ACT, USER-REHEARSE and REHEARSE alike); with
     `fidelity_lambda` λ > 0, the k-th REHEARSE row gets R + λ·F_k, where F_k = F(ô_k, o_k) is the
-    fidelity of the k-th action step it imagined (METHOD.md §2: "optionally added to REHEARSE rows'
+    fidelity of the k-th rehearsed action step (calls answered by their schema error have no REHEARSE
+    row) (METHOD.md §2: "optionally added to REHEARSE rows'
     reward with weight λ (off by default, an ablation)"; an unparseable rehearsal has F = 0). R None
     (failed score) -> None for every row; λ > 0 with F_k unknown (no real observation) -> None.
     SELF_EVAL rows get R too (they are not trained by role-wise GRPO).
@@ -428,7 +431,7 @@ def row_rewards(trajectory: Trajectory, fidelity_lambda: float = 0.0) -> list[fl
         return [None] * len(trajectory.generations)
     if fidelity_lambda == 0:
         return [R] * len(trajectory.generations)
-    action_steps = iter([s for s in trajectory.steps if s.action is not None])
+    action_steps = iter([s for s in trajectory.steps if s.action is not None and not s.schema_error])
     out: list[float | None] = []
     for g in trajectory.generations:
         if g.role != Role.REHEARSE:

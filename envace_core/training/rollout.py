@@ -19,6 +19,7 @@ from the configured source, then the configured reward (`rewards.score_trajector
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
@@ -27,7 +28,7 @@ from envace_core.engines.base import Completion, Engine, SamplingParams
 from envace_core.envs.base import ToolEnvironment
 from envace_core.roles.act import act_prompt_ids, parse_act
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, PromptTooLong, check_prompt, prompt_limit
-from envace_core.roles.errors import ParseError, format_error
+from envace_core.roles.errors import ParseError, UnknownTool, format_error
 from envace_core.roles.grounding import GroundingIndex
 from envace_core.roles.json_prefix import NotJsonStop
 from envace_core.roles.rehearse import parse_rehearse, rehearse_prompt_ids
@@ -68,6 +69,11 @@ class RolloutParams:
     lenient: `parse_act(..., lenient=...)`: take calls in other model families' formats (off: they
         are `ForeignToolCallFormat` parse errors).
     max_new_tokens_rehearse_per_tool: REHEARSE budget per tool name (`rehearse_budget`).
+    schema_errors: `parse_act(..., schema_errors=...)`: a well-formed call of an unknown tool or with
+        arguments that fail the tool's schema is answered with an error observation and the
+        trajectory goes on, as tau2-bench's environment answers it (``Environment.get_response``:
+        ``"Error: Tool 'x' not found."``); off: it is a parse error ending the trajectory. In an
+        imagined trajectory the answer is `schema_error_observation`, not a REHEARSE turn.
     grounding, grounding_k, grounding_max_tokens: REHEARSE prompts hold up to k real examples of the
         same tool from other tasks, under the token budget (`roles.grounding.GroundingIndex`).
     """
@@ -82,6 +88,7 @@ class RolloutParams:
     max_observation_tokens: Optional[int] = MAX_OBSERVATION_TOKENS
     max_prompt_tokens: Optional[int] = None
     lenient: bool = False
+    schema_errors: bool = False
     max_new_tokens_rehearse_per_tool: Mapping[str, int] = field(default_factory=dict)
     grounding: Optional[GroundingIndex] = None
     grounding_k: int = 0
@@ -98,6 +105,14 @@ class RolloutParams:
         if self.grounding is None or self.grounding_k <= 0:
             return []
         return self.grounding.examples(task_id, call, self.grounding_k, self.grounding_max_tokens, tokenizer)
+
+
+def schema_error_observation(call: ToolCall, error: ParseError) -> Observation:
+    """The observation answering a call that failed the tool list or schema (`RolloutParams.schema_errors`):
+    the canonical error object ``{"error": <message>}`` in compact JSON, the message tau2's own for an
+    unknown tool (``Tool '<name>' not found.``, tau2 ``ToolKitBase.use_tool``), else the schema error's."""
+    msg = f"Tool '{call.name}' not found." if isinstance(error, UnknownTool) else str(error)
+    return Observation(content=json.dumps({"error": msg}, ensure_ascii=False, separators=(",", ":")), error=True)
 
 
 def make_generation(role: Role, prompt: list[int], c: Completion, tokenizer, temperature: float) -> Generation:
@@ -142,7 +157,9 @@ def act_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory], historie
               p: RolloutParams, seeds: SeedStream, memory: Optional[str], first: bool) -> list[int]:
     """One batched ACT call for the active trajectories; returns the indices that called a tool.
 
-    A trajectory whose ACT prompt does not fit (`fitting_prompts`) ends as "prompt_too_long".
+    A trajectory whose ACT prompt does not fit (`fitting_prompts`) ends as "prompt_too_long". A call
+    answered by its schema error (`RolloutParams.schema_errors`) is returned too, its step already
+    holding `schema_error_observation` (the real environment answers it itself).
     """
     tok = engine.tokenizer
     sp = SamplingParams(max_new_tokens=p.max_new_tokens_act, temperature=p.temperature, top_p=p.top_p,
@@ -169,7 +186,7 @@ def act_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory], historie
         gen = make_generation(Role.ACT, prompt, c, tok, p.temperature)
         trajs[i].generations.append(gen)
         try:
-            out = parse_act(gen.text, ctx.tools, strict=p.strict, lenient=p.lenient)
+            out = parse_act(gen.text, ctx.tools, strict=p.strict, lenient=p.lenient, schema_errors=p.schema_errors)
         except ParseError as e:
             gen.parse_error = format_error(e)
             trajs[i].termination = "parse_error"
@@ -180,7 +197,11 @@ def act_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory], historie
             trajs[i].termination = "agent_message"
         else:
             out.tool_call.id = f"call_{len(trajs[i].steps)}"
-            trajs[i].steps.append(Step(action=out.tool_call))
+            step = Step(action=out.tool_call)
+            if out.schema_error is not None:
+                gen.schema_error = step.schema_error = format_error(out.schema_error)
+                step.observation = schema_error_observation(out.tool_call, out.schema_error)
+            trajs[i].steps.append(step)
             histories[i].append(Message(role="assistant", tool_call=out.tool_call))
             calling.append(i)
     return calling
@@ -188,7 +209,11 @@ def act_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory], historie
 
 def _rehearse_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory],
                    histories: list[list[Message]], idx: list[int], p: RolloutParams, seeds: SeedStream) -> None:
-    """One batched REHEARSE call: the policy imagines the tool response of each pending call."""
+    """One batched REHEARSE call: the policy imagines the tool response of each pending call; a call
+    that failed the tool list or schema keeps its `schema_error_observation` (no REHEARSE row)."""
+    for i in [i for i in idx if trajs[i].steps[-1].schema_error]:
+        histories[i].append(Message(role="tool", content=trajs[i].steps[-1].observation.content, error=True))
+    idx = [i for i in idx if not trajs[i].steps[-1].schema_error]
     if not idx:
         return
     tok = engine.tokenizer
@@ -332,13 +357,13 @@ def real_rollout(engine: Engine, ctx: TaskContext, env: ToolEnvironment, p: Roll
 
 def params_from_config(cfg: RunConfig, p: RolloutParams) -> RolloutParams:
     """`p` with the budgets, the tool-format mode and the grounding settings of ``cfg.rollout``
-    (max_new_tokens_user, max_observation_tokens, max_prompt_tokens, lenient_tool_format,
+    (max_new_tokens_user, max_observation_tokens, max_prompt_tokens, lenient_tool_format, schema_errors,
     max_new_tokens_rehearse_per_tool, grounding_k, grounding_max_tokens; the index `p.grounding`
     is kept)."""
     r = cfg.rollout
     return replace(p, max_new_tokens_user=p.max_new_tokens_user or r.max_new_tokens_user,
                    max_observation_tokens=r.max_observation_tokens, max_prompt_tokens=r.max_prompt_tokens,
-                   lenient=r.lenient_tool_format,
+                   lenient=r.lenient_tool_format, schema_errors=r.schema_errors == "observation",
                    max_new_tokens_rehearse_per_tool=dict(r.max_new_tokens_rehearse_per_tool),
                    grounding_k=r.grounding_k, grounding_max_tokens=r.grounding_max_tokens)
 
