@@ -10,6 +10,7 @@ README's configuration table.
 
 from __future__ import annotations
 
+import copy
 import inspect
 import json
 import re
@@ -22,9 +23,9 @@ from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
 from envace_core import EnvaceError
+from envace_core.config_checks import PLACEHOLDER, location
 from envace_core.config_sections import (
     KNOWN_DOMAINS,
-    PLACEHOLDER,
     REHEARSE_TOKENS_PER_TOOL,
     DataConfig,
     EvalConfig,
@@ -36,7 +37,6 @@ from envace_core.config_sections import (
     StoreConfig,
     TrainConfig,
     ValidateConfig,
-    location,
 )
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "config_from_json",
     "config_table_markdown",
     "deep_merge",
+    "expand_dotted",
     "load_config",
     "location",
     "parse_overrides",
@@ -149,7 +150,7 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 
 def _split_top_level(text: str) -> list[str]:
-    """Split 'a=1,b.c=[x,y]' at commas outside brackets and quotes."""
+    """Split 'a=1,b.c=[x,y]' at commas outside brackets and quotes (empty items kept)."""
     parts, depth, quote, cur = [], 0, None, []
     for ch in text:
         if quote:
@@ -166,17 +167,91 @@ def _split_top_level(text: str) -> list[str]:
             continue
         cur.append(ch)
     parts.append("".join(cur))
-    return [p for p in parts if p.strip()]
+    return parts
+
+
+PAIRS_FORM = "key=value,key=value (e.g. train.iterations=2,rollout.group_size=4)"
+_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
+_NEXT_PAIR = re.compile(r"[\s;]+[A-Za-z_][\w.]*\s*=")  # "1 rollout.group_size=2": a second pair after a space
+
+
+def _put(node: dict[str, Any], parts: list[str], value: Any, where: str, above: tuple[str, ...] = ()) -> None:
+    """Set the dotted key `parts` (under `above`) in the nested mapping `node`, merging mappings; ConfigError
+    when `where` gives a setting, or a setting and a part of it, twice."""
+    key = ".".join((*above, *parts))
+    for i, p in enumerate(parts[:-1]):
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{where} set {'.'.join((*above, *parts[:i + 1]))} and also {key}: give each "
+                              "setting once")
+    leaf = parts[-1]
+    if leaf not in node:
+        node[leaf] = value
+    elif isinstance(node[leaf], dict) and isinstance(value, dict):
+        for k, v in value.items():
+            _put(node[leaf], [k], v, where, (*above, *parts))
+    else:
+        raise ConfigError(f"{where} set {key} twice: give each setting once")
+
+
+def expand_dotted(data: dict[str, Any], where: str = "the overrides") -> dict[str, Any]:
+    """`data` with each top-level dotted key (``train.iterations: 2``) turned into nested mappings, as an
+    a.b=v override means it. Raises ConfigError naming `where` when a setting is given twice."""
+    if not any(isinstance(k, str) and "." in k for k in data):
+        return data
+    out: dict[str, Any] = {}
+    for k, v in copy.deepcopy(data).items():
+        _put(out, k.split(".") if isinstance(k, str) and _KEY.fullmatch(k) else [k], v, where)
+    return out
+
+
+def _parse_pairs(text: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for pair in _split_top_level(text):
+        if not pair.strip():
+            raise ConfigError(f"overrides {text!r} have an empty item (two commas in a row, or a comma at the "
+                              f"start or end): write {PAIRS_FORM}")
+        key, sep, raw = pair.partition("=")
+        key = key.strip()
+        if not sep or not key:
+            raise ConfigError(f"override {pair.strip()!r} is not of the form a.b=value: write {PAIRS_FORM}")
+        if not _KEY.fullmatch(key):
+            raise ConfigError(f"override {pair.strip()!r}: {key!r} is not a setting name (a.b, e.g. "
+                              f"train.iterations); overrides are separated by commas, not spaces: write {PAIRS_FORM}")
+        if not raw.lstrip().startswith(("'", '"', "[", "{")) and _NEXT_PAIR.search(raw):
+            raise ConfigError(f"override {pair.strip()!r} holds another override after a space or ';': "
+                              f"separate overrides with commas: write {PAIRS_FORM}")
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"the value of override {key!r} is not valid YAML: {raw!r}") from e
+        _put(out, key.split("."), value, f"the overrides {text!r}")
+    return out
+
+
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """'<problem> (line L, column C)' of a YAML parse error."""
+    mark = getattr(e, "problem_mark", None)
+    problem = " ".join(x for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
+    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
 def parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
-    """Overrides: a dict, a JSON/YAML string, a path to a YAML/JSON file, or 'a.b=v' pairs."""
+    """Overrides: a dict, a JSON/YAML string, a path to a YAML/JSON file, or 'a.b=v' pairs separated by
+    commas. A mapping's top-level dotted keys (``train.iterations: 2``) mean what they mean as pairs.
+
+    Raises:
+        ConfigError: a missing, non-UTF-8 or unparseable file (named, with the YAML error's line and
+            column), pairs that are not ``key=value,key=value`` (an empty item, a second pair after a
+            space), a setting given twice, or anything that is not a mapping.
+    """
     if overrides is None or overrides == "":
         return {}
     if isinstance(overrides, dict):
-        return overrides
-    text = overrides.strip()
+        return expand_dotted(overrides)
+    text, source = overrides.strip(), None
     if not text.startswith("{") and Path(text).is_file():
+        source = text
         try:
             text = Path(text).read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
@@ -184,31 +259,21 @@ def parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
     elif "=" not in text and "\n" not in text and text.endswith((".yaml", ".yml", ".json")):
         raise ConfigError(f"config overrides file {text!r} does not exist")
     if "=" in text and not text.lstrip().startswith("{") and "\n" not in text:
-        out: dict[str, Any] = {}
-        for pair in _split_top_level(text):
-            key, sep, raw = pair.partition("=")
-            if not sep or not key.strip():
-                raise ConfigError(f"override {pair!r} is not of the form a.b=value")
-            node = out
-            *parents, leaf = key.strip().split(".")
-            for p in parents:
-                node = node.setdefault(p, {})
-                if not isinstance(node, dict):
-                    raise ConfigError(f"override {pair!r} conflicts with an earlier one")
-            try:
-                node[leaf] = yaml.safe_load(raw)
-            except yaml.YAMLError as e:
-                raise ConfigError(f"the value of override {key.strip()!r} is not valid YAML: {raw!r}") from e
-        return out
+        return _parse_pairs(text)
+    where = f"config overrides file {source!r}" if source else "config overrides"
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as e:
-        raise ConfigError(f"config overrides are neither a file, JSON/YAML, nor a.b=v pairs: {e}") from e
+        what = "is not valid YAML/JSON" if source else "are neither a file, JSON/YAML, nor a.b=v pairs"
+        raise ConfigError(f"{where} {what}: {_yaml_problem(e)}") from None
     if isinstance(data, str) and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", text):
         raise ConfigError(f"override {text!r} has no value: write {text}=VALUE")
+    spaced = re.fullmatch(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)\s+(\S.*)", text) if isinstance(data, str) else None
+    if spaced:
+        raise ConfigError(f"override {text!r} has no '=': write {spaced[1]}={spaced[2]}; several are {PAIRS_FORM}")
     if not isinstance(data, dict):
-        raise ConfigError(f"config overrides must be a mapping, got {type(data).__name__}: {text[:80]!r}")
-    return data
+        raise ConfigError(f"{where} must be a mapping or {PAIRS_FORM}, got {type(data).__name__}: {text[:80]!r}")
+    return expand_dotted(data, where)
 
 
 def load_config(profile: str = "cpu-smoke", overrides: str | dict[str, Any] | None = None) -> RunConfig:
@@ -227,9 +292,24 @@ def load_config(profile: str = "cpu-smoke", overrides: str | dict[str, Any] | No
     try:
         return RunConfig.model_validate(merged)
     except ValidationError as e:
-        lines = [f"  {'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in e.errors()]
+        lines = [f"  {_error_line(err)}" for err in e.errors()]
         raise ConfigError("invalid configuration:\n" + "\n".join(lines) +
                           "\nFix the override (see README 'Configuration').") from None
+
+
+def _error_line(err: dict[str, Any]) -> str:
+    """One pydantic error as 'key: message'; a string field that YAML gave a number or boolean (`123`,
+    `1e3`, `yes`) says to quote the value."""
+    key = ".".join(str(p) for p in err["loc"])
+    msg = err["msg"].removeprefix("Value error, ")
+    value = err.get("input")
+    if err["type"] == "string_type" and isinstance(value, (bool, int, float)):
+        kind = "boolean" if isinstance(value, bool) else "number"
+        item = isinstance(err["loc"][-1], int)
+        example = f'[\"{value}\"]' if item else f'{key}=\"{value}\"'
+        msg = (f"expects a string, but YAML read {value!r} as a {kind}: put the {'item' if item else 'value'} "
+               f"in double quotes as you typed it, e.g. {example}")
+    return f"{key}: {msg}" if key else msg
 
 
 def config_from_json(text: str) -> RunConfig:

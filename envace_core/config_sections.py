@@ -1,16 +1,15 @@
 """The per-section config models that make up a `RunConfig`: `ModelConfig`, `DataConfig`,
 `RolloutConfig`, `RewardConfig`, `TrainConfig`, `RehearsalConfig`, `EvalConfig`, `ValidateConfig`,
 `StoreConfig` and `RunConfig` itself, each field with its default, range and meaning (the README's
-configuration table is generated from these descriptions). Alongside them is what their validators
-need: the strict base model (unknown keys and inf/NaN rejected), `location` (the check of storage
-URIs and paths), the known tau2 domains and the per-tool REHEARSE token budgets. Profiles, override
-parsing, `load_config` and the README table live in `envace_core.config`, which re-exports every
-public name defined here; import them from there.
+configuration table is generated from these descriptions). Alongside them: the strict base model
+(unknown keys and inf/NaN rejected), the known tau2 domains and the per-tool REHEARSE token budgets;
+the checks their validators run (storage locations, names, combinations of settings) are in
+`envace_core.config_checks`. Profiles, override parsing, `load_config` and the README table live in
+`envace_core.config`, which re-exports every public name defined here; import them from there.
 """
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -23,6 +22,16 @@ from pydantic import (
     model_validator,
 )
 
+from envace_core.config_checks import (
+    check_hidden_tools,
+    check_model_name,
+    check_rollout,
+    check_trained_roles,
+    check_unique,
+    location,
+    off_word,
+    warn_unknown_budget_tools,
+)
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
 
 KNOWN_DOMAINS = ("airline", "retail", "telecom", "mock")
@@ -45,38 +54,6 @@ REHEARSE_TOKENS_PER_TOOL: dict[str, int] = {
 class _Strict(BaseModel):
     # inf/NaN are never a valid setting (a learning rate or temperature of inf passed before).
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
-
-
-PLACEHOLDER = "CHANGE-ME"  # what the profiles put where an operator must name their own bucket
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
-_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3 bucket naming rules (AWS S3 user guide)
-_JOINED = re.compile(r"\s[\w.]+=")  # "s3://b/x train.iterations=5": two overrides joined by a space
-
-
-def location(value: Optional[str], setting: str, schemes: tuple[str, ...] = ()) -> Optional[str]:
-    """Check a storage location setting: an ``s3://bucket/prefix`` URI (bucket per S3's naming rules,
-    no whitespace, no empty path segment), a local path, or ``<scheme>:...`` for a scheme in
-    `schemes` (e.g. "bundled", "registry"). Raises ValueError naming `setting` for another scheme
-    (``S3://``, ``hf://``, ``s3:/x``), a malformed S3 URI, or two overrides joined by a space."""
-    if value is None:
-        return None
-    if _JOINED.search(value):
-        raise ValueError(f"{setting}={value!r} holds another override after a space: separate overrides "
-                         "with commas (a.b=x,c.d=y)")
-    if value.startswith("s3://"):
-        bucket, _, key = value[len("s3://"):].partition("/")
-        if PLACEHOLDER in bucket:  # a profile's placeholder: preflight refuses it, naming what to set
-            return value
-        if not _BUCKET.match(bucket) or any(c.isspace() for c in value) or key.startswith("/") or "//" in key:
-            raise ValueError(f"{setting}={value!r} is not a valid S3 URI: expected s3://BUCKET/PREFIX, BUCKET "
-                             "3-63 lowercase letters, digits, '.' or '-', no spaces or empty path segments")
-        return value
-    m = _SCHEME.match(value)
-    if m and m.group(1) not in schemes:
-        allowed = ", ".join(["s3://"] + [f"{x}:" for x in schemes])
-        raise ValueError(f"{setting}={value!r} has the scheme {m.group(1)!r}, which envace does not read: "
-                         f"use {allowed} or a local path")
-    return value
 
 
 class ModelConfig(_Strict):
@@ -161,6 +138,11 @@ class DataConfig(_Strict):
         "`<repo>/.envace/dvc-remote` if it has none); else a directory (relative to the repo root) or "
         "s3://bucket/prefix (credentials from the AWS environment)")
 
+    @field_validator("dvc", mode="before")
+    @classmethod
+    def _dvc_off(cls, v: Any) -> Any:
+        return off_word(v)  # `data.dvc=off` reaches here as YAML's False
+
     @field_validator("dvc_remote", "dvc_repo")
     @classmethod
     def _dvc_location(cls, v: Optional[str], info) -> Optional[str]:
@@ -180,7 +162,7 @@ class DataConfig(_Strict):
         bad = [d for d in v if d not in KNOWN_DOMAINS]
         if bad or not v:
             raise ValueError(f"unknown domain(s) {bad}; choose from {list(KNOWN_DOMAINS)}")
-        return v
+        return check_unique(v, "data.domains")
 
     @model_validator(mode="after")
     def _splits(self) -> "DataConfig":
@@ -190,21 +172,13 @@ class DataConfig(_Strict):
         if "mock" in self.domains and {self.train_split, self.test_split} - {"base"}:
             raise ValueError("the mock domain has only the 'base' split, so it cannot supply separate "
                              "train and test tasks; use airline, retail or telecom")
+        if self.max_dataset_rows is not None and self.min_dataset_rows > self.max_dataset_rows:
+            raise ValueError(f"data.min_dataset_rows ({self.min_dataset_rows}) is above data.max_dataset_rows "
+                             f"({self.max_dataset_rows}), so no dataset could pass the gate: set "
+                             f"data.max_dataset_rows >= {self.min_dataset_rows} (or null), or lower data.min_dataset_rows")
         if self.hidden_tools:
-            _check_hidden_tools(self.hidden_tools, self.domains)
+            check_hidden_tools(self.hidden_tools, self.domains)
         return self
-
-
-def _check_hidden_tools(hidden: list[str], domains: list[str]) -> None:
-    """ValueError listing each configured domain's tools unless every hidden name is one of them.
-    Reads the domains' tool lists from tau2 (a few seconds, only when data.hidden_tools is set)."""
-    from envace_core.envs.tau2.tasks import domain_static
-
-    names = {d: sorted(t.name for t in domain_static(d)[0]) for d in domains}
-    unknown = sorted(set(hidden) - {n for ns in names.values() for n in ns})
-    if unknown:
-        listing = "; ".join(f"{d}: {', '.join(ns)}" for d, ns in names.items())
-        raise ValueError(f"hidden_tools {unknown} are not tools of the configured domains ({listing})")
 
 
 class RolloutConfig(_Strict):
@@ -293,6 +267,7 @@ class RolloutConfig(_Strict):
         if self.source == "real" and self.user_rehearse:
             raise ValueError("rollout.source=real rolls out ACT only (standard GRPO): set "
                              "rollout.user_rehearse=false, or use rollout.source=imagined")
+        check_rollout(self.engine, self.vllm_kwargs)
         return self
 
 
@@ -558,7 +533,12 @@ class StoreConfig(_Strict):
     registry: str = Field(".envace/registry", description="model registry: a local directory or "
                           "s3://bucket/prefix")
     model_name: str = Field("envace-policy", description="name the main job registers its model under "
-                            "(`<registry>/<model_name>/<version>/`)")
+                            "(`<registry>/<model_name>/<version>/`): letters, digits, '.', '_' and '-'")
+
+    @field_validator("model_name")
+    @classmethod
+    def _model_name(cls, v: str) -> str:
+        return check_model_name(v)
 
 
 class RunConfig(_Strict):
@@ -580,6 +560,13 @@ class RunConfig(_Strict):
     store: StoreConfig = Field(default_factory=StoreConfig, description="artifact store and model registry")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _across_sections(self) -> RunConfig:
+        check_trained_roles(self.train.trained_roles, self.rollout.source, self.rollout.user_rehearse)
+        warn_unknown_budget_tools(self.rollout.max_new_tokens_rehearse_per_tool, self.data.domains,
+                                  REHEARSE_TOKENS_PER_TOOL)
+        return self
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)

@@ -173,3 +173,87 @@ def test_bad_values_a_new_user_tried_are_refused_with_one_line(tmp_path):
     binary.write_bytes(b"\x00\xff\xfe")
     with pytest.raises(ConfigError, match="not UTF-8"):
         load_config("cpu-smoke", str(binary))
+
+
+@pytest.mark.parametrize("override", ["data.dvc=off", "data.dvc=false", "data.dvc=False", "data.dvc='off'"])
+def test_dvc_off_is_off_however_yaml_reads_it(override, tmp_path):
+    assert load_config("cpu-smoke", override).data.dvc == "off"
+    f = tmp_path / "o.yaml"
+    f.write_text("data:\n  dvc: off\n")
+    assert load_config("cpu-smoke", str(f)).data.dvc == "off"
+    with pytest.raises(ConfigError, match="data.dvc"):
+        load_config("cpu-smoke", "data.dvc=on")  # YAML's True is no documented value
+
+
+@pytest.mark.parametrize("override, fragments", [
+    ("store.model_name=a/b", ["store.model_name='a/b' is not a registry name", "letters, digits, '.', '_' and '-'"]),
+    ("store.model_name=123", ["store.model_name: expects a string", 'store.model_name="123"']),
+    ("data.domains=[1]", ["data.domains.0: expects a string", '["1"]']),
+    ("train.trained_roles=[user]", ["set rollout.user_rehearse=true, or train.trained_roles=[act,rehearse]"]),
+    ("rollout.source=real,train.trained_roles=[rehearse]", ["set train.trained_roles=[act]"]),
+    ("data.min_dataset_rows=5,data.max_dataset_rows=3", ["data.min_dataset_rows (5) is above data.max_dataset_rows (3)",
+                                                          "data.max_dataset_rows >= 5"]),
+    ("data.domains=[airline,airline]", ["data.domains lists ['airline'] more than once", "data.domains=[airline]"]),
+    ("rollout.vllm_kwargs={enforce_eager: true}", ["read only by rollout.engine=vllm", "set rollout.engine=vllm"]),
+])
+def test_settings_that_would_fail_late_or_train_nothing_are_refused_at_load(override, fragments):
+    with pytest.raises(ConfigError) as err:
+        load_config("cpu-smoke", override)
+    missing = [f for f in fragments if f not in str(err.value)]
+    assert not missing, str(err.value)
+
+
+def test_fine_combinations_still_load():
+    cfg = load_config("cpu-smoke", "rollout.user_rehearse=true,train.trained_roles=[act,rehearse,user]")
+    assert cfg.train.trained_roles == ["act", "rehearse", "user"]
+    assert load_config("cpu-smoke", "data.min_dataset_rows=3,data.max_dataset_rows=3").data.max_dataset_rows == 3
+    assert load_config("cpu-smoke", "rollout.engine=vllm,rollout.vllm_kwargs={enforce_eager: true}").rollout.vllm_kwargs
+    assert load_config("cpu-smoke", "store.model_name=my_policy-2.1").store.model_name == "my_policy-2.1"
+    assert load_config("cpu-smoke", "store.model_name='123'").store.model_name == "123"
+
+
+def test_a_rehearse_budget_for_no_tool_of_the_domains_is_warned_about():
+    from envace_core.config_checks import UnusedSettingWarning
+
+    with pytest.warns(UnusedSettingWarning, match=r"'get_user_detials'.*did you mean 'get_user_details'"):
+        load_config("test", {"rollout": {"max_new_tokens_rehearse_per_tool": {"get_user_detials": 10}}})
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("train.iterations=1,,rollout.group_size=2", "empty item"),
+    ("train.iterations=1,", "empty item"),
+    ("train.iterations=1,train.iterations=2", "set train.iterations twice"),
+    ("train.iterations=1,train={iterations: 3}", "set train.iterations twice"),
+    ("train=1,train.iterations=2", "set train and also train.iterations"),
+    ("train.iterations=1 rollout.group_size=2", "holds another override after a space"),
+    ("train.iterations=1;rollout.group_size=2", "holds another override after a space or ';'"),
+    ("train iterations=2", "'train iterations' is not a setting name"),
+    ("train.iterations 2", "has no '=': write train.iterations=2"),
+])
+def test_overrides_not_written_key_value_comma_say_the_expected_form(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config("cpu-smoke", override)
+    assert fragment in str(err.value)
+    assert "twice" in fragment or "also" in fragment or "key=value,key=value" in str(err.value)
+
+
+def test_spaces_around_equals_and_after_commas_are_fine():
+    cfg = load_config("cpu-smoke", "train.iterations = 4, rollout.group_size=2")
+    assert (cfg.train.iterations, cfg.rollout.group_size) == (4, 2)
+
+
+def test_an_overrides_file_takes_dotted_keys_and_names_itself_when_it_does_not_parse(tmp_path):
+    f = tmp_path / "o.yaml"
+    f.write_text("train.iterations: 5\ntrain:\n  seed: 7\nrollout.group_size: 3\n")
+    cfg = load_config("cpu-smoke", str(f))
+    assert (cfg.train.iterations, cfg.train.seed, cfg.rollout.group_size) == (5, 7, 3)
+    f.write_text("train.iterations: 5\ntrain:\n  iterations: 6\n")
+    with pytest.raises(ConfigError, match=f"config overrides file '{f}' set train.iterations twice"):
+        load_config("cpu-smoke", str(f))
+    f.write_text("train:\n  iterations: [3\nrollout: 1\n")
+    with pytest.raises(ConfigError, match=rf"config overrides file '{f}' is not valid YAML/JSON: .*\(line 3, column 8\)"):
+        load_config("cpu-smoke", str(f))
+    f.write_text("- a\n- b\n")
+    with pytest.raises(ConfigError, match=f"config overrides file '{f}' must be a mapping"):
+        load_config("cpu-smoke", str(f))
+    assert load_config("cpu-smoke", '{"train.iterations": 6}').train.iterations == 6

@@ -219,7 +219,8 @@ def test_frozen_roles_get_no_rows_and_no_gradient(tiny_model_dir, one_call_task)
         r.old_logprobs = lp  # on-policy behaviour log-probs (the scripted engine's are placeholders)
     assert {r.role for r in rows} == {"act", "rehearse", "user"}
     cfg = load_config("test", {"train": {"trained_roles": ["act"], "learning_rate": 1e-2}})
-    assert set(load_config("test", {"train": {"trained_roles": ["act", "rehearse", "user"]}}).train.trained_roles) \
+    assert set(load_config("test", {"rollout": {"user_rehearse": True},
+                                    "train": {"trained_roles": ["act", "rehearse", "user"]}}).train.trained_roles) \
         == {"act", "rehearse", "user"}
 
     def after_step(batch):

@@ -1,0 +1,134 @@
+"""Checks of single configuration values and of settings that depend on each other, run by the
+validators of the section models (`envace_core.config_sections`) when a config loads: storage
+locations, registry names, repeated list items, tool names of the configured domains, and the
+combinations of rollout and train settings that would silently train nothing.
+
+Each check raises ValueError naming the setting and what to type instead; pydantic turns it into
+the `config.ConfigError` that `config.load_config` raises. `UnusedSettingWarning` is warned for a
+setting that is legal but probably a typo.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import warnings
+from typing import Any, Iterable, Mapping, Optional
+
+PLACEHOLDER = "CHANGE-ME"  # what the profiles put where an operator must name their own bucket
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3 bucket naming rules (AWS S3 user guide)
+_JOINED = re.compile(r"\s[\w.]+=")  # "s3://b/x train.iterations=5": two overrides joined by a space
+# a registry name: one path segment of a local folder and of an S3 key, and the NAME of NAME@VERSION
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+OFF_WORDS = (False, "false", "False")  # YAML reads a bare `off` (or `no`) as the boolean False
+
+
+class UnusedSettingWarning(UserWarning):
+    """A setting that loads but has no effect as configured (e.g. a budget for a tool no domain has)."""
+
+
+def location(value: Optional[str], setting: str, schemes: tuple[str, ...] = ()) -> Optional[str]:
+    """Check a storage location setting: an ``s3://bucket/prefix`` URI (bucket per S3's naming rules,
+    no whitespace, no empty path segment), a local path, or ``<scheme>:...`` for a scheme in
+    `schemes` (e.g. "bundled", "registry"). Raises ValueError naming `setting` for another scheme
+    (``S3://``, ``hf://``, ``s3:/x``), a malformed S3 URI, or two overrides joined by a space."""
+    if value is None:
+        return None
+    if _JOINED.search(value):
+        raise ValueError(f"{setting}={value!r} holds another override after a space: separate overrides "
+                         "with commas (a.b=x,c.d=y)")
+    if value.startswith("s3://"):
+        bucket, _, key = value[len("s3://"):].partition("/")
+        if PLACEHOLDER in bucket:  # a profile's placeholder: preflight refuses it, naming what to set
+            return value
+        if not _BUCKET.match(bucket) or any(c.isspace() for c in value) or key.startswith("/") or "//" in key:
+            raise ValueError(f"{setting}={value!r} is not a valid S3 URI: expected s3://BUCKET/PREFIX, BUCKET "
+                             "3-63 lowercase letters, digits, '.' or '-', no spaces or empty path segments")
+        return value
+    m = _SCHEME.match(value)
+    if m and m.group(1) not in schemes:
+        allowed = ", ".join(["s3://"] + [f"{x}:" for x in schemes])
+        raise ValueError(f"{setting}={value!r} has the scheme {m.group(1)!r}, which envace does not read: "
+                         f"use {allowed} or a local path")
+    return value
+
+
+def off_word(value: Any) -> Any:
+    """'off' for the boolean False (and the strings 'false' / 'False'), which is what YAML makes of a bare
+    ``off`` in ``data.dvc=off``; any other value unchanged."""
+    return "off" if any(value is w or (isinstance(w, str) and value == w) for w in OFF_WORDS) else value
+
+
+def check_model_name(value: str, setting: str = "store.model_name") -> str:
+    """Raises ValueError unless `value` is a registry name (`MODEL_NAME`): letters, digits, '.', '_' and '-',
+    starting with a letter or digit (no '/', '@' or spaces)."""
+    if not MODEL_NAME.fullmatch(value):
+        raise ValueError(f"{setting}={value!r} is not a registry name: use letters, digits, '.', '_' and '-', "
+                         "starting with a letter or digit (no '/', '@' or spaces), e.g. envace-policy")
+    return value
+
+
+def check_unique(values: list, setting: str) -> list:
+    """Raises ValueError naming the items of `values` given more than once."""
+    seen: set = set()
+    repeated = [v for v in values if v in seen or seen.add(v)]
+    if repeated:
+        kept = list(dict.fromkeys(values))
+        raise ValueError(f"{setting} lists {sorted(set(map(str, repeated)))} more than once: give each once, "
+                         f"e.g. {setting}=[{','.join(map(str, kept))}]")
+    return values
+
+
+def domain_tool_names(domains: Iterable[str]) -> dict[str, list[str]]:
+    """{domain: its tau2 tool names, sorted}; reads tau2's environments (a few seconds the first time)."""
+    from envace_core.envs.tau2.tasks import domain_static
+
+    return {d: sorted(t.name for t in domain_static(d)[0]) for d in domains}
+
+
+def check_hidden_tools(hidden: list[str], domains: list[str]) -> None:
+    """ValueError listing each configured domain's tools unless every hidden name is one of them.
+    Reads the domains' tool lists from tau2 (a few seconds, only when data.hidden_tools is set)."""
+    names = domain_tool_names(domains)
+    unknown = sorted(set(hidden) - {n for ns in names.values() for n in ns})
+    if unknown:
+        listing = "; ".join(f"{d}: {', '.join(ns)}" for d, ns in names.items())
+        raise ValueError(f"hidden_tools {unknown} are not tools of the configured domains ({listing})")
+
+
+def warn_unknown_budget_tools(budgets: Mapping[str, int], domains: list[str], known: Iterable[str]) -> None:
+    """Warn (`UnusedSettingWarning`) for each tool named in rollout.max_new_tokens_rehearse_per_tool that is
+    neither in `known` (the default table's tools) nor a tool of the configured domains: its budget applies
+    only to a tool added under that name later (`envace adapt-tools`), so it is most likely a typo. Reads
+    the domains' tools from tau2 only when such a name is present."""
+    new = sorted(set(budgets) - set(known))
+    if not new:
+        return
+    tools = {n for ns in domain_tool_names(domains).values() for n in ns} | set(known)
+    for name in (n for n in new if n not in tools):
+        close = difflib.get_close_matches(name, sorted(tools), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        warnings.warn(f"rollout.max_new_tokens_rehearse_per_tool names {name!r}, which is no tool of the "
+                      f"configured domains ({', '.join(domains)}): its budget is used only if a tool of that "
+                      f"name is added later (envace adapt-tools){hint}", UnusedSettingWarning, stacklevel=2)
+
+
+def check_rollout(engine: str, vllm_kwargs: Mapping[str, Any]) -> None:
+    """Raises ValueError for rollout.vllm_kwargs with rollout.engine=hf, which never reads them."""
+    if vllm_kwargs and engine != "vllm":
+        raise ValueError(f"vllm_kwargs {dict(vllm_kwargs)} are read only by rollout.engine=vllm, but the engine "
+                         f"is {engine!r}: set rollout.engine=vllm, or drop rollout.vllm_kwargs")
+
+
+def check_trained_roles(trained_roles: list[str], source: str, user_rehearse: bool) -> None:
+    """Raises ValueError when train.trained_roles names a role no rollout produces rows for, so its
+    training would be silently empty: 'user' without rollout.user_rehearse=true, or, with
+    rollout.source=real (ACT only), a list without 'act'."""
+    if "user" in trained_roles and not user_rehearse:
+        rest = [r for r in trained_roles if r != "user"] or ["act", "rehearse"]
+        raise ValueError("train.trained_roles includes 'user', but USER rows exist only with USER-REHEARSE: "
+                         f"set rollout.user_rehearse=true, or train.trained_roles=[{','.join(rest)}]")
+    if source == "real" and "act" not in trained_roles:
+        raise ValueError(f"train.trained_roles={trained_roles} trains no rows: rollout.source=real rolls out ACT "
+                         "only, so set train.trained_roles=[act] (or rollout.source=imagined)")
