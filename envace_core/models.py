@@ -98,8 +98,8 @@ def s3_listing_fingerprint(objs: list[dict[str, Any]]) -> str:
     return h.hexdigest()
 
 
-def _download_s3(uri: str) -> Path:
-    store, objs = s3_model_listing(uri, "model.ref")
+def _download_s3(uri: str, setting: str = "model.ref") -> Path:
+    store, objs = s3_model_listing(uri, setting)
     key = hashlib.sha256((uri + "".join(sorted(o["etag"] for o in objs))).encode()).hexdigest()[:24]
     source = {"uri": uri, "fingerprint": "s3-listing", "sha256": s3_listing_fingerprint(objs),
               "objects": objs}
@@ -108,7 +108,7 @@ def _download_s3(uri: str) -> Path:
         for o in objs:
             dest = tmp / o["key"]
             if not dest.resolve().is_relative_to(tmp.resolve()):
-                raise ModelNotFoundError(f"model.ref={uri!r}: object {o['key']!r} names a path outside the folder")
+                raise ModelNotFoundError(f"{setting}={uri!r}: object {o['key']!r} names a path outside the folder")
             dest.parent.mkdir(parents=True, exist_ok=True)
             store.download_file(o["key"], dest)
         (tmp / S3_SOURCE).write_text(json.dumps(source, indent=2))
@@ -116,33 +116,71 @@ def _download_s3(uri: str) -> Path:
     return atomic_dir(cache_root() / "s3-models" / key, build, exists="keep")
 
 
-def resolve_model(ref: str) -> Path:
-    """Turn a model reference into a local directory of HF weights + tokenizer.
+def bundled_model_dir() -> Path:
+    """Where `resolve_model` keeps the bundled GGUF dequantised to HF files (it may not exist yet).
+    Raises ModelNotFoundError as `bundled_gguf_path`."""
+    return cache_root() / "models" / f"smollm2-135m-instruct-{sha256_path(bundled_gguf_path())[:16]}"
+
+
+def resolve_model(ref: str, setting: str = "model.ref") -> Path:
+    """Turn a model reference into a local directory of HF weights + tokenizer; `setting` is the config
+    field named in errors (``reward.judge_model`` for the judge).
 
     Raises:
         ModelNotFoundError: the package, path or S3 prefix does not hold a model; the message says why.
     """
     if ref == BUNDLED or ref.startswith("bundled:"):
         if ref != BUNDLED:
-            raise ModelNotFoundError(f"unknown bundled model {ref!r}; the only one is {BUNDLED!r}")
+            raise ModelNotFoundError(f"{setting}: unknown bundled model {ref!r}; the only one is {BUNDLED!r}")
         gguf = bundled_gguf_path()
-        digest = sha256_path(gguf)
-        return atomic_dir(cache_root() / "models" / f"smollm2-135m-instruct-{digest[:16]}",
-                           lambda tmp: _dequantise_gguf(gguf, tmp), exists="keep")
+        return atomic_dir(bundled_model_dir(), lambda tmp: _dequantise_gguf(gguf, tmp), exists="keep")
     if ref.startswith("s3://"):
-        return _download_s3(ref)
+        return _download_s3(ref, setting)
     if ref.startswith("registry:"):
         raise ModelNotFoundError(
-            f"model.ref {ref!r}: registry:NAME@VERSION refs name a trained adapter and are read by "
-            f"`envace eval --model`; model.ref is the base model: {BUNDLED!r}, a local HF model "
+            f"{setting} {ref!r}: registry:NAME@VERSION refs name a trained adapter and are read by "
+            f"`envace eval --model`; {setting} is a base model: {BUNDLED!r}, a local HF model "
             "folder, or an s3:// URI (the manifest's base_model names it)")
     path = Path(ref).expanduser()
     if not path.is_dir() or not (path / "config.json").is_file():
         raise ModelNotFoundError(
-            f"model.ref {ref!r} is not a directory with config.json; use {BUNDLED!r}, "
+            f"{setting} {ref!r} is not a directory with config.json; use {BUNDLED!r}, "
             "a local HF model folder, or an s3:// URI"
         )
     return path
+
+
+class LoraTargetError(EnvaceError):
+    """`train.lora_target_modules` names a module the base model does not have."""
+
+
+def meta_model(model_dir: str | Path):
+    """The causal LM whose ``config.json`` is in `model_dir`, built on torch's meta device (no weights read or
+    allocated, so an 8B model takes a second); None when transformers cannot build it from the config alone
+    (an architecture it does not know)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(str(model_dir)))
+    except Exception:  # noqa: BLE001 - any failure means "cannot tell here"; loading the weights will say why
+        return None
+
+
+def check_lora_targets(targets: list[str], model) -> None:
+    """Raises LoraTargetError naming train.lora_target_modules and the names of `model`'s linear layers when a
+    target matches no module of `model` (peft's rule for a list: the module's name is the target or ends in
+    '.target')."""
+    import torch
+
+    modules = dict(model.named_modules())
+    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in modules)]
+    if missing:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
+                         if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
+        raise LoraTargetError(f"train.lora_target_modules={targets}: {missing} match no module of the base model; "
+                              f"its linear layers are named {', '.join(linear) or '(none)'}")
 
 
 def model_fingerprint(path: str | Path) -> str:

@@ -57,3 +57,43 @@ def test_empty_registry_list_says_so_and_train_refuses_a_registry_model_ref(tmp_
 def test_a_missing_overrides_file_is_named(capsys):
     assert main(["--overrides", str("/nonexistent/run.yaml"), "config", "--check"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def _no_aws(monkeypatch):
+    for var in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_CONFIG_FILE", "/nonexistent")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", "/nonexistent")
+
+
+def test_an_s3_init_adapter_without_credentials_fails_the_check_before_curate(monkeypatch, capsys):
+    _no_aws(monkeypatch)
+    assert main(["--overrides", "train.init_adapter=s3://nobucket/adapter", "config", "--check"]) == 2
+    err = capsys.readouterr().err
+    assert "train.init_adapter='s3://nobucket/adapter': no AWS credentials" in err
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("reward.judge_model=/nope", "reward.judge_model '/nope' is not a directory with config.json"),
+    ("reward.name=judge,reward.judge_model=registry:p@1", "reward.judge_model is a base model"),
+    ("train.lora_target_modules=[q_proj,nosuch]", "['nosuch'] match no module of the base model; its linear "
+                                                 "layers are named down_proj, gate_proj, k_proj"),
+])
+def test_config_check_resolves_the_judge_model_and_the_lora_targets(override, fragment, tiny_model_dir, tmp_path,
+                                                                     capsys):
+    local = f"model.ref={tiny_model_dir},store.root={tmp_path / 's'},store.registry={tmp_path / 'r'}"
+    assert main(["--profile", "test", "--overrides", f"{local},{override}", "config", "--check"]) == 2
+    assert fragment in capsys.readouterr().err
+    assert main(["--profile", "test", "--overrides", f"{local},reward.judge_model={tiny_model_dir}",
+                 "config", "--check"]) == 0
+
+
+def test_the_trainer_names_the_lora_setting_when_peft_finds_no_target(tiny_model_dir):
+    from envace_core.config import TrainConfig
+    from envace_core.models import LoraTargetError, load_model, load_tokenizer
+    from envace_core.training.trainer import PolicyTrainer
+
+    with pytest.raises(LoraTargetError, match=r"train.lora_target_modules=\['nosuch'\].*named .*q_proj"):
+        PolicyTrainer(load_model(tiny_model_dir), load_tokenizer(tiny_model_dir),
+                      TrainConfig(lora_target_modules=["nosuch"]), compute_dtype="float32")

@@ -161,3 +161,18 @@ def test_the_schedule_overrides_are_refused_at_registration_not_at_the_first_run
     ok = ("store.root=s3://bkt/store,store.registry=s3://bkt/reg,model.ref=s3://bkt/m,"
           "data.dvc_remote=s3://bkt/dvc")
     assert schedule_overrides({SCHEDULE_OVERRIDES_ENV: ok}) == ok  # form only: no request to S3
+
+
+def test_model_device_cuda_without_cuda_fails_a_local_check_but_not_a_cluster_one(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch):
+    import torch
+
+    from envace_core.stages import preflight as pf
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = _cfg(model={"ref": str(tiny_model_dir), "device": "cuda"},
+               store={"root": str(tmp_path / "s"), "registry": str(tmp_path / "r")})
+    with pytest.raises(ConfigError, match=r"model.device=cuda but torch sees no CUDA device.*config --remote"):
+        preflight(cfg)
+    monkeypatch.setattr(pf, "check_remote_settings", lambda cfg: None)  # only the CUDA check is of interest here
+    preflight(cfg, remote=True)  # the pods that train have the GPUs this machine lacks

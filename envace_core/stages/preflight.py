@@ -18,33 +18,51 @@ PROBE = {"connect_timeout": 3, "read_timeout": 5, "max_attempts": 2}  # seconds,
 def preflight(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False) -> None:
     """Check before any work that the model, the artifact store and the registry are usable.
 
-    Cheap checks only (no weights are loaded; an s3:// model is fetched only if `resolve_remote`),
-    so a bad path fails in seconds instead of after training. Raises the EnvaceError that names
-    the setting to fix (`check_init_adapter` for `train.init_adapter`).
+    Cheap checks only (no weights are loaded; an s3:// model is fetched only if `resolve_remote`,
+    else listed), so a bad path fails in seconds instead of after training. Raises the EnvaceError
+    that names the setting to fix: `check_model` for `model.ref` and `reward.judge_model` (a local
+    folder with config.json, the bundled GGUF, an s3:// prefix that lists with the AWS credentials
+    here), `check_init_adapter` for a local `train.init_adapter` (an s3:// one must list an
+    adapter_config.json), `models.LoraTargetError` for a `train.lora_target_modules` name the base
+    model lacks (checked when its config.json is on this machine), and for a local run
+    model.device=cuda on a machine without CUDA (`training.policy.policy_device`).
 
     `remote=True` is for a cluster execution, where every stage runs in its own pod with its own
     disk: first `check_remote_settings` (one ConfigError naming every setting that would use a
-    pod's disk, is a placeholder, or names S3 that cannot be used), and the vLLM check is skipped
-    (the rollout runs in the training image, not in this pod).
+    pod's disk, is a placeholder, or names S3 that cannot be used), and the vLLM and CUDA checks are
+    skipped (the rollout runs in the training image, on the GPU nodes, not in this pod).
     """
-    from envace_core.models import BUNDLED, bundled_gguf_path, resolve_model
+    from envace_core.models import check_lora_targets, meta_model, s3_model_listing
     from envace_core.store.registry import Registry
 
     if remote:
         check_remote_settings(cfg)
     else:
         check_placeholders(cfg)
+    if not remote and cfg.model.device == "cuda":
+        from envace_core.training.policy import policy_device
+
+        try:
+            policy_device("cuda")
+        except EnvaceError as e:  # a cluster's GPU pods are not this machine: `config --remote` skips this
+            raise ConfigError(f"{e} (for a cluster run, check with `envace config --remote`)") from None
     if cfg.data.dvc != "off" and cfg.data.dvc_repo and not (Path(cfg.data.dvc_repo) / ".dvc").is_dir():
         raise ConfigError(f"data.dvc_repo={cfg.data.dvc_repo!r} holds no .dvc/ folder: point it at a DVC "
                           "repository (`dvc init`), or unset it to use the checkout's own")
-    if cfg.model.ref == BUNDLED:
-        bundled_gguf_path()
-    elif not cfg.model.ref.startswith("s3://") or resolve_remote:
-        resolve_model(cfg.model.ref)
+    model_dir = check_model(cfg.model.ref, "model.ref", resolve_remote, list_s3=not remote)
+    if cfg.reward.judge_model and not remote:
+        check_model(cfg.reward.judge_model, "reward.judge_model", resolve_remote)
     open_store(cfg.store.root).check()
     Registry(cfg.store.registry)
-    if cfg.train.init_adapter and not cfg.train.init_adapter.startswith("s3://"):
+    adapter = cfg.train.init_adapter
+    if adapter and not adapter.startswith("s3://"):
         check_init_adapter(cfg)
+    elif adapter and not remote:  # the remote check listed it already
+        _s3_check(lambda: s3_model_listing(adapter, "train.init_adapter", "adapter_config.json"),
+                  "train.init_adapter", adapter)
+    model = meta_model(model_dir) if model_dir is not None else None
+    if model is not None:
+        check_lora_targets(list(cfg.train.lora_target_modules), model)
     if cfg.rollout.engine == "vllm" and not remote:
         import importlib.util
 
@@ -54,6 +72,43 @@ def preflight(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False
             raise EngineUnavailableError("rollout.engine=vllm needs vLLM, which is not installed here: use the "
                                          "train-cuda image or pip install 'envace[gpu]' on a CUDA machine, or "
                                          "set rollout.engine=hf (the transformers engine, CPU)")
+
+
+def check_model(ref: str, setting: str, resolve_remote: bool = False, list_s3: bool = True) -> Path | None:
+    """Check the base model reference `ref` of `setting` (model.ref, reward.judge_model) without loading
+    weights: the bundled GGUF is installed; a local path is a folder with config.json; an s3:// prefix is
+    downloaded when `resolve_remote`, else listed when `list_s3` (credentials, bucket, a config.json there);
+    a ``registry:`` ref is refused (it names a trained adapter). Returns the model's local folder when there
+    is one without downloading or dequantising anything, else None.
+
+    Raises:
+        models.ModelNotFoundError, or ConfigError naming `setting` for an S3 failure (no credentials,
+        unreachable, no such bucket); store.base.TransientError when S3 failed in a way a retry may fix.
+    """
+    from envace_core.models import BUNDLED, bundled_gguf_path, bundled_model_dir, resolve_model, s3_model_listing
+
+    if ref == BUNDLED:
+        bundled_gguf_path()
+        d = bundled_model_dir()
+        return d if d.is_dir() else None
+    if ref.startswith("s3://") and not resolve_remote:
+        if list_s3:
+            _s3_check(lambda: s3_model_listing(ref, setting), setting, ref)
+        return None
+    return _s3_check(lambda: resolve_model(ref, setting), setting, ref)
+
+
+def _s3_check(call, setting: str, value: str):
+    """`call()`, with an S3 failure's StoreError (not a transient one) raised as a ConfigError naming the setting."""
+    from envace_core import TransientError
+    from envace_core.store.base import StoreError
+
+    try:
+        return call()
+    except StoreError as e:
+        if isinstance(e, TransientError) or str(e).startswith(setting):
+            raise
+        raise ConfigError(f"{setting}={value!r}: {e}") from None
 
 
 def check_placeholders(cfg: RunConfig) -> None:

@@ -247,7 +247,7 @@ def build_judge(cfg: RunConfig, policy_engine: Optional[Engine] = None) -> Judge
             from envace_core.engines.hf import HFEngine
             from envace_core.models import load_model, load_tokenizer, resolve_model
 
-            path = resolve_model(ref)
+            path = resolve_model(ref, "reward.judge_model" if r.judge_model else "model.ref")
             model = load_model(path).eval()
             _ENGINES[key] = HFEngine(model, load_tokenizer(path), compute_dtype=cfg.model.compute_dtype)
         engine = _ENGINES[key]

@@ -66,6 +66,7 @@ from transformers import DynamicCache
 
 from envace_core.config import TrainConfig
 from envace_core.engines.base import ROLE_ADAPTERS, resolve_compute_dtype
+from envace_core.models import check_lora_targets
 from envace_core.training.distributed import World, balanced_slices
 from envace_core.training.grpo import policy_loss, token_logprobs
 from envace_core.training.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
@@ -119,6 +120,7 @@ class PolicyTrainer(TrainerPersistence):
 
     Raises:
         ValueError: unknown compute_dtype, or a PeftModel without the adapters `cfg` asks for.
+        models.LoraTargetError: a name in `cfg.lora_target_modules` matches no module of `model`.
     """
 
     min_shared_prefix: int = 16  # tokens; a shorter common prefix is not worth a separate call
@@ -141,7 +143,11 @@ class PolicyTrainer(TrainerPersistence):
         if not isinstance(model, PeftModel):
             lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
                               target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
-            model = get_peft_model(model, lora, adapter_name=names[0])
+            try:
+                model = get_peft_model(model, lora, adapter_name=names[0])
+            except ValueError:
+                check_lora_targets(list(cfg.lora_target_modules), model)  # names the setting and the layers
+                raise
             for name in names[1:]:
                 model.add_adapter(name, lora)
         if sorted(model.peft_config) != names:
