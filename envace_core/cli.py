@@ -224,10 +224,40 @@ def _adapt_tools(args) -> int:
     return 0
 
 
+def split_overrides_error(argv: list[str]) -> str | None:
+    """The error for an unquoted `--overrides` the shell split into several words (``--overrides a=1 b=2``,
+    ``--overrides train.iterations = 2``), which argparse would report as an unknown subcommand; else None."""
+    for i, word in enumerate(argv[:-1]):
+        value = word.partition("=")[2] if word.startswith("--overrides=") else (
+            argv[i + 1] if word == "--overrides" else None)
+        after = argv[i + 1 if word.startswith("--overrides=") else i + 2:][:1]
+        if value is not None and after and not after[0].startswith("-") and ("=" in after[0] or value.endswith("=")):
+            return (f"--overrides takes one argument, but the shell split {' '.join([value, after[0]])!r} into "
+                    "words: quote the whole list and separate overrides with commas, e.g. "
+                    "--overrides 'train.iterations=2,rollout.group_size=4'")
+    return None
+
+
+def _one_place(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """`--profile` / `--overrides` from before or after the subcommand (argparse error when both are given),
+    defaults filled in; `args.profile_given` says whether --profile was given at all."""
+    for name, default in (("profile", "cpu-smoke"), ("overrides", "")):
+        before, after = getattr(args, name), getattr(args, f"sub_{name}", None)
+        if before is not None and after is not None:
+            p.error(f"--{name} is given both before ({before!r}) and after ({after!r}) the subcommand: give it "
+                    "once" + (" (several overrides go in one comma-separated list)" if name == "overrides" else ""))
+        if name == "profile":
+            args.profile_given = before is not None or after is not None
+        setattr(args, name, after if after is not None else before if before is not None else default)
+    if getattr(args, "config", None) and args.profile_given and args.config != args.profile:
+        p.error(f"--config {args.config!r} and --profile {args.profile!r} name different profiles: give one")
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="envace")
-    p.add_argument("--profile", default="cpu-smoke", choices=sorted(PROFILES))
-    p.add_argument("--overrides", default="", help="'a.b=v,...', JSON/YAML text, or a file path")
+    p.add_argument("--profile", choices=sorted(PROFILES), help="config profile (default cpu-smoke)")
+    p.add_argument("--overrides", help="'a.b=v,...', JSON/YAML text, or a file path")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="run the main job in-process (same stages as the Flyte workflow)")
     c = sub.add_parser("config", help="print the resolved configuration")
@@ -290,11 +320,15 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--measure", action="store_true", help="also measure parent vs adapted on the held-out tasks")
     a.add_argument("--trials", type=int, default=1, help="--measure: trials per held-out task")
     a.add_argument("--seed", type=int, default=0, help="--measure: sampling and bootstrap seed")
-    for sp in (t, c, r, h, e, a):  # the global options are also accepted after the subcommand
-        sp.add_argument("--profile", choices=sorted(PROFILES), default=argparse.SUPPRESS)
-        sp.add_argument("--overrides", default=argparse.SUPPRESS,
+    for sp in (t, c, r, h, e, a):  # the global options are also accepted after the subcommand (not both)
+        sp.add_argument("--profile", dest="sub_profile", choices=sorted(PROFILES), default=argparse.SUPPRESS)
+        sp.add_argument("--overrides", dest="sub_overrides", default=argparse.SUPPRESS,
                         help="config overrides: 'a.b=v,...', JSON/YAML text, or a file path")
+    split = split_overrides_error(argv)
+    if split:
+        p.error(split)
     args = p.parse_args(argv)
+    _one_place(p, args)
     try:
         return {"train": _train, "config": _config, "registry": _registry,
                 "rehearse": _rehearse, "eval": _eval, "adapt-tools": _adapt_tools}[args.cmd](args)

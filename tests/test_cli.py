@@ -97,3 +97,52 @@ def test_the_trainer_names_the_lora_setting_when_peft_finds_no_target(tiny_model
     with pytest.raises(LoraTargetError, match=r"train.lora_target_modules=\['nosuch'\].*named .*q_proj"):
         PolicyTrainer(load_model(tiny_model_dir), load_tokenizer(tiny_model_dir),
                       TrainConfig(lora_target_modules=["nosuch"]), compute_dtype="float32")
+
+
+@pytest.mark.parametrize("flag, url", [("--user-url", "notaurl"), ("--user-url", "ftp://host/v1"),
+                                       ("--user-url", "http://"), ("--judge-url", "localhost:8000/v1"),
+                                       ("--user-url", "http://[::1/v1")])
+def test_eval_refuses_a_url_that_is_not_http_before_any_work(flag, url, tmp_path, capsys):
+    assert main(["eval", "--model", "bundled:smollm2-135m-instruct", "--bench", "bfcl:simple", flag, url,
+                 "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag} {url!r} is not an http(s) URL with a host" in err and "http://localhost:8000/v1" in err
+
+
+def test_eval_refuses_an_out_folder_it_cannot_create_before_any_work(tmp_path, capsys):
+    from envace_core.evaluation.options import EvalOptions
+
+    assert main(["eval", "--model", "bundled:smollm2-135m-instruct", "--bench", "bfcl:simple",
+                 "--out", "/proc/nope"]) == 2
+    assert "--out '/proc/nope': cannot write there" in capsys.readouterr().err
+    EvalOptions(model="m", benches="bfcl:simple", out=str(tmp_path / "a" / "b"), user_url="http://127.0.0.1:8000/v1").check()
+    assert (tmp_path / "a" / "b").is_dir()
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--profile", "test", "config", "--profile", "cpu-smoke"], "--profile is given both before ('test') and after "
+                                                              "('cpu-smoke') the subcommand"),
+    (["--overrides", "train.iterations=2", "config", "--overrides", "rollout.group_size=2"],
+     "--overrides is given both before"),
+    (["--profile", "test", "adapt-tools", "--model", "m", "--tools", "t.json", "--config", "cpu-smoke"],
+     "name different profiles"),
+    (["--overrides", "train.iterations=2", "rollout.group_size=2", "config"], "quote the whole list"),
+    (["--overrides", "train.iterations", "=", "2", "config"], "quote the whole list"),
+    (["config", "--overrides=train.iterations=2", "rollout.group_size=2"], "quote the whole list"),
+])
+def test_global_options_given_twice_or_split_by_the_shell_are_argparse_errors(argv, fragment, capsys):
+    with pytest.raises(SystemExit) as ex:
+        main(argv)
+    assert ex.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "envace: error:" in err
+
+
+def test_global_options_work_before_or_after_the_subcommand(capsys):
+    for argv in (["--profile", "test", "--overrides", "train.iterations=3", "config"],
+                 ["config", "--profile", "test", "--overrides", "train.iterations=3"],
+                 ["--profile", "test", "config", "--overrides", "train.iterations=3"]):
+        assert main(argv) == 0
+        cfg = json.loads(capsys.readouterr().out)
+        assert (cfg["profile"], cfg["train"]["iterations"]) == ("test", 3)
+    assert main(["config"]) == 0 and json.loads(capsys.readouterr().out)["profile"] == "cpu-smoke"

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
@@ -128,6 +130,8 @@ class EvalOptions:
     registry: str | None = None
 
     def check(self) -> None:
+        """Raises EnvaceError for an option out of range, a malformed --user-url / --judge-url, or an --out
+        folder that cannot be created or written (it is created here)."""
         if self.trials < 1:
             raise EnvaceError(f"--trials must be >= 1, got {self.trials}")
         if self.split not in SPLITS:
@@ -141,11 +145,33 @@ class EvalOptions:
             raise EnvaceError("give at most one of --user-model and --user-url")
         if self.judge_model and self.judge_url:
             raise EnvaceError("give at most one of --judge-model and --judge-url")
-        out = Path(self.out)
+        for flag, url in (("--user-url", self.user_url), ("--judge-url", self.judge_url)):
+            if url:
+                check_url(flag, url)
+        out = Path(self.out).expanduser()
         blocker = next((q for q in (out, *out.parents) if q.exists()), None)
         if blocker is not None and not blocker.is_dir():
             raise EnvaceError(f"--out {self.out!r}: {str(blocker)!r} exists and is not a folder (the report and "
                               "the resume cache are written under --out)")
+        try:  # creatable and writable, checked before any model loads
+            out.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=out).close()
+        except OSError as e:
+            raise EnvaceError(f"--out {self.out!r}: cannot write there ({e.strerror or e}): give a folder you can "
+                              "create and write (the report and the resume cache are written under --out)") from None
+
+
+def check_url(flag: str, url: str) -> None:
+    """Raises EnvaceError naming `flag` unless `url` is an http(s) URL with a host (an OpenAI-compatible
+    base URL such as http://localhost:8000/v1)."""
+    try:
+        parts = urlsplit(url)
+        ok = parts.scheme in ("http", "https") and bool(parts.hostname) and (parts.port or 0) >= 0
+    except ValueError:  # e.g. an unclosed [IPv6 or a port that is not a number
+        ok = False
+    if not ok:
+        raise EnvaceError(f"{flag} {url!r} is not an http(s) URL with a host: give the OpenAI-compatible "
+                          "endpoint's base URL, e.g. http://localhost:8000/v1")
 
 
 def fingerprint(opts: EvalOptions, cfg: RunConfig, model: ResolvedModel) -> str:
