@@ -261,6 +261,11 @@ class RolloutConfig(_Strict):
         False, description="take tool calls written in another model family's format (Llama, Mistral, "
         "pythonic, ...; envace_core/roles/foreign.py) as calls; off in training by default so that such "
         "outputs are parse errors, ending the trajectory with train.format_penalty")
+    schema_errors: Literal["observation", "parse_error"] = Field(
+        "observation", description="a well-formed tool call of an unknown tool or with arguments that fail the "
+        "tool's schema: 'observation' answers it with an error tool result and the trajectory goes on, as "
+        "tau2-bench's environment does (imagined rollouts answer it without a REHEARSE turn; counted in "
+        "schema_error_rate/act, not in parse errors); 'parse_error' ends the trajectory like a format error")
 
     @model_validator(mode="after")
     def _real_is_act_only(self) -> RolloutConfig:
