@@ -21,11 +21,12 @@ def print_training_table(history: list[dict[str, Any]]) -> None:
         return "—" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
     table = Table(title="World Rehearsal training (per iteration)",
-                  caption="— = no such rows (e.g. no REHEARSE rows when ACT never called a tool)")
+                  caption="— = no such rows (e.g. no REHEARSE rows when ACT never called a tool); wrong calls = "
+                  "ACT calls of unknown tools or with invalid arguments, answered as tool errors")
     cols = [("it", "iteration"), ("reward ACT", "reward_mean/act"),
             ("reward REHEARSE", "reward_mean/rehearse"), ("frac_zero_std", "frac_zero_std"),
             ("fidelity", "fidelity"), ("parse err", "parse_error_rate"),
-            ("loss", "train/loss"), ("secs", "seconds")]
+            ("wrong calls", "schema_error_rate/act"), ("loss", "train/loss"), ("secs", "seconds")]
     for name, _ in cols:
         table.add_column(name, justify="right", no_wrap=True, min_width=len(name))
     for rec in history:
