@@ -151,7 +151,8 @@ def resolve_model(ref: str, setting: str = "model.ref") -> Path:
 
 
 class LoraTargetError(EnvaceError):
-    """`train.lora_target_modules` names a module the base model does not have."""
+    """`train.lora_target_modules` holds an empty name, or a name that matches no module of the base model
+    or matches one that is not a linear layer (`check_lora_targets`)."""
 
 
 def meta_model(model_dir: str | Path):
@@ -168,19 +169,71 @@ def meta_model(model_dir: str | Path):
         return None
 
 
-def check_lora_targets(targets: list[str], model) -> None:
-    """Raises LoraTargetError naming train.lora_target_modules and the names of `model`'s linear layers when a
-    target matches no module of `model` (peft's rule for a list: the module's name is the target or ends in
-    '.target')."""
+def _is_lora_linear(module) -> bool:
+    """A layer LoRA may wrap for our training: a `torch.nn.Linear` (subclasses included), or transformers'
+    `Conv1D` (GPT-2's linear layer with transposed weight, which peft wraps as a LoRA Linear with
+    fan_in_fan_out)."""
     import torch
 
-    modules = dict(model.named_modules())
-    missing = [t for t in targets if not any(n == t or n.endswith("." + t) for n in modules)]
+    return isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+
+
+def _target_modules(model) -> list[tuple[str, Any]]:
+    """(dotted name, module) of `model`'s modules peft could match, root excluded. A layer peft already
+    wrapped with LoRA (it has a `base_layer`: `model` is a PeftModel, or get_peft_model failed half way,
+    having wrapped some layers in place) stands for its base layer, and the LoRA parts inside it
+    (``lora_A.default``, ...) are skipped."""
+    out: list[tuple[str, Any]] = []
+    wrapped: str | None = None
+    for n, m in model.named_modules():  # pre-order: a wrapper comes before the modules inside it
+        if not n or (wrapped is not None and n.startswith(wrapped)):
+            continue
+        base = getattr(m, "base_layer", None)
+        if base is not None and hasattr(base, "named_modules"):
+            wrapped, m = n + ".", base
+        out.append((n, m))
+    return out
+
+
+def check_lora_targets(targets: list[str], model) -> None:
+    """Check `train.lora_target_modules` against `model` (a causal LM, real or on the meta device).
+
+    Each target is matched by peft's rule for a list of names (`peft.tuners.tuners_utils.
+    check_target_module_exists`): a module matches when its dotted name equals the target or ends in
+    ``"." + target``; the root module (name "") never matches. Every target must match at least one
+    module and every module it matches must be a linear layer (`torch.nn.Linear`, or transformers'
+    `Conv1D`): peft refuses norms, rotary embeddings and whole blocks with a bare ValueError, and it
+    would put LoRA on an `Embedding` (``embed_tokens``), which our LoRA training does not target.
+
+    Raises LoraTargetError naming train.lora_target_modules, each bad name with why (empty; matches no
+    module; matches a module of another type, naming the type and one module's path) and the names the
+    model's linear layers end in (e.g. ``down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj,
+    v_proj`` for Llama), which are valid targets.
+    """
+    targets = list(targets)
+    modules = _target_modules(model)
+    problems: list[str] = []
+    if not targets:
+        problems.append("the list is empty")
+    empty = [t for t in targets if not isinstance(t, str) or not t.strip()]
+    if empty:
+        problems.append(f"{empty} {'is' if len(empty) == 1 else 'are'} not a module name (empty)")
+    named = [t for t in targets if isinstance(t, str) and t.strip()]
+    missing = [t for t in named if not any(n == t or n.endswith("." + t) for n, _ in modules)]
     if missing:
-        linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules.items()
-                         if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"})
-        raise LoraTargetError(f"train.lora_target_modules={targets}: {missing} match no module of the base model; "
-                              f"its linear layers are named {', '.join(linear) or '(none)'}")
+        problems.append(f"{missing} match no module of the base model")
+    for t in named:
+        if t in missing:
+            continue
+        wrong = [(n, m) for n, m in modules if (n == t or n.endswith("." + t)) and not _is_lora_linear(m)]
+        if wrong:
+            types = sorted({type(m).__name__ for _, m in wrong})
+            problems.append(f"{t!r} matches {len(wrong)} module(s) of type {', '.join(types)} (e.g. "
+                            f"{wrong[0][0]}), not torch.nn.Linear; LoRA targets linear layers only")
+    if problems:
+        linear = sorted({n.rsplit(".", 1)[-1] for n, m in modules if _is_lora_linear(m)})
+        raise LoraTargetError(f"train.lora_target_modules={targets}: {'; '.join(problems)}; its linear layers "
+                              f"are named {', '.join(linear) or '(none)'}")
 
 
 def model_fingerprint(path: str | Path) -> str:
