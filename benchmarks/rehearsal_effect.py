@@ -23,6 +23,10 @@ from the cache keeps the seconds the previous ``rehearsal_effect.json`` in the s
 it, marked "timed in an earlier run"), and appends a section to benchmarks/RESULTS.md (unless
 ``--no-append``). Every argument and model reference is checked before any model loads (`check_args`);
 a bad one is a one-line error, exit status 2.
+
+With ``--heldout N --dataset PATH`` the script measures on N held-out synthesized tasks per domain instead
+(disjoint from PATH's train split, verifier on/off conditions, resumable in chunks with ``--limit`` and
+``--max-minutes``, report at ``--json``): `rehearsal_effect_heldout` (its docstring) takes every argument.
 """
 
 from __future__ import annotations
@@ -431,6 +435,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--out", default=".envace/bench/rehearsal_effect")
     ap.add_argument("--results-md", default=str(HERE / "RESULTS.md"))
     ap.add_argument("--no-append", action="store_true")
+    ap.add_argument("--heldout", type=int, help="N held-out synthesized tasks per domain instead of the benches: "
+                    "hands every argument to rehearsal_effect_heldout.py (see its --help)")
     return ap
 
 
@@ -463,6 +469,12 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--heldout" or a.startswith("--heldout=") for a in argv):
+        sys.path.insert(0, str(HERE))
+        from rehearsal_effect_heldout import main as heldout_main
+
+        return heldout_main(argv)
     ap = build_parser()
     args = ap.parse_args(argv)
     try:

@@ -1,0 +1,236 @@
+"""benchmarks/rehearsal_effect_heldout.py (``rehearsal_effect.py --heldout N``): conditions with the verifier
+off, the disjointness proof failing on overlap, per-cell JSON assembly and paired statistics on synthetic
+records, resume from the episode cache (cached episodes are not rerun), --max-minutes, and a tiny-model run
+end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import envace_core  # noqa: F401  (offline environment before tau2)
+from envace_core.types import Task, ToolCall
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+_SPEC = importlib.util.spec_from_file_location("rehearsal_effect_heldout", BENCH / "rehearsal_effect_heldout.py")
+h = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(h)
+
+
+def task(tid: str, request: str = "", actions=(("get_user_details", {"user_id": "u1"}),), domain="airline"):
+    return Task(id=f"{domain}/{tid}", domain=domain, split="train", first_user_message=request or f"request {tid}",
+                gold_actions=[ToolCall(name=n, arguments=a) for n, a in actions])
+
+
+def rec(tid: str, success: float | None, rehearsals: int = 0, rejected: int = 0, real: int | None = None) -> dict:
+    return {"task_id": tid, "domain": "airline", "trial": 0, "success": success, "error": None,
+            "agent_stats": {"rehearsals": rehearsals, "rejected": rejected},
+            "isolation": None if real is None else {"real_calls_during_rehearsal": real, "db_hash_unchanged": real == 0}}
+
+
+def test_conditions_keep_the_given_order_and_name_the_verifier():
+    cs = h.parse_conditions("parallel:4, none,parallel:4+noverify,sequential:2")
+    assert [c["name"] for c in cs] == ["parallel:4", "none", "parallel:4+noverify", "sequential:2"]
+    assert [c["verifier"] for c in cs] == [True, False, False, True]
+    assert [(c["mode"], c["n"]) for c in cs] == [("parallel", 4), ("none", 0), ("parallel", 4), ("sequential", 2)]
+    for bad, msg in (("parallel:2", "must include none"), ("none,parallel:2,parallel:2", "twice"),
+                     ("none+noverify", "none has no verifier"), ("none,parallel:0", "parallel:0"),
+                     ("none,sideways:2+noverify", "sideways")):
+        with pytest.raises(h.BenchmarkError, match=msg):
+            h.parse_conditions(bad)
+
+
+def test_condition_config_turns_only_the_verifier_off():
+    from envace_core.config import load_config
+
+    cfg = load_config("test", {"rehearsal": {"verifier": True}})
+    on, off, none = h.parse_conditions("none,parallel:2,parallel:2+noverify")[1], \
+        h.parse_conditions("none,parallel:2+noverify")[1], h.parse_conditions("none")[0]
+    assert h.condition_config(cfg, on).rehearsal.verifier is True
+    c = h.condition_config(cfg, off)
+    assert c.rehearsal.verifier is False and cfg.rehearsal.verifier is True
+    assert c.rehearsal.model_dump(exclude={"verifier"}) == cfg.rehearsal.model_dump(exclude={"verifier"})
+    assert h.condition_config(cfg, none) is cfg
+
+
+def test_disjointness_check_fails_on_any_overlap():
+    train = [task("synth-L1-a", "Tell me my balance", (("get_user_details", {"user_id": "u1"}),)),
+             task("synth-L2-b", "Cancel reservation X", (("cancel_reservation", {"reservation_id": "X"}),))]
+    ok = [task("synth-L1-c", "Tell me my balance please", (("get_user_details", {"user_id": "u2"}),))]
+    proof = h.check_disjoint(ok, train)
+    assert proof["shared_ids"] == 0 and proof["train_tasks"] == 2 and proof["heldout_tasks"] == 1
+    for bad, what in ((task("synth-L2-b", "other", (("x", {}),)), "same id: airline/synth-L2-b"),
+                      (task("synth-L1-z", "  tell me MY balance ", (("y", {}),)), "same request: airline/synth-L1-z"),
+                      (task("synth-L3-q", "new words", (("cancel_reservation", {"reservation_id": "X"}),)),
+                       "same gold actions: airline/synth-L3-q")):
+        with pytest.raises(h.BenchmarkError, match=what):
+            h.check_disjoint(ok + [bad], train)
+    # the same gold actions in another domain are another task
+    h.check_disjoint([task("synth-L1-r", "r", (("get_user_details", {"user_id": "u1"}),), domain="retail")], train)
+
+
+def test_interleave_and_limit_cover_every_level():
+    ts = [task(f"synth-L{lv}-{i}{lv}") for lv in (1, 2, 3) for i in range(2)] + \
+         [task(f"synth-L{lv}-{i}{lv}", domain="retail") for lv in (1, 2) for i in range(2)]
+    air = h.interleave_levels([t for t in ts if t.domain == "airline"])
+    assert [t.id[-2:] for t in air] == ["01", "02", "03", "11", "12", "13"]
+    assert [t.id for t in h.limit_per_domain(air + ts[6:], 2)] == [air[0].id, air[1].id, ts[6].id, ts[7].id]
+    assert h.limit_per_domain(ts, None) == ts
+
+
+def test_cell_paired_statistics_changes_and_isolation_on_synthetic_records():
+    none = [rec("a", 0.0), rec("b", 1.0), rec("c", 0.0), rec("d", 1.0), rec("e", None)]
+    par = [rec("a", 1.0, 4, 1, 0), rec("b", 0.0, 4, 0, 0), rec("c", 1.0, 2, 2, 0), rec("d", 1.0), rec("e", 1.0, 4, 0, 0)]
+    c = h.cell(par, none, {"a": 2.0, "b": 4.0}, {"a"}, 5, n_boot=500)
+    assert c["success"]["mean"] == pytest.approx(0.8) and c["n"] == 5 and c["n_run"] == 5 and c["complete"]
+    assert c["success"]["ci_low"] <= 0.8 <= c["success"]["ci_high"]
+    # paired on the 4 tasks scored under both: (1 - 0) + (0 - 1) + (1 - 0) + 0 = 1 -> 0.25
+    assert c["paired_vs_none"]["mean"] == pytest.approx(0.25) and c["paired_vs_none"]["n"] == 4
+    assert c["paired_vs_none"]["ci_low"] < 0.25 < c["paired_vs_none"]["ci_high"]
+    assert c["changed_vs_none"] == {"gained": ["a", "c"], "lost": ["b"]}
+    assert (c["rehearsals_made"], c["rehearsals_rejected"], c["tasks_rehearsed"]) == (14, 3, 4)
+    assert c["real_calls_in_rehearsal"] == 0 and c["isolation_checked"] == 4 and c["db_hash_unchanged"]
+    assert c["seconds_per_episode"] == pytest.approx(3.0) and c["seconds_timed_episodes"] == 2
+    assert c["seconds_note"].startswith("1 timed in this run, 1 when they ran earlier")
+    assert c["outcomes"] == {"a": 1.0, "b": 0.0, "c": 1.0, "d": 1.0, "e": 1.0}
+    # a real call during rehearsal shows up (never hidden as 0)
+    leak = h.cell([rec("a", 1.0, 2, 0, 3)], none, {}, set(), 5)
+    assert leak["real_calls_in_rehearsal"] == 3 and not leak["db_hash_unchanged"] and not leak["complete"]
+    assert leak["seconds_per_episode"] is None and "no episode timed" in leak["seconds_note"]
+    assert h.cell([rec("a", 1.0, 2)], none, {}, set(), 1)["real_calls_in_rehearsal"] is None  # unchecked
+    before_none = h.cell(par, None, {}, set(), 5)
+    assert before_none["paired_vs_none"]["mean"] is None and before_none["changed_vs_none"] == {"gained": [], "lost": []}
+
+
+def test_assemble_shapes_the_report_and_the_table():
+    recs = {"warm": {"none": [rec("a", 0.0), rec("b", 1.0)], "parallel:2+noverify": [rec("a", 1.0, 2, 0, 0), rec("b", 1.0, 2, 0, 0)]}}
+    rep = h.assemble({"command": "x"}, recs, {"warm": {"none": {"a": 1.0, "b": 3.0}}}, {"warm": {"none": {"a", "b"}}}, 2, 200)
+    assert set(rep) == {"run", "warm"} and list(rep["warm"]) == ["none", "parallel:2+noverify"]
+    p = rep["warm"]["parallel:2+noverify"]
+    for key in ("success", "paired_vs_none", "n", "seconds_per_episode", "real_calls_in_rehearsal", "rehearsals_made",
+                "rehearsals_rejected", "changed_vs_none"):
+        assert key in p
+    assert set(p["success"]) == {"mean", "ci_low", "ci_high"} and p["paired_vs_none"]["mean"] == pytest.approx(0.5)
+    assert rep["warm"]["none"]["seconds_per_episode"] == pytest.approx(2.0) and p["seconds_per_episode"] is None
+    table = h.markdown(rep)
+    assert "| warm | none | 2 | 0.500 [0.000, 1.000] | — | 0 (0) | 0 | 2.0 | 0 / 0 |" in table
+    assert "| warm | parallel:2+noverify | 2 | 1.000 [1.000, 1.000] | +0.500 [+0.000, +1.000] | 4 (0) | 0 | n/a | 1 / 0 |" in table
+    with pytest.raises(h.BenchmarkError, match="labelled 'run'"):
+        h.assemble({}, {"run": {}}, {}, {}, 1)
+
+
+class FakeEvaluate:
+    """evaluate_policy's cache contract (append a record per fresh task, skip cached ones) with a count of
+    fresh episodes; `sleep` seconds per fresh episode."""
+
+    def __init__(self, sleep: float = 0.0):
+        self.ran, self.sleep = [], sleep
+
+    def __call__(self, cfg, engine, tasks, protocol, *, mode, n, seed, cache_path):
+        from envace_core.evaluation.tau2 import _load_cache
+
+        (t,) = tasks
+        cache = _load_cache(Path(cache_path))
+        if (t.domain, t.id, 0) in cache:
+            return {"results": [cache[(t.domain, t.id, 0)]], "skipped": 1}
+        assert engine == "engine"
+        time.sleep(self.sleep)
+        self.ran.append(t.id)
+        r = {**rec(t.id, 1.0), "termination_reason": "agent_message", "reward": 1.0, "reward_breakdown": {}}
+        with Path(cache_path).open("a") as f:
+            f.write(json.dumps(r) + "\n")
+        return {"results": [r], "skipped": 0}
+
+
+def test_resume_skips_cached_episodes_and_keeps_their_timing(tmp_path):
+    from envace_core.config import load_config
+
+    cfg, tasks = load_config("test", ""), [task(f"synth-L1-{i}") for i in range(3)]
+    cond = h.parse_conditions("none")[0]
+    fake = FakeEvaluate()
+    recs, fresh, stopped = h.run_cell(cfg, lambda: "engine", tasks[:2], cond, tmp_path / "c", "opening_request", 0,
+                                      None, evaluate=fake)
+    assert fake.ran == [t.id for t in tasks[:2]] and fresh == set(fake.ran) and not stopped and len(recs) == 2
+    fake2 = FakeEvaluate()
+    loads = []
+    recs, fresh, _ = h.run_cell(cfg, lambda: loads.append(1) or "engine", tasks, cond, tmp_path / "c",
+                                "opening_request", 0, None, evaluate=fake2)
+    assert fake2.ran == [tasks[2].id] and fresh == {tasks[2].id} and len(recs) == 3 and len(loads) == 1
+    timings = h.read_timings(tmp_path / "c" / "timing.jsonl")
+    assert set(timings) == {t.id for t in tasks}
+    c = h.cell(recs, recs, timings, fresh, 3)
+    assert c["seconds_timed_episodes"] == 3 and c["seconds_note"].startswith("1 timed in this run, 2 when")
+
+
+def test_max_minutes_stops_after_the_running_episode(tmp_path):
+    from envace_core.config import load_config
+
+    fake = FakeEvaluate(sleep=0.3)
+    recs, fresh, stopped = h.run_cell(load_config("test", ""), lambda: "engine", [task(f"t{i}") for i in range(4)],
+                                      h.parse_conditions("none")[0], tmp_path / "c", "opening_request", 0,
+                                      time.monotonic() + 0.1, evaluate=fake)
+    assert stopped and len(fake.ran) == 1 and len(recs) == 1
+
+
+def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("rehearsal_effect_main", BENCH / "rehearsal_effect.py")
+    re_ = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(re_)
+    (tmp_path / "ds").mkdir()
+    for argv, msg in ((["--heldout", "0", "--dataset", str(tmp_path)], "--heldout must be >= 1"),
+                      (["--heldout", "2", "--dataset", str(tmp_path / "ds")], "no tasks.parquet"),
+                      (["--heldout", "2", "--dataset", str(tmp_path), "--conditions", "none+noverify"], "no verifier"),
+                      (["--heldout", "2", "--dataset", str(tmp_path), "--models", "run=x"], "labelled 'run'")):
+        assert re_.main(argv) == 2  # rehearsal_effect.py hands --heldout runs over
+        err = capsys.readouterr().err
+        assert msg in err and len(err.strip().splitlines()) == 1
+
+
+def test_tiny_model_end_to_end_then_resume(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """The real harness (evaluate_policy, opening_request) on two tau2 test tasks standing in for the
+    synthesized ones (synthesis is covered by the main job's tests and takes minutes)."""
+    import pandas as pd
+
+    from envace_core.envs.tau2.tasks import load_tasks
+    from envace_core.stages.dataset import task_record
+
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    pd.DataFrame([task_record(t) for t in load_tasks("airline", "train")[:2]]).to_parquet(ds / "tasks.parquet")
+    stand_in = [load_tasks("airline", "test")[0], load_tasks("retail", "test")[0]]
+    monkeypatch.setattr(h, "build_heldout", lambda train, n, levels, seed: stand_in)
+    over = json.dumps({"model": {"compute_dtype": "float32"}, "rollout": {"max_new_tokens_act": 4},
+                       "eval": {"max_turns": 2},
+                       "store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "registry")}})
+    md, out_json = tmp_path / "RESULTS.md", tmp_path / "r.json"
+    md.write_text("# Measured results\n")
+    argv = ["--heldout", "1", "--dataset", str(ds), "--models", f"tiny={tiny_model_dir}", "--conditions",
+            "none,parallel:2,parallel:2+noverify", "--profile", "test", "--overrides", over, "--out",
+            str(tmp_path / "out"), "--json", str(out_json), "--results-md", str(md), "--n-boot", "200"]
+    assert h.main(argv) == 0
+    rep = json.loads(out_json.read_text())
+    assert rep["run"]["task_ids"] == [t.id for t in stand_in] and rep["run"]["disjoint"]["shared_ids"] == 0
+    assert list(rep["tiny"]) == ["none", "parallel:2", "parallel:2+noverify"]
+    assert rep["run"]["verifier"] == {"parallel:2": True, "parallel:2+noverify": False}
+    for name, c in rep["tiny"].items():
+        assert c["n_run"] == 2 and c["complete"] and c["seconds_per_episode"] > 0
+        assert (c["rehearsals_made"] > 0) == (name != "none") and c["real_calls_in_rehearsal"] == 0
+    assert "## Private Rehearsal effect on held-out synthesized tasks" in md.read_text()
+    capsys.readouterr()
+
+    monkeypatch.setattr(h, "build_heldout", lambda *a: pytest.fail("the task set is reread, not rebuilt"))
+    from envace_core.training import policy
+
+    monkeypatch.setattr(policy, "load_engine", lambda *a, **k: pytest.fail("a model loaded for cached episodes"))
+    assert h.main(argv + ["--no-append"]) == 0
+    again = json.loads(out_json.read_text())
+    for name, c in again["tiny"].items():
+        assert c["outcomes"] == rep["tiny"][name]["outcomes"]
+        assert c["seconds_per_episode"] == pytest.approx(rep["tiny"][name]["seconds_per_episode"])
+        assert c["seconds_note"].startswith("0 timed in this run, 2 when")
