@@ -24,6 +24,9 @@ from envace_core.evaluation.options import (
 from envace_core.evaluation.protocols import TAU2_ORCHESTRATOR, describe
 from envace_core.evaluation.vita import LLMJudge
 from envace_core.models import (
+    ModelRefError,
+    ResolvedModel,
+    resolve_model,
     resolve_model_ref,
 )
 from envace_core.store.files import atomic_write_text, read_jsonl
@@ -299,28 +302,75 @@ def run_finmcp_bench(ctx: _Ctx, path: str) -> dict:
 
 
 # -------------------------------------------------------------------------------------------- run
-def _user(opts: EvalOptions, cfg: RunConfig, engine):
+def _as_flag(flag: str, ref: str, e: ModelRefError) -> ModelRefError:
+    """`e` (raised for a model ref, naming ``--model``) re-raised as naming `flag` instead."""
+    msg = str(e)
+    msg = flag + msg[len("--model"):] if msg.startswith("--model ") else f"{flag} {ref!r}: {msg}"
+    return type(e)(msg)
+
+
+def _side_model(flag: str, ref: str, opts: EvalOptions, cfg: RunConfig) -> ResolvedModel:
+    """`ref` given to `flag` (--user-model, --judge-model) resolved as `--model` is (`resolve_model_ref`), and,
+    when it is its own base (not an s3:// one), its folder checked (`models.resolve_model`): everything short
+    of loading weights, so a bad ref fails before the policy loads. Raises `ModelRefError` / `AdapterError` /
+    `ModelNotFoundError` naming `flag`."""
+    try:
+        model = resolve_model_ref(ref, opts.registry or cfg.store.registry, base_ref=cfg.model.ref)
+    except ModelRefError as e:
+        raise _as_flag(flag, ref, e) from None
+    if model.base_ref == ref and not ref.startswith("s3://"):
+        resolve_model(ref, setting=flag)
+    return model
+
+
+def _load_side(flag: str, cfg: RunConfig, model: ResolvedModel):
+    try:
+        return load_engine(cfg, model)
+    except ModelRefError as e:
+        raise _as_flag(flag, model.ref, e) from None
+
+
+def _endpoints(opts: EvalOptions, specs: list) -> dict[str, Any]:
+    """{flag: OpenAIChatClient} for the --user-url / --judge-url this run will call, each probed first
+    (`OpenAIChatClient.probe`, a GET {url}/models of a few seconds): the user simulator plays tau2 under
+    tau2_orchestrator and, without a judge of its own, judges VitaBench; the judge judges VitaBench.
+    A URL the run will not call is not probed. Raises `roles.user.EndpointError` naming the flag, the URL
+    and the underlying error."""
+    from envace_core.roles.user import OpenAIChatClient
+
+    benches = {s.bench for s in specs}
+    vita_judge_is_user = "vita" in benches and not (opts.judge_url or opts.judge_model)
+    used = {"--user-url": opts.user_url if ("tau2" in benches and opts.protocol == TAU2_ORCHESTRATOR)
+            or vita_judge_is_user else None,
+            "--judge-url": opts.judge_url if "vita" in benches else None}
+    clients = {flag: OpenAIChatClient(url, opts.user_url_model, name=flag) for flag, url in used.items() if url}
+    for c in clients.values():
+        c.probe()
+    return clients
+
+
+def _user(opts: EvalOptions, cfg: RunConfig, engine, user_model: ResolvedModel | None, client):
     """(user engine, user client, description) from --user-model / --user-url (default: the policy)."""
-    from envace_core.evaluation.tau2_agents import OpenAIChatClient
+    from envace_core.roles.user import OpenAIChatClient
 
     if opts.user_url:
-        return None, OpenAIChatClient(opts.user_url, opts.user_url_model), \
+        return None, client or OpenAIChatClient(opts.user_url, opts.user_url_model, name="--user-url"), \
             f"OpenAI-compatible endpoint {opts.user_url} (model {opts.user_url_model})"
-    if opts.user_model:
-        ref = resolve_model_ref(opts.user_model, opts.registry or cfg.store.registry, base_ref=cfg.model.ref)
-        user_engine, n = load_engine(cfg, ref)
+    if user_model is not None:
+        user_engine, n = _load_side("--user-model", cfg, user_model)
         return user_engine, None, f"{opts.user_model} ({n / 1e6:.0f}M parameters) through our engine"
     return engine, None, "the evaluated policy itself (its own engine)"
 
 
-def _judge(opts: EvalOptions, cfg: RunConfig, user_engine, user_client, user_desc: str):
-    from envace_core.evaluation.tau2_agents import OpenAIChatClient
+def _judge(opts: EvalOptions, cfg: RunConfig, judge_model: ResolvedModel | None, client, user_engine, user_client,
+           user_desc: str):
+    from envace_core.roles.user import OpenAIChatClient
 
     if opts.judge_url:
-        return LLMJudge(client=OpenAIChatClient(opts.judge_url, opts.user_url_model)), f"endpoint {opts.judge_url}"
-    if opts.judge_model:
-        ref = resolve_model_ref(opts.judge_model, opts.registry or cfg.store.registry, base_ref=cfg.model.ref)
-        eng, _ = load_engine(cfg, ref)
+        return LLMJudge(client=client or OpenAIChatClient(opts.judge_url, opts.user_url_model, name="--judge-url")), \
+            f"endpoint {opts.judge_url}"
+    if judge_model is not None:
+        eng, _ = _load_side("--judge-model", cfg, judge_model)
         return LLMJudge(engine=eng), opts.judge_model
     return LLMJudge(engine=user_engine, client=user_client), f"the user simulator ({user_desc})"
 
@@ -330,21 +380,30 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
     """Evaluate `opts.model` on `opts.benches` and return the JSON-able results (what `report.write_report`
     renders). `engine`: an already-built policy engine (tests); default: loaded from `opts.model`.
 
-    Raises `BenchSpecError`, `ModelRefError`, `EnvaceError` (bad options) before any model loads.
+    Raises, before any model loads: `BenchSpecError`, `EnvaceError` (bad options), `ModelRefError` /
+    `AdapterError` / `ModelNotFoundError` for a bad --model, --user-model or --judge-model (naming that flag),
+    and `roles.user.EndpointError` for a --user-url / --judge-url the run needs that does not answer
+    (`_endpoints`). During the run, `EndpointError` when such an endpoint stops answering (nothing is
+    recorded or cached for the task it was serving; finished tasks stay cached).
     """
     opts.check()
     specs = parse_benches(opts.benches)
     mode, n = parse_rehearsal(opts.rehearsal)
     cfg = load_config(opts.profile, opts.overrides)
     model = resolve_model_ref(opts.model, opts.registry or cfg.store.registry, base_ref=cfg.model.ref)
+    user_model = _side_model("--user-model", opts.user_model, opts, cfg) if opts.user_model else None
+    needs_judge = any(s.bench == "vita" for s in specs)
+    judge_model = _side_model("--judge-model", opts.judge_model, opts, cfg) \
+        if opts.judge_model and needs_judge else None
+    clients = _endpoints(opts, specs)
     fp = fingerprint(opts, cfg, model)
     cache = Path(opts.out).expanduser() / "cache" / fp
     t0 = time.perf_counter()
     if engine is None:
         engine, n_params = load_engine(cfg, model)
-    user_engine, user_client, user_desc = _user(opts, cfg, engine)
-    judge, judge_desc = _judge(opts, cfg, user_engine, user_client, user_desc) \
-        if any(s.bench == "vita" for s in specs) else (None, None)
+    user_engine, user_client, user_desc = _user(opts, cfg, engine, user_model, clients.get("--user-url"))
+    judge, judge_desc = _judge(opts, cfg, judge_model, clients.get("--judge-url"), user_engine, user_client,
+                               user_desc) if needs_judge else (None, None)
     load_s = time.perf_counter() - t0
     log(f"[eval] model {model.label}; tau2 protocol {opts.protocol}; rehearsal {opts.rehearsal}; user {user_desc}; "
         f"cache {cache}")

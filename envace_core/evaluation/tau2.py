@@ -23,7 +23,10 @@ request only, no user simulator) is an argument and every record names it.
   averaged over tasks as tau2's ``compute_metrics`` does, over scored records only.
 * Resume: with ``cache_path``, each finished (domain, task, trial) record is appended to a JSONL file and
   a rerun skips those already there (the cache is not keyed by model/config/protocol: one file per run
-  setting, as `evaluation.harness` keys its cache folder by `options.fingerprint`).
+  setting, as `evaluation.harness` keys its cache folder by `options.fingerprint`). A record of a trial
+  that raised (``error`` set) is never cached, and one in an older cache is not reused: a rerun plays it.
+* A user-simulator endpoint that fails (`roles.user.EndpointError`) is not the task's failure: it stops
+  the run (re-raised, naming the task and trial) and nothing is recorded or cached for that trial.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ from envace_core.envs.tau2.tasks import NL_SKIPPED, task_context, tau2_task
 from envace_core.evaluation.protocols import MAX_STEPS, TAU2_ORCHESTRATOR, check_protocol
 from envace_core.evaluation.tau2_agents import EnvaceTau2Agent, SimulatedUser
 from envace_core.rehearsal.agent import RehearsalAgent
+from envace_core.roles.user import EndpointError
 from envace_core.store.files import read_jsonl
 from envace_core.types import Role, Task, Trajectory
 
@@ -191,11 +195,13 @@ def run_tau2(tasks: Sequence[Task], agent_for: AgentFor, protocol: str, *, trial
     Trial t of a task is played by ``agent_for(task.domain, seed + t)`` (`policy_agent`); `user`, `max_steps`
     and `max_errors` apply to ``tau2_orchestrator``, `environment`/`score` to ``opening_request``
     (`opening_request_trial`). A (task, trial) that raises is recorded with ``error``, reward 0 and
-    termination "error" (or re-raised with `raise_errors`).
+    termination "error" (or re-raised with `raise_errors`), and not written to `cache_path`.
 
     Returns ``{"protocol", "domains": summarize(...), "results": [records], "skipped": n_from_cache}``.
     Raises `EnvaceError` for an unknown protocol, trials < 1, or `environment`/`score` with
-    ``tau2_orchestrator`` (tau2's Orchestrator runs tau2's own environment and evaluator).
+    ``tau2_orchestrator`` (tau2's Orchestrator runs tau2's own environment and evaluator);
+    `roles.user.EndpointError` when the user simulator's endpoint fails (the trials finished before it
+    stay in the cache; the failing one is neither recorded nor cached).
     """
     check_protocol(protocol)
     if trials < 1:
@@ -222,6 +228,9 @@ def run_tau2(tasks: Sequence[Task], agent_for: AgentFor, protocol: str, *, trial
                            if protocol == TAU2_ORCHESTRATOR else
                            opening_request_trial(task, agent, policy_max_chars=policy_max_chars,
                                                  environment=environment, score=score))
+            except EndpointError as e:  # the user simulator's server, not the task: stop, record nothing
+                raise EndpointError(f"{e} [during {task.id} trial {trial}; not recorded: a rerun plays it]") \
+                    from None
             except Exception as e:
                 if raise_errors:
                     raise
@@ -229,7 +238,7 @@ def run_tau2(tasks: Sequence[Task], agent_for: AgentFor, protocol: str, *, trial
                            error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
             rec["success"] = None if rec.get("reward") is None else float(_successful(rec["reward"]))
             results.append(rec)
-            if path is not None:
+            if path is not None and rec["error"] is None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with path.open("a") as f:
                     f.write(json.dumps(rec, sort_keys=True, default=str) + "\n")
@@ -319,7 +328,9 @@ def _cache_record(r: Any) -> dict:
 def _load_cache(path: Path | None) -> dict[tuple, dict]:
     """{(domain, task_id, trial): record} from a `run_tau2` cache. A line that is not JSON (cut by a kill
     mid-write) or not a record (`_cache_record`) is skipped, so that (task, trial) runs again; one
-    warning per file names it (`store.files.read_jsonl`)."""
+    warning per file names it (`store.files.read_jsonl`). A record of a trial that raised (``error`` set,
+    written by older versions) is left out silently, so that (task, trial) runs again too."""
     if path is None:
         return {}
-    return {(r["domain"], r["task_id"], r["trial"]): r for r in read_jsonl(path, _cache_record)}
+    return {(r["domain"], r["task_id"], r["trial"]): r for r in read_jsonl(path, _cache_record)
+            if not r.get("error")}

@@ -27,7 +27,9 @@
   simulation guidelines + ``<scenario>``), same role flipping and the same stop test
   (``###STOP###``, ``###TRANSFER###``, ``###OUT-OF-SCOPE###`` via ``UserSimulator.is_stop``), but the
   reply comes from one of our `Engine`s, or from an OpenAI-compatible ``/chat/completions`` endpoint the
-  user names (`OpenAIChatClient`, ``urllib`` only). User tools (telecom) are offered as text in the
+  user names (`roles.user.OpenAIChatClient`, ``urllib`` only; an endpoint that cannot be reached or
+  answers with an error raises `roles.user.EndpointError`, which ends the run rather than the dialogue).
+  User tools (telecom) are offered as text in the
   system prompt with our ``<tool_call>`` form and parsed (`roles.act.parse_act`, text around the call
   allowed) whenever the user has tools; a reply that fails to parse, a call in another family's format
   included, is sent as a message and counted in ``stats["parse_errors"]`` (and by class in
@@ -40,8 +42,6 @@ Running and scoring them is `evaluation.tau2` (the harness).
 
 from __future__ import annotations
 
-import json
-import urllib.request
 import uuid
 from collections import Counter
 from collections.abc import Sequence
@@ -59,6 +59,7 @@ from envace_core.roles.act import CALL_FORMAT, act_prompt_ids, parse_act
 from envace_core.roles.bounds import PromptTooLong, check_prompt, prompt_limit
 from envace_core.roles.errors import ParseError, format_error
 from envace_core.roles.tools import format_tool_call, render_tool
+from envace_core.roles.user import EndpointError, OpenAIChatClient  # noqa: F401  (their home before)
 from envace_core.types import (
     Message,
     Observation,
@@ -244,24 +245,6 @@ class EnvaceTau2Agent(LocalAgent[EnvaceAgentState]):
 
 
 # ------------------------------------------------------------------------------------- user
-
-
-class OpenAIChatClient:
-    """A minimal OpenAI-compatible chat client (``POST {base_url}/chat/completions``, urllib only)."""
-
-    def __init__(self, base_url: str, model: str, api_key: str = "EMPTY", timeout: float = 120.0):
-        self.base_url, self.model, self.api_key, self.timeout = base_url.rstrip("/"), model, api_key, timeout
-
-    def chat(self, messages: list[dict], max_tokens: int, temperature: float, seed: int | None) -> str:
-        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
-        if seed is not None:
-            body["seed"] = seed
-        req = urllib.request.Request(f"{self.base_url}/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {self.api_key}"})
-        with urllib.request.urlopen(req, timeout=self.timeout) as r:
-            data = json.loads(r.read().decode())
-        return data["choices"][0]["message"].get("content") or ""
 
 
 @dataclass(frozen=True)

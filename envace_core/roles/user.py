@@ -1,9 +1,15 @@
-"""The USER-REHEARSE role (METHOD.md §1): the user scenario → prompt, and the parser of the imagined user turn."""
+"""The USER-REHEARSE role (METHOD.md §1): the user scenario → prompt, and the parser of the imagined user turn;
+and `OpenAIChatClient`, the client of a user simulator (or judge) behind an OpenAI-compatible endpoint
+(``envace eval --user-url``), with `EndpointError` for an endpoint that fails. Nothing here imports tau2
+at module import, so `evaluation.harness` probes an endpoint in well under a second."""
 
 from __future__ import annotations
 
 import functools
+import http.client
 import json
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 
 from envace_core import EnvaceError
@@ -105,3 +111,94 @@ def parse_user(text: str, strict: bool = True) -> UserTurn:
     if strict and body[at + len(tok):].strip():
         raise InvalidUserTurn(f"text after the stop token {tok}: end the message with it", text)
     return UserTurn(message=body, stop=True)
+
+
+# ------------------------------------------------------------------- OpenAI-compatible endpoint
+class EndpointError(EnvaceError):
+    """An OpenAI-compatible endpoint (``--user-url``, ``--judge-url``) that cannot be reached, or that does
+    not answer a request with an OpenAI chat completion. It is the run's infrastructure failing, not the
+    task: `evaluation.tau2.run_tau2` lets it through instead of recording the trial as an error, so
+    nothing is cached for that trial and a rerun plays it."""
+
+
+def _one_line(text: str, limit: int = 240) -> str:
+    text = " ".join(str(text).split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _why(e: BaseException, timeout: float) -> str:
+    """The underlying failure of an HTTP request, in one line: ``HTTP 404 Not Found: <body start>``,
+    ``ConnectionRefusedError: [Errno 111] Connection refused``, ``timed out after 5s``, ..."""
+    if isinstance(e, urllib.error.HTTPError):
+        try:
+            body = e.read(300).decode(errors="replace")
+        except Exception:  # noqa: BLE001 - the status alone is enough
+            body = ""
+        return _one_line(f"HTTP {e.code} {e.reason}" + (f": {body}" if body.strip() else ""))
+    reason = e.reason if isinstance(e, urllib.error.URLError) else e
+    if isinstance(reason, TimeoutError):  # socket.timeout is TimeoutError
+        return f"timed out after {timeout:g}s"
+    return _one_line(f"{type(reason).__name__}: {reason}" if isinstance(reason, BaseException) else str(reason))
+
+
+class OpenAIChatClient:
+    """A minimal OpenAI-compatible chat client (``POST {base_url}/chat/completions``, urllib only).
+
+    `name` labels the endpoint in errors (`harness` passes the flag, ``--user-url`` / ``--judge-url``);
+    `timeout`: seconds per request; `probe_timeout`: seconds for `probe`'s ``GET {base_url}/models``.
+    """
+
+    def __init__(self, base_url: str, model: str, api_key: str = "EMPTY", timeout: float = 120.0,
+                 name: str = "OpenAI-compatible endpoint", probe_timeout: float = 5.0):
+        self.base_url, self.model, self.api_key, self.timeout = base_url.rstrip("/"), model, api_key, timeout
+        self.name, self.probe_timeout = name, probe_timeout
+
+    def _fail(self, what: str, why: str) -> EndpointError:
+        return EndpointError(f"{self.name} {self.base_url}: {what} failed ({why}); check that an OpenAI-compatible "
+                             "server answers there (base URL usually ending in /v1), or fix the URL")
+
+    def chat(self, messages: list[dict], max_tokens: int, temperature: float, seed: int | None,
+             timeout: float | None = None) -> str:
+        """The reply text of one chat completion (``choices[0].message.content``; "" when null).
+
+        Raises `EndpointError` (naming `name`, the URL and the underlying error) when the request gets no
+        answer within `timeout` (default: the client's), an HTTP error status, or a body that is not an
+        OpenAI chat completion."""
+        body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
+        if seed is not None:
+            body["seed"] = seed
+        url = f"{self.base_url}/chat/completions"
+        req = urllib.request.Request(url, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json",
+                                              "Authorization": f"Bearer {self.api_key}"})
+        limit = self.timeout if timeout is None else timeout
+        try:
+            with urllib.request.urlopen(req, timeout=limit) as r:
+                raw = r.read()
+        except (OSError, http.client.HTTPException) as e:  # URLError / HTTPError / timeouts are OSErrors
+            raise self._fail(f"POST {url}", _why(e, limit)) from None
+        try:
+            content = json.loads(raw.decode())["choices"][0]["message"].get("content")
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
+            raise self._fail(f"POST {url}", f"the answer is not an OpenAI chat completion ({type(e).__name__}: "
+                             f"{_one_line(e, 80)}): {_one_line(raw.decode(errors='replace'), 160)}") from None
+        return content if isinstance(content, str) else ""
+
+    def probe(self) -> None:
+        """A cheap check that the endpoint answers, before any model loads: ``GET {base_url}/models`` within
+        `probe_timeout` seconds. A 2xx answer passes; another HTTP status (a server without ``/models``)
+        is followed by a one-token `chat` (``max_tokens=1``, the client's `timeout`), which must succeed.
+
+        Raises `EndpointError` naming `name`, the URL and the underlying error (connection refused, unknown
+        host, timeout, or the chat request failing)."""
+        url = f"{self.base_url}/models"
+        req = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.api_key}"})
+        try:
+            with urllib.request.urlopen(req, timeout=self.probe_timeout) as r:
+                r.read(1 << 16)
+            return
+        except urllib.error.HTTPError as e:  # an answer, but not to /models: the chat route must work
+            e.close()
+        except (OSError, http.client.HTTPException) as e:  # no answer at all
+            raise self._fail(f"GET {url}", _why(e, self.probe_timeout)) from None
+        self.chat([{"role": "user", "content": "Hi"}], 1, 0.0, None)
