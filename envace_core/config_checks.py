@@ -1,7 +1,9 @@
 """Checks of single configuration values and of settings that depend on each other, run by the
 validators of the section models (`envace_core.config_sections`) when a config loads: storage
 locations, registry names, repeated list items, tool names of the configured domains, and the
-combinations of rollout and train settings that would silently train nothing.
+combinations of rollout and train settings that would silently train nothing; also the type
+rules shared with override parsing (`scalar_kinds`, `plain_number`): a number setting takes a plain
+decimal, never a boolean.
 
 Each check raises ValueError naming the setting and what to type instead; pydantic turns it into
 the `config.ConfigError` that `config.load_config` raises. `UnusedSettingWarning` is warned for a
@@ -13,7 +15,18 @@ from __future__ import annotations
 import difflib
 import re
 import warnings
-from typing import Any, Iterable, Mapping, Optional
+from types import UnionType
+from typing import (
+    Annotated,
+    Any,
+    Iterable,
+    Literal,
+    Mapping,
+    Optional,
+    Union,
+    get_args,
+    get_origin,
+)
 
 PLACEHOLDER = "CHANGE-ME"  # what the profiles put where an operator must name their own bucket
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
@@ -21,7 +34,10 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3 bucket naming 
 _JOINED = re.compile(r"\s[\w.]+=")  # "s3://b/x train.iterations=5": two overrides joined by a space
 # a registry name: one path segment of a local folder and of an S3 key, and the NAME of NAME@VERSION
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
-OFF_WORDS = (False, "false", "False")  # YAML reads a bare `off` (or `no`) as the boolean False
+OFF_WORDS = (False, "false", "False")  # JSON's false, and YAML's text for it (YAML 1.1 reads off as False)
+DECIMAL_INT = re.compile(r"[-+]?(0|[1-9][0-9]*)")  # no leading 0 (YAML 1.1: octal), '_', 0x/0o/0b or ':'
+DECIMAL_NUMBER = re.compile(r"[-+]?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
+_INF_NAN = re.compile(r"[-+]?\.?(?:inf|infinity|nan)", re.IGNORECASE)  # refused by the models' allow_inf_nan
 
 
 class UnusedSettingWarning(UserWarning):
@@ -32,9 +48,13 @@ def location(value: Optional[str], setting: str, schemes: tuple[str, ...] = ()) 
     """Check a storage location setting: an ``s3://bucket/prefix`` URI (bucket per S3's naming rules,
     no whitespace, no empty path segment), a local path, or ``<scheme>:...`` for a scheme in
     `schemes` (e.g. "bundled", "registry"). Raises ValueError naming `setting` for another scheme
-    (``S3://``, ``hf://``, ``s3:/x``), a malformed S3 URI, or two overrides joined by a space."""
+    (``S3://``, ``hf://``, ``s3:/x``), a malformed S3 URI, an empty or blank string, or two overrides
+    joined by a space."""
     if value is None:
         return None
+    if not value.strip():
+        raise ValueError(f"{setting} is empty: give a local path or s3://BUCKET/PREFIX"
+                         + "".join(f", or {x}:..." for x in schemes))
     if _JOINED.search(value):
         raise ValueError(f"{setting}={value!r} holds another override after a space: separate overrides "
                          "with commas (a.b=x,c.d=y)")
@@ -132,3 +152,56 @@ def check_trained_roles(trained_roles: list[str], source: str, user_rehearse: bo
     if source == "real" and "act" not in trained_roles:
         raise ValueError(f"train.trained_roles={trained_roles} trains no rows: rollout.source=real rolls out ACT "
                          "only, so set train.trained_roles=[act] (or rollout.source=imagined)")
+
+
+def scalar_kinds(annotation: Any) -> set[type]:
+    """The scalar types a field annotation admits: ``Optional[int]`` → {int, NoneType}, a Literal → the
+    types of its values, ``PositiveInt`` → {int}; {object} for Any, a container or a model (anything)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return scalar_kinds(args[0])
+    if origin in (Union, UnionType):
+        return set().union(*(scalar_kinds(a) for a in args))
+    if origin is Literal:
+        return {type(a) for a in args}
+    if annotation is type(None) or annotation in (bool, int, float, str):
+        return {annotation}
+    return {object}
+
+
+def item_annotation(annotation: Any, container: type, index: int) -> Any:
+    """The annotation of a `container` (list or dict) field's items (index 0) or values (index 1), through
+    Optional and Annotated; Any when the field is no such container."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
+        return item_annotation(args[0], container, index)
+    if origin in (Union, UnionType):
+        found = [item_annotation(a, container, index) for a in args if a is not type(None)]
+        return found[0] if len(found) == 1 else Any
+    return args[index] if origin is container and len(args) > index else Any
+
+
+def plain_number(value: Any, annotation: Any) -> Any:
+    """`value` unchanged if it suits a number field of type `annotation` (int or float, not bool or str,
+    also list items and dict values); raises ValueError for a boolean (YAML reads true/yes/on as one) or a
+    string that is not a plain decimal: an int takes an optional sign and digits with no leading 0, a
+    float that or a decimal fraction and exponent (0.5, 1e-5)."""
+    if isinstance(value, (list, dict)):
+        inner = item_annotation(annotation, *((list, 0) if isinstance(value, list) else (dict, 1)))
+        for v in value if isinstance(value, list) else value.values():
+            plain_number(v, inner)
+        return value
+    kinds = scalar_kinds(annotation)
+    if not kinds & {int, float} or kinds & {bool, str, object}:
+        return value
+    if isinstance(value, bool):
+        raise ValueError(f"expects a number, not the boolean {value} (YAML reads true/false, yes/no and "
+                         "on/off as booleans)")
+    text = value.strip() if isinstance(value, str) else None
+    if text is not None and float not in kinds and not DECIMAL_INT.fullmatch(text):
+        raise ValueError(f"{value!r} is not a plain decimal integer: write digits only, with no leading 0, '_', "
+                         "0x/0o/0b or ':' (YAML 1.1 would read 010 as 8, 0x10 as 16, 1_000 as 1000), e.g. 10")
+    if text is not None and not (DECIMAL_NUMBER.fullmatch(text) or _INF_NAN.fullmatch(text)):
+        raise ValueError(f"{value!r} is not a plain decimal number: write e.g. 0.5, 2 or 1e-5 (no '_', "
+                         "0x/0o/0b or ':')")
+    return value

@@ -30,6 +30,7 @@ from envace_core.config_checks import (
     check_unique,
     location,
     off_word,
+    plain_number,
     warn_unknown_budget_tools,
 )
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
@@ -54,6 +55,12 @@ REHEARSE_TOKENS_PER_TOOL: dict[str, int] = {
 class _Strict(BaseModel):
     # inf/NaN are never a valid setting (a learning rate or temperature of inf passed before).
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _plain_numbers(cls, v: Any, info) -> Any:
+        # pydantic would take True as 1 and "010" / "1_000" as 10 / 1000: a number setting takes a plain decimal
+        return plain_number(v, cls.model_fields[info.field_name].annotation)
 
 
 class ModelConfig(_Strict):
@@ -141,7 +148,7 @@ class DataConfig(_Strict):
     @field_validator("dvc", mode="before")
     @classmethod
     def _dvc_off(cls, v: Any) -> Any:
-        return off_word(v)  # `data.dvc=off` reaches here as YAML's False
+        return off_word(v)  # false from a JSON file or a dict (YAML text keeps "off" as typed)
 
     @field_validator("dvc_remote", "dvc_repo")
     @classmethod
@@ -152,7 +159,7 @@ class DataConfig(_Strict):
     @classmethod
     def _relative(cls, v: str) -> str:
         parts = Path(v).parts
-        if not parts or Path(v).is_absolute() or ".." in parts or parts[0] == ".dvc":
+        if not v.strip() or not parts or Path(v).is_absolute() or ".." in parts or parts[0] == ".dvc":
             raise ValueError(f"dvc_path {v!r} must be a folder inside the DVC repo, e.g. 'data'")
         return v
 
@@ -416,13 +423,6 @@ class TrainConfig(_Strict):
     sft_max_tokens: int = Field(
         4096, ge=16, description="SFT warm-up examples longer than this (prompt + target, tokens) are "
         "skipped: memory grows with length (logits alone are ~0.2 MB per token)")
-    @field_validator("sft_rehearse_error_share", mode="before")
-    @classmethod
-    def _share_not_bool(cls, v: Any) -> Any:
-        if isinstance(v, bool):
-            raise ValueError(f"a share in [0, 1) (e.g. 0.25) or null, not the boolean {v!r}")
-        return v
-
     @field_validator("init_adapter")
     @classmethod
     def _init_adapter(cls, v: Optional[str]) -> Optional[str]:
