@@ -187,8 +187,9 @@ def test_dvc_off_is_off_however_yaml_reads_it(override, tmp_path):
 
 @pytest.mark.parametrize("override, fragments", [
     ("store.model_name=a/b", ["store.model_name='a/b' is not a registry name", "letters, digits, '.', '_' and '-'"]),
-    ("store.model_name=123", ["store.model_name: expects a string", 'store.model_name="123"']),
-    ("data.domains=[1]", ["data.domains.0: expects a string", '["1"]']),
+    ({"store": {"model_name": 123}}, ["store.model_name: expects a string", 'the number 123', '"123"']),
+    ({"data": {"domains": [True]}}, ["data.domains.0: expects a string", "the boolean True"]),
+    ("data.domains=[1]", ["unknown domain(s) ['1']"]),  # YAML text for a str item stays the text "1"
     ("train.trained_roles=[user]", ["set rollout.user_rehearse=true, or train.trained_roles=[act,rehearse]"]),
     ("rollout.source=real,train.trained_roles=[rehearse]", ["set train.trained_roles=[act]"]),
     ("data.min_dataset_rows=5,data.max_dataset_rows=3", ["data.min_dataset_rows (5) is above data.max_dataset_rows (3)",
@@ -210,6 +211,7 @@ def test_fine_combinations_still_load():
     assert load_config("cpu-smoke", "rollout.engine=vllm,rollout.vllm_kwargs={enforce_eager: true}").rollout.vllm_kwargs
     assert load_config("cpu-smoke", "store.model_name=my_policy-2.1").store.model_name == "my_policy-2.1"
     assert load_config("cpu-smoke", "store.model_name='123'").store.model_name == "123"
+    assert load_config("cpu-smoke", "store.model_name=123").store.model_name == "123"  # the text as typed
 
 
 def test_a_rehearse_budget_for_no_tool_of_the_domains_is_warned_about():
