@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from typing import Any
 
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
@@ -224,18 +225,36 @@ def _adapt_tools(args) -> int:
     return 0
 
 
+SUBCOMMANDS = ("train", "config", "registry", "rehearse", "eval", "adapt-tools")
+
+
 def split_overrides_error(argv: list[str]) -> str | None:
     """The error for an unquoted `--overrides` the shell split into several words (``--overrides a=1 b=2``,
-    ``--overrides train.iterations = 2``), which argparse would report as an unknown subcommand; else None."""
+    ``--overrides train.iterations = 2``), which argparse would report as an unknown subcommand; else None.
+    ``--overrides store.root= config`` is no split (an empty value, which the overrides parser names)."""
     for i, word in enumerate(argv[:-1]):
         value = word.partition("=")[2] if word.startswith("--overrides=") else (
             argv[i + 1] if word == "--overrides" else None)
         after = argv[i + 1 if word.startswith("--overrides=") else i + 2:][:1]
-        if value is not None and after and not after[0].startswith("-") and ("=" in after[0] or value.endswith("=")):
+        if value is not None and after and not after[0].startswith("-") and (
+                "=" in after[0] or value.endswith("=") and after[0] not in SUBCOMMANDS):
             return (f"--overrides takes one argument, but the shell split {' '.join([value, after[0]])!r} into "
                     "words: quote the whole list and separate overrides with commas, e.g. "
                     "--overrides 'train.iterations=2,rollout.group_size=4'")
     return None
+
+
+class _Once(argparse.Action):
+    """Store the option's value, like argparse's default action, but an argparse error naming the option
+    when it is given twice on the same side of the subcommand, where argparse would keep the last."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        before = getattr(namespace, self.dest, None)
+        if before is not None:
+            several = " (several overrides go in one comma-separated list)" if "overrides" in self.dest else ""
+            raise argparse.ArgumentError(self, f"given twice ({before!r} and {values!r}): give it once{several}")
+        setattr(namespace, self.dest, values)
 
 
 def _one_place(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -256,8 +275,8 @@ def _one_place(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = argparse.ArgumentParser(prog="envace")
-    p.add_argument("--profile", choices=sorted(PROFILES), help="config profile (default cpu-smoke)")
-    p.add_argument("--overrides", help="'a.b=v,...', JSON/YAML text, or a file path")
+    p.add_argument("--profile", action=_Once, choices=sorted(PROFILES), help="config profile (default cpu-smoke)")
+    p.add_argument("--overrides", action=_Once, help="'a.b=v,...', JSON/YAML text, or a file path")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="run the main job in-process (same stages as the Flyte workflow)")
     c = sub.add_parser("config", help="print the resolved configuration")
@@ -311,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--examples", help="JSONL of real (call, result) pairs: {\"tool\", \"arguments\", \"result\"}")
     a.add_argument("--domain", default="retail", help="tau2 domain whose tasks and policy the new tools join")
     a.add_argument("--tasks", type=int, default=16, help="adaptation tasks to build (train + held-out)")
-    a.add_argument("--config", choices=sorted(PROFILES), help="profile (same as --profile)")
+    a.add_argument("--config", action=_Once, choices=sorted(PROFILES), help="profile (same as --profile)")
     a.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override, repeatable "
                    "(applied after --overrides), e.g. --set train.iterations=2")
     a.add_argument("--name", help="registry name of the new version (default: the parent's name, else "
@@ -321,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--trials", type=int, default=1, help="--measure: trials per held-out task")
     a.add_argument("--seed", type=int, default=0, help="--measure: sampling and bootstrap seed")
     for sp in (t, c, r, h, e, a):  # the global options are also accepted after the subcommand (not both)
-        sp.add_argument("--profile", dest="sub_profile", choices=sorted(PROFILES), default=argparse.SUPPRESS)
-        sp.add_argument("--overrides", dest="sub_overrides", default=argparse.SUPPRESS,
+        sp.add_argument("--profile", dest="sub_profile", action=_Once, choices=sorted(PROFILES),
+                        default=argparse.SUPPRESS)
+        sp.add_argument("--overrides", dest="sub_overrides", action=_Once, default=argparse.SUPPRESS,
                         help="config overrides: 'a.b=v,...', JSON/YAML text, or a file path")
     split = split_overrides_error(argv)
     if split:
@@ -330,8 +350,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _one_place(p, args)
     try:
-        return {"train": _train, "config": _config, "registry": _registry,
-                "rehearse": _rehearse, "eval": _eval, "adapt-tools": _adapt_tools}[args.cmd](args)
+        return dict(zip(SUBCOMMANDS, (_train, _config, _registry, _rehearse, _eval, _adapt_tools)))[args.cmd](args)
     except EnvaceError as e:
         print(f"envace: error: {e}", file=sys.stderr)
         return 2
