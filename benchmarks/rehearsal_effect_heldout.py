@@ -178,7 +178,7 @@ def heldout_tasks(dataset_dir: str, per_domain: int, seed: int, levels: list[int
 
     splits = load_dataset_dir(dataset_dir)
     train = splits.get("train", [])
-    name = f"{Path(dataset_dir).resolve().name}-h{per_domain}-s{seed}-L{''.join(map(str, levels))}.json"
+    name = f"{Path(dataset_dir).name}-h{per_domain}-s{seed}-L{''.join(map(str, levels))}.json"
     f = out / "heldout_tasks" / name
     if f.is_file():
         tasks = [_task_from_record(r) for r in json.loads(f.read_text())]
@@ -190,7 +190,11 @@ def heldout_tasks(dataset_dir: str, per_domain: int, seed: int, levels: list[int
         f.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(f, json.dumps([task_record(t) for t in tasks], indent=1))
     proof = check_disjoint(tasks, train)
-    return tasks, {"dataset": str(Path(dataset_dir).resolve()), "file": str(f), "disjoint": proof}
+    ids = {t.id for t in tasks}
+    proof["dataset_heldout_included"] = f"{sum(t.id in ids for t in splits.get('heldout', []))} of the dataset's " \
+        f"{len(splits.get('heldout', []))} held-out tasks are in this set (same synthesis order)"
+    return tasks, {"dataset": str(dataset_dir), "dataset_resolved": str(Path(dataset_dir).resolve()), "file": str(f),
+                   "disjoint": proof}
 
 
 def limit_per_domain(tasks: list, limit: int | None) -> list:
@@ -336,7 +340,7 @@ def run_cell(cfg: Any, engine_for, tasks: list, cond: dict[str, Any], cdir: Path
     """Every task of one model × condition, one episode at a time (`evaluate_policy` with the cache
     ``<cdir>/episodes.jsonl``; fresh episodes' wall seconds appended to ``<cdir>/timing.jsonl``).
     `engine_for()` loads the model on first need (a fully cached cell loads nothing). Stops after the
-    episode that passes `deadline` (time.monotonic() seconds). Returns (records, task ids run now,
+    episode that passes `deadline` (time.monotonic() seconds; cached episodes are still read). Returns (records, task ids run now,
     stopped early)."""
     if evaluate is None:
         from envace_core.evaluation.tau2 import evaluate_policy as evaluate
@@ -345,10 +349,11 @@ def run_cell(cfg: Any, engine_for, tasks: list, cond: dict[str, Any], cdir: Path
     cache, tfile = cdir / "episodes.jsonl", cdir / "timing.jsonl"
     records, fresh = [], set()
     for task in tasks:
-        if deadline is not None and time.monotonic() > deadline:
-            return records, fresh, True
+        cached = _cached(cache, task)
+        if not cached and deadline is not None and time.monotonic() > deadline:
+            return records, fresh, True  # cached episodes still count: they cost nothing
         t0 = time.perf_counter()
-        res = evaluate(ccfg, engine_for() if not _cached(cache, task) else None, [task], protocol, mode=cond["mode"],
+        res = evaluate(ccfg, None if cached else engine_for(), [task], protocol, mode=cond["mode"],
                        n=cond["n"], seed=seed, cache_path=cache)
         dt = time.perf_counter() - t0
         records += res["results"]
