@@ -352,8 +352,9 @@ def run_cell(cfg: Any, engine_for, tasks: list, cond: dict[str, Any], cdir: Path
         cached = _cached(cache, task)
         if not cached and deadline is not None and time.monotonic() > deadline:
             return records, fresh, True  # cached episodes still count: they cost nothing
+        engine = None if cached else engine_for()  # loading the model is not part of an episode's time
         t0 = time.perf_counter()
-        res = evaluate(ccfg, None if cached else engine_for(), [task], protocol, mode=cond["mode"],
+        res = evaluate(ccfg, engine, [task], protocol, mode=cond["mode"],
                        n=cond["n"], seed=seed, cache_path=cache)
         dt = time.perf_counter() - t0
         records += res["results"]
