@@ -2,7 +2,8 @@
 changes no outcome).
 
 `roles.rehearse.parse_rehearse` accepts exactly: optional whitespace, optionally one ```/```json fence,
-one JSON value (RFC 8259, as `json.loads` with NaN/Infinity rejected: `roles.strict_json`) — or the
+one JSON value (RFC 8259, as `roles.strict_json` reads it: NaN/Infinity, a key repeated in one object
+and nesting deeper than `strict_json.MAX_JSON_DEPTH` arrays/objects rejected) — or the
 head of one followed by the cut marker ``…[tool result truncated: k of n tokens shown]`` (how results
 over their budget are shown and taught, `roles.bounds.bound_text`) — optional whitespace, the closing
 fence if one was opened. `viable` answers, for a prefix of such an output,
@@ -16,9 +17,11 @@ of tokens decoded only to be rejected.
 
 from __future__ import annotations
 
+import json
 import re
 
 from envace_core.roles.bounds import TRUNCATION_MARKER
+from envace_core.roles.strict_json import MAX_JSON_DEPTH
 
 _FENCE_OPEN = re.compile(r"```[A-Za-z0-9_-]*[ \t]*\n")
 _FENCE_HEAD = re.compile(r"`{0,3}\Z|```[A-Za-z0-9_-]*[ \t]*\Z")  # an opening fence not yet complete
@@ -75,22 +78,29 @@ def _string(s: str, i: int) -> int:
 
 
 def _value(s: str, i: int, depth: int) -> int:
+    """End of the value at s[i:] (after whitespace); `depth` = arrays/objects around it."""
     i = _ws(s, i)
     if i >= len(s):
         raise _End
-    if depth > 200:  # json's recursion limit is far above; deeper is no tool result
-        raise _Bad
     c = s[i]
+    if c in "[{" and depth + 1 > MAX_JSON_DEPTH:  # strict_json refuses it (check_depth)
+        raise _Bad
     if c == "{":
         i = _ws(s, i + 1)
         if i >= len(s):
             raise _End
         if s[i] == "}":
             return i + 1
+        keys: set[str] = set()
         while True:
             if s[i] != '"':
                 raise _Bad
-            i = _ws(s, _string(s, i))
+            end = _string(s, i)
+            key = json.loads(s[i:end])  # a complete string token, checked by _string
+            if key in keys:  # strict_json refuses a repeated key
+                raise _Bad
+            keys.add(key)
+            i = _ws(s, end)
             if i >= len(s):
                 raise _End
             if s[i] != ":":

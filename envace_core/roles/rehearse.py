@@ -97,8 +97,10 @@ def parse_rehearse(text: str, tool: str = "") -> Observation:
     (`roles.json_prefix.json_head_viable`) is taken as it is: content = the text, error = whether it
     starts like an error object.
 
-    Raises `EmptyOutput` (empty/whitespace) or `InvalidRehearsal` (anything that is not one JSON value,
-    or one nested too deeply to handle).
+    Raises `EmptyOutput` (empty/whitespace) or `InvalidRehearsal` (anything that is not one JSON value as
+    `roles.strict_json.strict_json` reads it: NaN/Infinity, a key repeated in one object (a real tool
+    result, a Python dict rendered, never has one) and nesting deeper than `strict_json.MAX_JSON_DEPTH`
+    arrays/objects are refused, the message naming the key or the limit).
     """
     if not isinstance(text, str) or not text.strip():
         raise EmptyOutput("empty rehearsal", text if isinstance(text, str) else "")
