@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -19,10 +20,11 @@ from envace_core.roles.errors import (
     UnknownTool,
 )
 from envace_core.roles.foreign import ForeignCall, describe, find_foreign_call
-from envace_core.roles.strict_json import strict_json
+from envace_core.roles.strict_json import decode_json
 from envace_core.roles.tools import (
     TOOL_CALL_CLOSE,
     TOOL_CALL_OPEN,
+    check_arguments_shape,
     compact_openai_schema,
     render_tool,
     template_supports_tools,
@@ -87,8 +89,9 @@ class ActOutput:
     """ACT's parsed output: exactly one of `tool_call` / `message` is set (message is "" for a call).
 
     `schema_error`: only with ``parse_act(..., schema_errors=True)``: the `UnknownTool` or
-    `InvalidArguments` error of a well-formed call (`tool_call` is then that call, unchecked), which
-    the environment answers with an error observation instead of ending the turn.
+    `InvalidArguments` error of a well-formed call (`tool_call` is then that call, its arguments an
+    object but not checked against a schema), which the environment answers with an error observation
+    instead of ending the turn.
     """
 
     tool_call: ToolCall | None
@@ -120,15 +123,20 @@ def _foreign_in_tags(body: str, names: list[str]) -> ForeignCall | None:
 
 
 def _checked_call(name: Any, arguments: Any, text: str, tools: list[ToolSpec], schema_errors: bool = False) -> ActOutput:
+    """The call `name(arguments)` checked in this order: a "name" string (else `MalformedToolCall`), arguments
+    a JSON object at most `MAX_JSON_DEPTH` deep (else `InvalidArguments`, whatever the name, even with
+    `schema_errors`), then the name among `tools` (`UnknownTool`) and the arguments valid under its schema
+    (`InvalidArguments`): these two are returned as `ActOutput.schema_error` when `schema_errors`."""
     if not isinstance(name, str) or not name:
         raise MalformedToolCall('tool call has no "name" string', text)
+    check_arguments_shape(arguments, name, text)
     spec = next((t for t in tools if t.name == name), None)
     try:
         if spec is None:
             raise UnknownTool(f"unknown tool {name!r}; tools: {sorted(t.name for t in tools)}", text)
         validate_arguments(arguments, spec, text)
     except (UnknownTool, InvalidArguments) as e:
-        if not schema_errors or not isinstance(arguments, dict):
+        if not schema_errors:
             raise
         return ActOutput(tool_call=ToolCall(name=name, arguments=arguments), message="", schema_error=e)
     return ActOutput(tool_call=ToolCall(name=name, arguments=arguments), message="")
@@ -150,16 +158,28 @@ def parse_act(text: str, tools: list[ToolSpec], strict: bool = True, lenient: bo
     where a decodable one is taken as the call and checked like ours (`strict` then applies to the text
     around it).
 
+    The JSON inside the tags is read by `roles.strict_json.decode_json`: NaN/Infinity, trailing text and
+    nesting deeper than `strict_json.MAX_JSON_DEPTH` (128) arrays/objects are bad JSON, checked on the
+    text before decoding, so no nesting depth can raise RecursionError here. A key repeated in one
+    object is refused (RFC 8259 §4: names SHOULD be unique; `json.loads` would silently keep the last).
+
     Raises (all `ParseError`): `EmptyOutput` (empty/whitespace); `MalformedToolCall` (unclosed, stray
-    or misspelt tag, bad JSON, not an object, "name" missing or not a string, keys other than
-    "name"/"arguments"), or its subclass `ForeignToolCallFormat`; `MultipleToolCalls`;
-    `TextOutsideToolCall` (strict only); `UnknownTool`; `InvalidArguments`.
+    or misspelt tag, bad or too deeply nested JSON, not an object, a repeated top-level key, "name"
+    missing or not a string, keys other than "name"/"arguments"), or its subclass
+    `ForeignToolCallFormat`; `MultipleToolCalls`; `TextOutsideToolCall` (strict only); `UnknownTool`;
+    `InvalidArguments` (arguments not a JSON object, e.g. a list or null; a key repeated inside the
+    arguments, named in the message; arguments of a lenient foreign call nested deeper than
+    `MAX_JSON_DEPTH`; arguments that fail the tool's schema).
 
     `schema_errors` (off by default): a well-formed call whose name is unknown or whose argument
     object fails the tool's schema is returned with `ActOutput.schema_error` set instead of raising
     `UnknownTool` / `InvalidArguments` — tau2-bench's environment answers such a call with an
     ``"Error: ..."`` tool message and the conversation goes on (``Environment.get_response``), so it is
-    a tool error, not a format error. Arguments that are not an object still raise.
+    a tool error, not a format error. A call is well-formed only when its arguments are one JSON
+    object (tau2's ``ToolCall.arguments`` is a ``dict`` field; tau2 could not even represent the call
+    otherwise) without repeated keys: arguments that are not an object, or repeat a key, raise
+    `InvalidArguments` whatever the tool name — an unknown name is only reported for a well-formed
+    call.
     """
     if not isinstance(text, str) or not text.strip():
         raise EmptyOutput("empty output", text if isinstance(text, str) else "")
@@ -201,7 +221,7 @@ def parse_act(text: str, tools: list[ToolSpec], strict: bool = True, lenient: bo
 
     body = bodies[0].strip()
     try:
-        obj = strict_json(body)
+        obj, dup = decode_json(body)  # at most MAX_JSON_DEPTH deep, checked before decoding
     except ValueError as e:
         foreign = _foreign_in_tags(body, names)  # e.g. Qwen3-Coder's <function=f> or GLM's <arg_key> in our tags
         if foreign is not None:
@@ -209,6 +229,8 @@ def parse_act(text: str, tools: list[ToolSpec], strict: bool = True, lenient: bo
         raise MalformedToolCall(f"tool call is not valid JSON: {e}", text) from None
     if not isinstance(obj, dict):
         raise MalformedToolCall(f"tool call must be a JSON object, got {type(obj).__name__}", text)
+    if dup is not None and not dup.path:
+        raise MalformedToolCall(f"tool call JSON has a {dup}; give each key once", text)
     extra = sorted(set(obj) - {"name", "arguments"})
     if extra:
         foreign = _foreign_in_tags(body, names)  # e.g. {"name": .., "parameters": ..} (Llama's keys)
@@ -217,4 +239,11 @@ def parse_act(text: str, tools: list[ToolSpec], strict: bool = True, lenient: bo
         if not isinstance(obj.get("name"), str) or not obj.get("name"):
             raise MalformedToolCall('tool call has no "name" string', text)
         raise MalformedToolCall(f'tool call has keys {extra}; only "name" and "arguments" are allowed', text)
-    return _checked_call(obj.get("name"), obj.get("arguments", {}), text, tools, schema_errors)
+    name = obj.get("name")
+    if not isinstance(name, str) or not name:
+        raise MalformedToolCall('tool call has no "name" string', text)
+    if dup is not None:  # below the top level with only "name" (a string) and "arguments": in the arguments
+        where = "/".join(map(str, dup.path))
+        raise InvalidArguments(f"arguments of {name} hold the key {json.dumps(dup.key, ensure_ascii=False)} twice "
+                               f"(in {where}); give each key once", text)
+    return _checked_call(name, obj.get("arguments", {}), text, tools, schema_errors)

@@ -19,7 +19,8 @@ class EmptyOutput(ParseError):
 
 
 class MalformedToolCall(ParseError):
-    """Bad JSON inside the tags, an unclosed or stray tag, JSON that is not an object, no "name"."""
+    """Bad JSON inside the tags (also nesting deeper than `roles.strict_json.MAX_JSON_DEPTH`, or a key
+    repeated in the call object itself), an unclosed or stray tag, JSON that is not an object, no "name"."""
 
 
 class ForeignToolCallFormat(MalformedToolCall):
@@ -39,7 +40,9 @@ class UnknownTool(ParseError):
 
 
 class InvalidArguments(ParseError):
-    """`arguments` is not an object, or does not validate against the tool's JSON schema."""
+    """`arguments` is not a JSON object (whatever the tool name: tau2's `ToolCall.arguments` is a dict), repeats
+    a key, is nested deeper than `roles.strict_json.MAX_JSON_DEPTH`, or does not validate against the tool's
+    JSON schema. Only the last is a tool error under ``parse_act(..., schema_errors=True)``."""
 
 
 class TextOutsideToolCall(ParseError):
@@ -51,7 +54,8 @@ class MultipleToolCalls(ParseError):
 
 
 class InvalidRehearsal(ParseError):
-    """A REHEARSE output that is not a single JSON value."""
+    """A REHEARSE output that is not a single JSON value (`roles.strict_json`: also a repeated key or nesting
+    deeper than `MAX_JSON_DEPTH`)."""
 
 
 class InvalidUserTurn(ParseError):

@@ -11,6 +11,7 @@ import jsonschema
 
 from envace_core import EnvaceError
 from envace_core.roles.errors import InvalidArguments
+from envace_core.roles.strict_json import MAX_JSON_DEPTH, value_depth
 from envace_core.types import ToolCall, ToolSpec
 
 TOOL_CALL_OPEN = "<tool_call>"
@@ -184,6 +185,30 @@ def _validator(schema: dict[str, Any]):
     return v
 
 
+def json_type(value: Any) -> str:
+    """The JSON name of a decoded value's type: object, array, string, number, boolean or null."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    for t, name in ((dict, "object"), (list, "array"), (str, "string"), ((int, float), "number")):
+        if isinstance(value, t):
+            return name
+    return type(value).__name__
+
+
+def check_arguments_shape(arguments: Any, tool_name: str, raw: str = "") -> None:
+    """Raise `InvalidArguments` unless `arguments` is a JSON object (a dict: tau2's
+    `ToolCall.arguments` is a ``dict`` field) nested at most `strict_json.MAX_JSON_DEPTH` deep. Needs no
+    tool schema, so it applies to a call of any name, known or not."""
+    if not isinstance(arguments, dict):
+        raise InvalidArguments(f"arguments of {tool_name} must be a JSON object, got {json_type(arguments)}", raw)
+    depth = value_depth(arguments)
+    if depth > MAX_JSON_DEPTH:
+        raise InvalidArguments(f"arguments of {tool_name} are nested too deeply: {depth} levels of "
+                               f"arrays/objects, at most {MAX_JSON_DEPTH}", raw)
+
+
 def validate_arguments(arguments: Any, tool: ToolSpec, raw: str = "") -> None:
     """Raise `InvalidArguments` unless `arguments` is an object valid under `tool.parameters`.
 
@@ -193,10 +218,13 @@ def validate_arguments(arguments: Any, tool: ToolSpec, raw: str = "") -> None:
     Beyond JSON schema: an argument name that the schema does not list is rejected when the schema
     lists `properties` and does not allow extra ones explicitly (`additionalProperties`), since the
     tool's function would fail on it.
+
+    Also `InvalidArguments`: not an object or nested deeper than `strict_json.MAX_JSON_DEPTH`
+    (`check_arguments_shape`), or too deep for a recursive schema's validation to finish within the
+    interpreter's recursion limit (jsonschema validates recursively). Raises `EnvaceError` (not a
+    parse error) when the tool's own schema is invalid.
     """
-    if not isinstance(arguments, dict):
-        raise InvalidArguments(f"arguments of {tool.name} must be a JSON object, got {type(arguments).__name__}",
-                               raw)
+    check_arguments_shape(arguments, tool.name, raw)
     schema = tool.parameters or {}
     props = schema.get("properties")
     if isinstance(props, dict) and "additionalProperties" not in schema and "patternProperties" not in schema:
@@ -207,6 +235,9 @@ def validate_arguments(arguments: Any, tool: ToolSpec, raw: str = "") -> None:
         error = jsonschema.exceptions.best_match(_validator(schema).iter_errors(arguments))
     except jsonschema.exceptions.SchemaError as e:  # the tool's own schema is broken: not the model's fault
         raise EnvaceError(f"tool {tool.name} has an invalid JSON schema: {e.message}") from e
+    except RecursionError:  # a recursive schema ($ref to itself) followed down deeply nested arguments
+        raise InvalidArguments(f"arguments of {tool.name} are nested too deeply to validate against its "
+                               "schema", raw) from None
     if error is not None:
         where = "/".join(str(p) for p in error.absolute_path) or "arguments"
         raise InvalidArguments(f"{tool.name}: {where}: {error.message}", raw)
