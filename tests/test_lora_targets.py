@@ -72,7 +72,7 @@ def test_layers_peft_already_wrapped_count_as_their_base_layer(tiny_model_dir):
     assert str(e.value).endswith(LLAMA_LINEAR)  # no lora_A/lora_B/base_layer parts among the names
 
 
-@pytest.mark.parametrize("targets", [["norm"], [""], ["q_proj", "mlp"]])
+@pytest.mark.parametrize("targets", [["norm"], [""], ["q_proj", "mlp"], ["embed_tokens"]])
 def test_the_trainer_raises_the_lora_target_error_not_peft_s(tiny_model_dir, targets):
     from envace_core.config import TrainConfig
     from envace_core.models import load_model, load_tokenizer

@@ -143,11 +143,10 @@ class PolicyTrainer(TrainerPersistence):
         if not isinstance(model, PeftModel):
             lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=0.0, bias="none",
                               target_modules=list(cfg.lora_target_modules), task_type="CAUSAL_LM")
-            try:
-                model = get_peft_model(model, lora, adapter_name=names[0])
-            except ValueError:
-                check_lora_targets(list(cfg.lora_target_modules), model)  # names the setting and the layers
-                raise
+            # before peft: it wraps an Embedding silently and leaves no trainable parameter, and it
+            # refuses a norm with a bare ValueError; this names the setting and the linear layers
+            check_lora_targets(list(cfg.lora_target_modules), model)
+            model = get_peft_model(model, lora, adapter_name=names[0])
             for name in names[1:]:
                 model.add_adapter(name, lora)
         if sorted(model.peft_config) != names:
