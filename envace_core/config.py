@@ -4,34 +4,23 @@ Config is data, not code paths: every stage reads one `RunConfig`. Unknown keys 
 typo in an override fails loudly instead of being ignored.
 
 The models (`RunConfig`, its sections, `location`) are defined in `envace_core.config_sections`
-and re-exported here; this module holds the profiles, override parsing, `load_config` and the
-README's configuration table.
+and override parsing (`parse_overrides`, `ConfigError`) in `envace_core.config_text`, both
+re-exported here; this module holds the profiles, `load_config`, `apply_setting` and the README's
+configuration table.
 """
 
 from __future__ import annotations
 
-import copy
 import inspect
 import json
-import math
 import re
-from pathlib import Path
 from types import UnionType
 from typing import Any, Literal, Union, get_args, get_origin
 
-import yaml
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from envace_core import EnvaceError
-from envace_core.config_checks import (
-    DECIMAL_INT,
-    DECIMAL_NUMBER,
-    PLACEHOLDER,
-    item_annotation,
-    location,
-    scalar_kinds,
-)
+from envace_core.config_checks import PLACEHOLDER, location
 from envace_core.config_sections import (
     KNOWN_DOMAINS,
     REHEARSE_TOKENS_PER_TOOL,
@@ -46,6 +35,7 @@ from envace_core.config_sections import (
     TrainConfig,
     ValidateConfig,
 )
+from envace_core.config_text import ConfigError, expand_dotted, parse_overrides
 
 __all__ = [
     "CONFIG_TABLE_BEGIN",
@@ -73,10 +63,6 @@ __all__ = [
     "location",
     "parse_overrides",
 ]
-
-
-class ConfigError(EnvaceError):
-    """The configuration is invalid; the message lists each bad field and how to fix it."""
 
 
 PROFILES: dict[str, dict[str, Any]] = {
@@ -155,310 +141,6 @@ def deep_merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     for k, v in over.items():
         out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
-
-
-def _split_top_level(text: str) -> list[str]:
-    """Split 'a=1,b.c=[x,y]' at the commas that separate pairs (empty items kept).
-
-    A quote opens a quoted string only at the start of a value: after the pair's first '=', or after '[',
-    '{', ',' or ':' inside a flow list or mapping (in it, '' is a single quote and \\" a double one);
-    anywhere else ' and " are literal (``data.dvc_path=it's``). Likewise '[' and '{' open a flow collection
-    only at the start of a value or inside one, so ``store.root=/tmp/x]`` is a path.
-
-    Raises:
-        ConfigError: a quote that is never closed (it would swallow the overrides after it).
-    """
-    parts: list[str] = []
-    cur: list[str] = []
-    depth, quote, opened, start, in_value, i = 0, "", 0, False, False, 0
-    while i < len(text):
-        ch, nxt = text[i], text[i + 1:i + 2]
-        cur.append(ch)
-        i += 1
-        if quote:
-            if (quote == "'" and ch == "'" and nxt == "'") or (quote == '"' and ch == "\\"):
-                cur.append(nxt)  # an escaped quote (or character) inside the string
-                i += 1
-            elif ch == quote:
-                quote, start = "", False
-        elif ch.isspace():
-            continue
-        elif start and ch in "'\"":
-            quote, opened = ch, i
-        elif ch in "[{" and (start or depth):
-            depth, start = depth + 1, True
-        elif ch in "]}" and depth:
-            depth, start = depth - 1, False
-        elif ch == "," and not depth:
-            parts.append("".join(cur[:-1]))
-            cur, in_value, start = [], False, False
-        elif ch == "=" and not in_value and not depth:
-            in_value = start = True
-        else:
-            start = bool(depth) and ch in ",:"
-    if quote:
-        raise ConfigError(f"overrides {text!r}: the {quote} at character {opened} opens a quoted value that is "
-                          f"never closed: close it (a quote opens a value only right after '=' or at the start "
-                          f"of a list item; inside a word, as in it's, it is a plain character)")
-    parts.append("".join(cur))
-    return parts
-
-
-class _Plain:
-    """An unquoted YAML scalar that YAML 1.1 reads as a boolean, number or date: the text as typed and
-    YAML's reading of it, until `_typed` knows the type of the setting it is for."""
-
-    __slots__ = ("text", "value")
-
-    def __init__(self, text: str, value: Any) -> None:
-        self.text, self.value = text, value
-
-    def __deepcopy__(self, memo: dict) -> _Plain:
-        return self
-
-
-class _OverrideLoader(yaml.SafeLoader):
-    """PyYAML's SafeLoader, except that an unquoted bool, int, float or timestamp becomes a `_Plain`
-    (mapping keys keep YAML's reading)."""
-
-    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-        mapping = super().construct_mapping(node, deep)
-        return {(k.value if isinstance(k, _Plain) else k): v for k, v in mapping.items()}
-
-
-def _keep_text(construct: Any) -> Any:
-    def construct_plain(loader: yaml.SafeLoader, node: yaml.ScalarNode) -> Any:
-        value = construct(loader, node)
-        return _Plain(node.value, value) if node.style is None else value
-    return construct_plain
-
-
-for _tag in ("bool", "int", "float", "timestamp"):
-    _OverrideLoader.add_constructor(f"tag:yaml.org,2002:{_tag}",
-                                    _keep_text(getattr(yaml.SafeLoader, f"construct_yaml_{_tag}")))
-
-
-def _load_yaml(text: str, where: str, path: tuple[str, ...] = (), lines: bool = False) -> Any:
-    """`text` read as YAML by `_OverrideLoader` (unquoted booleans, numbers and dates as `_Plain`).
-
-    Raises:
-        yaml.YAMLError: `text` does not parse.
-        ConfigError: a mapping anywhere in it has a key twice, which PyYAML would keep the last of
-            silently; named as `where` set <dotted key under `path`> twice, with its lines if `lines`
-            (`text` is a file's). YAML merge keys (<<) are no repeats.
-    """
-    loader = _OverrideLoader(text)
-    done: set[int] = set()
-
-    def check(node: yaml.Node, under: tuple[str, ...]) -> None:
-        if id(node) in done:  # an alias of a node already checked
-            return
-        done.add(id(node))
-        if isinstance(node, yaml.SequenceNode):
-            for n, item in enumerate(node.value):
-                check(item, (*under, str(n)))
-        if not isinstance(node, yaml.MappingNode):
-            return
-        first: dict[Any, yaml.Mark] = {}
-        for key_node, value_node in node.value:
-            if key_node.tag == "tag:yaml.org,2002:merge":
-                check(value_node, under)
-                continue
-            key = loader.construct_object(key_node, deep=True)
-            key = key.value if isinstance(key, _Plain) else key
-            try:
-                mark = first.setdefault(key, key_node.start_mark)
-            except TypeError:  # an unhashable key: the constructor reports it
-                continue
-            if mark is not key_node.start_mark:
-                both = " and ".join(str(m.line + 1) for m in (mark, key_node.start_mark))
-                at = f" (line {mark.line + 1})" if mark.line == key_node.start_mark.line else f" (lines {both})"
-                raise ConfigError(f"{where} set {'.'.join((*under, str(key)))} twice{at if lines else ''}: "
-                                  "give each setting once")
-            check(value_node, (*under, str(key)))
-
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None
-        check(node, path)
-        return loader.construct_document(node)
-    finally:
-        loader.dispose()
-
-
-class _JsonObject(list):
-    """A JSON object's (key, value) pairs in order, before `_json_dict` checks them."""
-
-
-def _json_dict(value: Any, where: str, path: tuple[str, ...] = ()) -> Any:
-    """`value` with every `_JsonObject` made a dict; ConfigError naming `where` and the dotted key when an
-    object has a key twice (json.load would keep the last silently)."""
-    if isinstance(value, list) and not isinstance(value, _JsonObject):
-        return [_json_dict(v, where, (*path, str(n))) for n, v in enumerate(value)]
-    if not isinstance(value, _JsonObject):
-        return value
-    out: dict[str, Any] = {}
-    for key, v in value:
-        if key in out:
-            raise ConfigError(f"{where} set {'.'.join((*path, key))} twice: give each setting once")
-        out[key] = _json_dict(v, where, (*path, key))
-    return out
-
-
-def _model_fields(annotation: Any) -> dict[str, Any] | None:
-    """{override key (alias or name): annotation} of a config section model; None for any other type."""
-    if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-        return None
-    fields = {name: f.annotation for name, f in annotation.model_fields.items()}
-    return {**fields, **{f.alias: f.annotation for f in annotation.model_fields.values() if f.alias}}
-
-
-def _typed(value: Any, annotation: Any) -> Any:
-    """`value` (parsed overrides for a setting of type `annotation`) with every `_Plain` resolved for that
-    type: a str setting keeps the text as typed (``store.model_name=123`` is "123", ``data.dvc=off`` is
-    "off"); an int or float setting gets the number when the text is a plain decimal, else the text,
-    which the model refuses by name (``010``, ``0x10``, ``1_000``); booleans stay booleans, so a number
-    setting refuses them too; a setting of any type (or an unknown key) gets YAML's reading."""
-    fields = _model_fields(annotation)
-    if isinstance(value, dict):
-        inner = item_annotation(annotation, dict, 1)
-        return {k: _typed(v, fields.get(k, Any) if fields is not None else inner) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_typed(v, item_annotation(annotation, list, 0)) for v in value]
-    if not isinstance(value, _Plain):
-        return value
-    kinds, text, read = scalar_kinds(annotation), value.text, value.value
-    if object in kinds or fields is not None:
-        return read
-    if isinstance(read, bool):
-        return text if str in kinds and bool not in kinds else read
-    if int in kinds and DECIMAL_INT.fullmatch(text):
-        return int(text)
-    if float in kinds and DECIMAL_NUMBER.fullmatch(text):
-        return float(text)
-    if float in kinds and isinstance(read, float) and not math.isfinite(read):
-        return read  # .inf / .nan: the model refuses it as not a finite number
-    return text if kinds & {int, float, str} else read
-
-
-PAIRS_FORM = "key=value,key=value (e.g. train.iterations=2,rollout.group_size=4)"
-_KEY = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*")
-_NEXT_PAIR = re.compile(r"[\s;]+[A-Za-z_][\w.]*\s*=")  # "1 rollout.group_size=2": a second pair after a space
-
-
-def _put(node: dict[str, Any], parts: list[str], value: Any, where: str, above: tuple[str, ...] = ()) -> None:
-    """Set the dotted key `parts` (under `above`) in the nested mapping `node`, merging mappings; ConfigError
-    when `where` gives a setting, or a setting and a part of it, twice."""
-    key = ".".join((*above, *parts))
-    for i, p in enumerate(parts[:-1]):
-        node = node.setdefault(p, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{where} set {'.'.join((*above, *parts[:i + 1]))} and also {key}: give each "
-                              "setting once")
-    leaf = parts[-1]
-    if leaf not in node:
-        node[leaf] = value
-    elif isinstance(node[leaf], dict) and isinstance(value, dict):
-        for k, v in value.items():
-            _put(node[leaf], [k], v, where, (*above, *parts))
-    else:
-        raise ConfigError(f"{where} set {key} twice: give each setting once")
-
-
-def expand_dotted(data: dict[str, Any], where: str = "the overrides") -> dict[str, Any]:
-    """`data` with each top-level dotted key (``train.iterations: 2``) turned into nested mappings, as an
-    a.b=v override means it. Raises ConfigError naming `where` when a setting is given twice."""
-    if not any(isinstance(k, str) and "." in k for k in data):
-        return data
-    out: dict[str, Any] = {}
-    for k, v in copy.deepcopy(data).items():
-        _put(out, k.split(".") if isinstance(k, str) and _KEY.fullmatch(k) else [k], v, where)
-    return out
-
-
-def _parse_pairs(text: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for pair in _split_top_level(text):
-        if not pair.strip():
-            raise ConfigError(f"overrides {text!r} have an empty item (two commas in a row, or a comma at the "
-                              f"start or end): write {PAIRS_FORM}")
-        key, sep, raw = pair.partition("=")
-        key = key.strip()
-        if not sep or not key:
-            raise ConfigError(f"override {pair.strip()!r} is not of the form a.b=value: write {PAIRS_FORM}")
-        if not _KEY.fullmatch(key):
-            raise ConfigError(f"override {pair.strip()!r}: {key!r} is not a setting name (a.b, e.g. "
-                              f"train.iterations); overrides are separated by commas, not spaces: write {PAIRS_FORM}")
-        if not raw.strip():
-            raise ConfigError(f"override {pair.strip()!r} has no value: write {key}=VALUE (null for none)")
-        if not raw.lstrip().startswith(("'", '"', "[", "{")) and _NEXT_PAIR.search(raw):
-            raise ConfigError(f"override {pair.strip()!r} holds another override after a space or ';': "
-                              f"separate overrides with commas: write {PAIRS_FORM}")
-        try:
-            value = _load_yaml(raw, f"the overrides {text!r}", tuple(key.split(".")))
-        except yaml.YAMLError as e:
-            raise ConfigError(f"the value of override {key!r} is not valid YAML: {raw!r}") from e
-        _put(out, key.split("."), value, f"the overrides {text!r}")
-    return out
-
-
-def _yaml_problem(e: yaml.YAMLError) -> str:
-    """'<problem> (line L, column C)' of a YAML parse error."""
-    mark = getattr(e, "problem_mark", None)
-    problem = " ".join(x for x in (getattr(e, "context", None), getattr(e, "problem", None)) if x) or str(e)
-    return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
-
-
-def parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
-    """Overrides: a dict, a JSON/YAML string, a path to a YAML/JSON file, or 'a.b=v' pairs separated by
-    commas. A mapping's top-level dotted keys (``train.iterations: 2``) mean what they mean as pairs.
-    An unquoted YAML value keeps its text for a str setting (``store.model_name=123`` is "123") and is a
-    number for an int / float setting only as a plain decimal (`_typed`); a .json file is read as JSON.
-
-    Raises:
-        ConfigError: a missing, non-UTF-8 or unparseable file (named, with the YAML / JSON error's line
-            and column), pairs that are not ``key=value,key=value`` (an empty item or value, a second
-            pair after a space, an unclosed quote), a setting given twice (also a key twice in one
-            mapping of a file, named with its lines), or anything that is not a mapping.
-    """
-    if overrides is None or overrides == "":
-        return {}
-    if isinstance(overrides, dict):
-        return expand_dotted(overrides)
-    text, source = overrides.strip(), None
-    if not text.startswith("{") and Path(text).is_file():
-        source = text
-        try:
-            text = Path(text).read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config overrides file {text!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    elif "=" not in text and "\n" not in text and text.endswith((".yaml", ".yml", ".json")):
-        raise ConfigError(f"config overrides file {text!r} does not exist")
-    if "=" in text and not text.lstrip().startswith("{") and "\n" not in text:
-        return _typed(_parse_pairs(text), RunConfig)
-    where = f"config overrides file {source!r}" if source else "config overrides"
-    if source and source.endswith(".json"):
-        try:
-            data = _json_dict(json.loads(text, object_pairs_hook=_JsonObject), where)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
-    else:
-        try:
-            data = _load_yaml(text, where, lines=source is not None)
-        except yaml.YAMLError as e:
-            what = "is not valid YAML/JSON" if source else "are neither a file, JSON/YAML, nor a.b=v pairs"
-            raise ConfigError(f"{where} {what}: {_yaml_problem(e)}") from None
-    if isinstance(data, _Plain):
-        data = data.value
-    if isinstance(data, str) and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", text):
-        raise ConfigError(f"override {text!r} has no value: write {text}=VALUE")
-    spaced = re.fullmatch(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)\s+(\S.*)", text) if isinstance(data, str) else None
-    if spaced:
-        raise ConfigError(f"override {text!r} has no '=': write {spaced[1]}={spaced[2]}; several are {PAIRS_FORM}")
-    if not isinstance(data, dict):
-        raise ConfigError(f"{where} must be a mapping or {PAIRS_FORM}, got {type(data).__name__}: {text[:80]!r}")
-    return _typed(expand_dotted(data, where), RunConfig)
 
 
 def load_config(profile: str = "cpu-smoke", overrides: str | dict[str, Any] | None = None) -> RunConfig:
