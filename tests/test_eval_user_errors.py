@@ -27,10 +27,13 @@ def _closed_port() -> int:
 
 class _Server:
     """A loopback OpenAI-compatible server whose answers the test sets: `models` / `chat` are the HTTP
-    status of GET /v1/models and POST /v1/chat/completions (200: a valid answer, or `body` when given)."""
+    status of GET /v1/models and POST /v1/chat/completions (200: a valid answer, or `body` when given);
+    `models_raw`: the bytes a 200 GET answers with instead of a models list (e.g. a plain file's text)."""
 
-    def __init__(self, models: int = 200, chat: int = 200, reply: str = "###STOP###", body: dict | None = None):
+    def __init__(self, models: int = 200, chat: int = 200, reply: str = "###STOP###", body: dict | None = None,
+                 models_raw: bytes | None = None):
         self.models, self.chat, self.reply, self.body, self.calls = models, chat, reply, body, []
+        self.models_raw = models_raw
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -44,6 +47,12 @@ class _Server:
 
             def do_GET(self):
                 outer.calls.append(("GET", self.path))
+                if outer.models_raw is not None:
+                    self.send_response(200)
+                    self.send_header("Content-Length", str(len(outer.models_raw)))
+                    self.end_headers()
+                    self.wfile.write(outer.models_raw)
+                    return
                 self._send(outer.models, {"object": "list", "data": [{"id": "default"}]} if outer.models == 200
                            else {"error": "no such route"})
 
@@ -141,6 +150,52 @@ def test_chat_answers_that_are_not_chat_completions_are_endpoint_errors():
     with _Server(body={"text": "hello"}) as srv, pytest.raises(EndpointError) as e:
         OpenAIChatClient(srv.url, "default").chat([{"role": "user", "content": "hi"}], 4, 0.0, 0)
     assert "not an OpenAI chat completion (KeyError: 'choices')" in str(e.value) and '"text": "hello"' in str(e.value)
+
+
+@pytest.mark.parametrize("raw", [b"just a text file\n", b'{"object": "list"}', b"[1, 2]", b'{"data": {}}'])
+def test_a_2xx_models_answer_that_is_not_a_models_list_falls_back_to_the_chat_probe(raw):
+    with _Server(models_raw=raw, chat=404) as srv, pytest.raises(EndpointError) as e:  # e.g. python -m http.server
+        OpenAIChatClient(srv.url, "default", name="--user-url").probe()
+    assert str(e.value).startswith(f"--user-url {srv.url}: POST {srv.url}/chat/completions failed (HTTP 404")
+    with _Server(models_raw=raw) as srv:  # the chat route answers with text: the endpoint passes
+        OpenAIChatClient(srv.url, "default", name="--user-url").probe()
+    assert srv.calls == [("GET", "/v1/models"), ("POST", "/v1/chat/completions")]
+
+
+NO_TEXT = [None, "", "  \n", 5, ["###STOP###"]]
+
+
+@pytest.mark.parametrize("content", NO_TEXT)
+def test_a_reply_with_no_message_text_is_an_endpoint_error_for_user_judge_and_probe(content):
+    from envace_core.evaluation.vita import LLMJudge
+
+    body = {"choices": [{"message": {"role": "assistant", "content": content}}]}
+    with _Server(body=body) as srv:
+        client = OpenAIChatClient(srv.url, "default", name="--user-url")
+        with pytest.raises(EndpointError, match=f"^--user-url {srv.url}: POST {srv.url}/chat/completions failed "
+                                                r"\(the reply has no message text"):
+            client.chat([{"role": "user", "content": "hi"}], 4, 0.0, 0)
+        judge = LLMJudge(client=OpenAIChatClient(srv.url, "default", name="--judge-url"))
+        with pytest.raises(EndpointError, match="^--judge-url .*the reply has no message text"):
+            judge([{"role": "user", "content": "hi"}], ["was polite"], [False])
+        srv.models = 404  # no /models: the one-token chat probe must return text
+        with pytest.raises(EndpointError, match="the reply has no message text"):
+            client.probe()
+
+
+@pytest.mark.parametrize("content", [None, ""])
+def test_a_user_endpoint_replying_without_text_stops_the_run_and_caches_nothing(content, tiny_model_dir, over,
+                                                                                 tmp_path, capsys):
+    out = tmp_path / "eval"
+    with _Server(body={"choices": [{"message": {"content": content}}]}) as srv:
+        argv = ["--profile", "test", "--overrides", over, "eval", "--model", str(tiny_model_dir), "--bench",
+                "tau2:airline", "--limit", "1", "--max-steps", "2", "--user-url", srv.url, "--out", str(out)]
+        rc = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert rc == 2, err
+    assert err.startswith(f"envace: error: --user-url {srv.url}: POST {srv.url}/chat/completions failed (the reply "
+                          "has no message text") and "not recorded" in err
+    assert _records(out) == [] and not (out / "results.json").exists()
 
 
 # ------------------------------------------------------------------------ --user-url failing mid-run

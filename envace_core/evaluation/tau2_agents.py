@@ -27,14 +27,15 @@
   simulation guidelines + ``<scenario>``), same role flipping and the same stop test
   (``###STOP###``, ``###TRANSFER###``, ``###OUT-OF-SCOPE###`` via ``UserSimulator.is_stop``), but the
   reply comes from one of our `Engine`s, or from an OpenAI-compatible ``/chat/completions`` endpoint the
-  user names (`roles.user.OpenAIChatClient`, ``urllib`` only; an endpoint that cannot be reached or
-  answers with an error raises `roles.user.EndpointError`, which ends the run rather than the dialogue).
+  user names (`roles.user.OpenAIChatClient`, ``urllib`` only; an endpoint that cannot be reached,
+  answers with an error or replies with no message text raises `roles.user.EndpointError`, which ends the
+  run rather than the dialogue).
   User tools (telecom) are offered as text in the
   system prompt with our ``<tool_call>`` form and parsed (`roles.act.parse_act`, text around the call
   allowed) whenever the user has tools; a reply that fails to parse, a call in another family's format
   included, is sent as a message and counted in ``stats["parse_errors"]`` (and by class in
-  ``parse_error_classes``); a reply that is empty becomes ``###STOP###`` (counted in ``stats["empty"]``)
-  since tau2 rejects empty messages.
+  ``parse_error_classes``); an engine's reply that is empty becomes ``###STOP###`` (counted in
+  ``stats["empty"]``) since tau2 rejects empty messages.
   `SimulatedUser` says which model plays it.
 
 Running and scoring them is `evaluation.tau2` (the harness).

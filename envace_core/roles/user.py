@@ -159,11 +159,12 @@ class OpenAIChatClient:
 
     def chat(self, messages: list[dict], max_tokens: int, temperature: float, seed: int | None,
              timeout: float | None = None) -> str:
-        """The reply text of one chat completion (``choices[0].message.content``; "" when null).
+        """The reply text of one chat completion (``choices[0].message.content``).
 
         Raises `EndpointError` (naming `name`, the URL and the underlying error) when the request gets no
-        answer within `timeout` (default: the client's), an HTTP error status, or a body that is not an
-        OpenAI chat completion."""
+        answer within `timeout` (default: the client's), an HTTP error status, a body that is not an
+        OpenAI chat completion, or one whose message has no text (content null, not a string, or blank):
+        a reply without text is the endpoint failing, not the user (or judge) choosing to stop."""
         body = {"model": self.model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature}
         if seed is not None:
             body["seed"] = seed
@@ -182,12 +183,17 @@ class OpenAIChatClient:
         except (ValueError, KeyError, IndexError, TypeError, AttributeError) as e:
             raise self._fail(f"POST {url}", f"the answer is not an OpenAI chat completion ({type(e).__name__}: "
                              f"{_one_line(e, 80)}): {_one_line(raw.decode(errors='replace'), 160)}") from None
-        return content if isinstance(content, str) else ""
+        if not isinstance(content, str) or not content.strip():
+            raise self._fail(f"POST {url}", f"the reply has no message text (content {_one_line(repr(content), 60)}): "
+                             f"{_one_line(raw.decode(errors='replace'), 160)}")
+        return content
 
     def probe(self) -> None:
         """A cheap check that the endpoint answers, before any model loads: ``GET {base_url}/models`` within
-        `probe_timeout` seconds. A 2xx answer passes; another HTTP status (a server without ``/models``)
-        is followed by a one-token `chat` (``max_tokens=1``, the client's `timeout`), which must succeed.
+        `probe_timeout` seconds. An OpenAI models list (a JSON object with a ``data`` list) passes; any other
+        answer (another HTTP status, as from a server without ``/models``, or a 2xx body that is not a models
+        list, as from a plain file server) is followed by a one-token `chat` (``max_tokens=1``, the
+        client's `timeout`), which must return a chat completion with message text.
 
         Raises `EndpointError` naming `name`, the URL and the underlying error (connection refused, unknown
         host, timeout, or the chat request failing)."""
@@ -195,8 +201,12 @@ class OpenAIChatClient:
         req = urllib.request.Request(url, headers={"Authorization": f"Bearer {self.api_key}"})
         try:
             with urllib.request.urlopen(req, timeout=self.probe_timeout) as r:
-                r.read(1 << 16)
-            return
+                raw = r.read(1 << 20)
+            try:
+                if isinstance(json.loads(raw.decode()).get("data"), list):
+                    return
+            except (ValueError, AttributeError):  # not JSON, or JSON but not an object: not a models list
+                pass
         except urllib.error.HTTPError as e:  # an answer, but not to /models: the chat route must work
             e.close()
         except (OSError, http.client.HTTPException) as e:  # no answer at all
