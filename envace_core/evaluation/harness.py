@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from envace_core import EnvaceError
 from envace_core.config import RunConfig, load_config
 from envace_core.evaluation.options import (
     REHEARSAL_APPLIES_TO,
@@ -20,6 +21,7 @@ from envace_core.evaluation.options import (
     fingerprint,
     parse_benches,
     parse_rehearsal,
+    uses,
 )
 from envace_core.evaluation.protocols import TAU2_ORCHESTRATOR, describe
 from envace_core.evaluation.vita import LLMJudge
@@ -334,15 +336,13 @@ def _endpoints(opts: EvalOptions, specs: list) -> dict[str, Any]:
     """{flag: OpenAIChatClient} for the --user-url / --judge-url this run will call, each probed first
     (`OpenAIChatClient.probe`, a GET {url}/models of a few seconds): the user simulator plays tau2 under
     tau2_orchestrator and, without a judge of its own, judges VitaBench; the judge judges VitaBench.
-    A URL the run will not call is not probed. Raises `roles.user.EndpointError` naming the flag, the URL
-    and the underlying error."""
+    A URL the run will not call is not probed (`run_eval` refuses one first: `options.check_used`).
+    Raises `roles.user.EndpointError` naming the flag, the URL and the underlying error."""
     from envace_core.roles.user import OpenAIChatClient
 
-    benches = {s.bench for s in specs}
-    vita_judge_is_user = "vita" in benches and not (opts.judge_url or opts.judge_model)
-    used = {"--user-url": opts.user_url if ("tau2" in benches and opts.protocol == TAU2_ORCHESTRATOR)
-            or vita_judge_is_user else None,
-            "--judge-url": opts.judge_url if "vita" in benches else None}
+    use = uses(opts, specs)
+    used = {"--user-url": opts.user_url if use["user"] else None,
+            "--judge-url": opts.judge_url if use["judge"] else None}
     clients = {flag: OpenAIChatClient(url, opts.user_url_model, name=flag) for flag, url in used.items() if url}
     for c in clients.values():
         c.probe()
@@ -380,14 +380,18 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
     """Evaluate `opts.model` on `opts.benches` and return the JSON-able results (what `report.write_report`
     renders). `engine`: an already-built policy engine (tests); default: loaded from `opts.model`.
 
-    Raises, before any model loads: `BenchSpecError`, `EnvaceError` (bad options), `ModelRefError` /
+    Raises, before any model loads: `BenchSpecError`, `EnvaceError` (bad options: `EvalOptions.check`, an
+    empty --model; `options.UnusedOptionError` for a user or judge flag no selected bench uses), `ModelRefError` /
     `AdapterError` / `ModelNotFoundError` for a bad --model, --user-model or --judge-model (naming that flag),
     and `roles.user.EndpointError` for a --user-url / --judge-url the run needs that does not answer
     (`_endpoints`). During the run, `EndpointError` when such an endpoint stops answering (nothing is
     recorded or cached for the task it was serving; finished tasks stay cached).
     """
-    opts.check()
+    if not opts.model.strip():
+        raise EnvaceError("--model is empty: give bundled:smollm2-135m-instruct, a local HF model folder, a LoRA "
+                          "adapter folder, s3://... or registry:NAME@VERSION")
     specs = parse_benches(opts.benches)
+    opts.check(specs)
     mode, n = parse_rehearsal(opts.rehearsal)
     cfg = load_config(opts.profile, opts.overrides)
     model = resolve_model_ref(opts.model, opts.registry or cfg.store.registry, base_ref=cfg.model.ref)
@@ -396,7 +400,7 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
     judge_model = _side_model("--judge-model", opts.judge_model, opts, cfg) \
         if opts.judge_model and needs_judge else None
     clients = _endpoints(opts, specs)
-    fp = fingerprint(opts, cfg, model)
+    fp = fingerprint(opts, cfg, model, specs)
     cache = Path(opts.out).expanduser() / "cache" / fp
     t0 = time.perf_counter()
     if engine is None:

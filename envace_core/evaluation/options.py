@@ -10,7 +10,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from envace_core import EnvaceError
-from envace_core.config import RunConfig
+from envace_core.config import RunConfig, parse_overrides
 from envace_core.evaluation.protocols import (
     MAX_STEPS,
     TAU2_ORCHESTRATOR,
@@ -129,9 +129,16 @@ class EvalOptions:
     overrides: str = ""
     registry: str | None = None
 
-    def check(self) -> None:
-        """Raises EnvaceError for an option out of range, a malformed --user-url / --judge-url, or an --out
-        folder that cannot be created or written (it is created here)."""
+    def check(self, specs: list[BenchSpec] | None = None) -> None:
+        """Raises EnvaceError for an empty or blank --out, --rehearsal, --user-url, --user-model, --judge-url,
+        --judge-model or --user-url-model (given but with no text: never read as "not given"), an option out
+        of range, a malformed --user-url / --judge-url, with the selected benches `specs` a flag they do not
+        use (`check_used`), or an --out folder that cannot be created or written (it is created here, last)."""
+        for flag, value in (("--out", self.out), ("--rehearsal", self.rehearsal), ("--user-url", self.user_url),
+                            ("--user-model", self.user_model), ("--judge-url", self.judge_url),
+                            ("--judge-model", self.judge_model), ("--user-url-model", self.user_url_model)):
+            if value is not None and not str(value).strip():
+                raise EnvaceError(f"{flag} is empty: give a value or leave the flag out")
         if self.trials < 1:
             raise EnvaceError(f"--trials must be >= 1, got {self.trials}")
         if self.split not in SPLITS:
@@ -148,6 +155,8 @@ class EvalOptions:
         for flag, url in (("--user-url", self.user_url), ("--judge-url", self.judge_url)):
             if url:
                 check_url(flag, url)
+        if specs is not None:
+            check_used(self, specs)
         out = Path(self.out).expanduser()
         blocker = next((q for q in (out, *out.parents) if q.exists()), None)
         if blocker is not None and not blocker.is_dir():
@@ -174,9 +183,82 @@ def check_url(flag: str, url: str) -> None:
                           "endpoint's base URL, e.g. http://localhost:8000/v1")
 
 
-def fingerprint(opts: EvalOptions, cfg: RunConfig, model: ResolvedModel) -> str:
-    """sha256 (16 hex) of the settings that change results (module docstring)."""
+def uses(opts: EvalOptions, specs: list[BenchSpec]) -> dict[str, bool]:
+    """What the selected benches `specs` call: ``user`` (a user simulator: tau2 under tau2_orchestrator, and
+    VitaBench's judge when neither --judge-url nor --judge-model is given), ``judge`` (VitaBench's rubric
+    judge), ``tau2_user`` (tau2 under tau2_orchestrator: --max-steps counts its steps) and ``tau2``."""
+    benches = {s.bench for s in specs}
+    tau2_user = "tau2" in benches and opts.protocol == TAU2_ORCHESTRATOR
+    judge = "vita" in benches
+    return {"user": tau2_user or (judge and not (opts.judge_url or opts.judge_model)), "judge": judge,
+            "tau2_user": tau2_user, "tau2": "tau2" in benches}
+
+
+class UnusedOptionError(EnvaceError):
+    """A user-simulator or judge flag that no selected bench or protocol uses (it would be ignored)."""
+
+
+def check_used(opts: EvalOptions, specs: list[BenchSpec]) -> None:
+    """Raises `UnusedOptionError` naming --user-url / --user-model, --judge-url / --judge-model, or a
+    --user-url-model other than "default", when the selected benches `specs` under ``--protocol`` never
+    call what it sets (`uses`), and why: a flag that would be silently ignored."""
+    use = uses(opts, specs)
+    for flag, value in (("--judge-url", opts.judge_url), ("--judge-model", opts.judge_model)):
+        if value is not None and not use["judge"]:
+            raise UnusedOptionError(f"{flag}: no selected bench uses a judge (VitaBench does)")
+    for flag, value in (("--user-url", opts.user_url), ("--user-model", opts.user_model)):
+        if value is None or use["user"]:
+            continue
+        if use["tau2"]:
+            why = (f"--protocol {opts.protocol} runs no user simulator ({TAU2_ORCHESTRATOR} does)"
+                   + ("; VitaBench is judged by --judge-url / --judge-model" if use["judge"] else ""))
+        elif use["judge"]:
+            why = "no selected bench uses a user simulator (tau2 does); VitaBench is judged by " \
+                  "--judge-url / --judge-model"
+        else:
+            why = (f"no selected bench uses a user simulator (tau2 under --protocol {TAU2_ORCHESTRATOR} does, "
+                   "and VitaBench's judge by default)")
+        raise UnusedOptionError(f"{flag}: {why}")
+    if opts.user_url_model != "default" and not (opts.user_url and use["user"]) \
+            and not (opts.judge_url and use["judge"]):
+        raise UnusedOptionError("--user-url-model: it names the model sent to --user-url / --judge-url, and this "
+                                "run calls neither")
+
+
+def _episode_options(opts: EvalOptions, specs: list[BenchSpec]) -> dict:
+    """`opts` as the fingerprint sees them: what does not change an episode is left out (--benches: each
+    bench has its own cache file; --out, --limit, --trials, --split: the cache is per task and trial) or
+    set to its default where no selected bench uses it (the user simulator, the judge and the endpoints'
+    model name, --max-steps, --protocol), and --overrides without its ``store`` settings (where files go)."""
+    use = uses(opts, specs)
+    defaults = EvalOptions(model="", benches="", out="")
     keep = {k: v for k, v in asdict(opts).items() if k not in ("benches", "out", "limit", "trials", "split")}
+    unused = set()
+    if not use["user"]:
+        unused |= {"user_model", "user_url", "user_max_new_tokens"}
+    if not use["judge"]:
+        unused |= {"judge_model", "judge_url"}
+    if not ((keep["user_url"] and use["user"]) or (keep["judge_url"] and use["judge"])):
+        unused.add("user_url_model")
+    if not use["tau2_user"]:
+        unused.add("max_steps")
+    if not use["tau2"]:
+        unused.add("protocol")
+    for k in unused:
+        keep[k] = getattr(defaults, k)
+    over = parse_overrides(opts.overrides)
+    if "store" in over:  # the string as given otherwise, so that caches made before stay valid
+        over.pop("store")
+        keep["overrides"] = json.dumps(over, sort_keys=True) if over else ""
+    return keep
+
+
+def fingerprint(opts: EvalOptions, cfg: RunConfig, model: ResolvedModel, specs: list[BenchSpec] | None = None) -> str:
+    """sha256 (16 hex) of the settings that change episodes: `_episode_options` of `opts` (`specs`: its
+    parsed --bench, parsed here when not given), the model's registry version or its adapter folder's
+    content, and the config sections an episode reads (model, data, rollout, rehearsal, eval).
+    Raises `BenchSpecError` when `specs` is not given and --bench does not parse."""
+    keep = _episode_options(opts, parse_benches(opts.benches) if specs is None else specs)
     keep["model_version"] = (model.manifest or {}).get("version")
     if model.adapter_dir and model.manifest is None:  # a local adapter folder: its content, not its path
         from envace_core.store.files import dir_checksums
