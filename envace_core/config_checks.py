@@ -13,6 +13,7 @@ setting that is legal but probably a typo.
 from __future__ import annotations
 
 import difflib
+import math
 import re
 import warnings
 from types import UnionType
@@ -181,15 +182,36 @@ def item_annotation(annotation: Any, container: type, index: int) -> Any:
     return args[index] if origin is container and len(args) > index else Any
 
 
+class ItemError(ValueError):
+    """A ValueError about one item of a list or mapping setting: `at` is its position ('[1]', '.calculate',
+    nested ones joined), `reason` what is wrong with it; `config.load_config` names the setting then `at`."""
+
+    def __init__(self, at: str, reason: str) -> None:
+        super().__init__(f"{at}: {reason}")
+        self.at, self.reason = at, reason
+
+
 def plain_number(value: Any, annotation: Any) -> Any:
     """`value` unchanged if it suits a number field of type `annotation` (int or float, not bool or str,
-    also list items and dict values); raises ValueError for a boolean (YAML reads true/yes/on as one) or a
-    string that is not a plain decimal: an int takes an optional sign and digits with no leading 0, a
-    float that or a decimal fraction and exponent (0.5, 1e-5)."""
+    also list items and dict values).
+
+    Raises:
+        ValueError: a boolean (YAML reads true/yes/on as one), a float for an integer setting (JSON's 2.0
+            or 1e3), or a string that is not a plain decimal: an int takes an optional sign and digits
+            with no leading 0, a float that or a decimal fraction and exponent (0.5, 1e-5).
+        ItemError: any of these in a list item or mapping value, with its position.
+    """
     if isinstance(value, (list, dict)):
         inner = item_annotation(annotation, *((list, 0) if isinstance(value, list) else (dict, 1)))
-        for v in value if isinstance(value, list) else value.values():
-            plain_number(v, inner)
+        items = enumerate(value) if isinstance(value, list) else value.items()
+        for k, v in items:
+            at = f"[{k}]" if isinstance(value, list) else f".{k}"
+            try:
+                plain_number(v, inner)
+            except ItemError as e:
+                raise ItemError(at + e.at, e.reason) from None
+            except ValueError as e:
+                raise ItemError(at, str(e)) from None
         return value
     kinds = scalar_kinds(annotation)
     if not kinds & {int, float} or kinds & {bool, str, object}:
@@ -197,6 +219,9 @@ def plain_number(value: Any, annotation: Any) -> Any:
     if isinstance(value, bool):
         raise ValueError(f"expects a number, not the boolean {value} (YAML reads true/false, yes/no and "
                          "on/off as booleans)")
+    if isinstance(value, float) and float not in kinds:
+        whole = f": write {int(value)}" if math.isfinite(value) and value.is_integer() else ""
+        raise ValueError(f"expects an integer, not the number {value!r}{whole}")
     text = value.strip() if isinstance(value, str) else None
     if text is not None and float not in kinds and not DECIMAL_INT.fullmatch(text):
         raise ValueError(f"{value!r} is not a plain decimal integer: write digits only, with no leading 0, '_', "

@@ -166,8 +166,10 @@ class DataConfig(_Strict):
     @field_validator("domains")
     @classmethod
     def _known(cls, v: list[str]) -> list[str]:
+        if not v:
+            raise ValueError(f"data.domains is empty: give one or more of {list(KNOWN_DOMAINS)}")
         bad = [d for d in v if d not in KNOWN_DOMAINS]
-        if bad or not v:
+        if bad:
             raise ValueError(f"unknown domain(s) {bad}; choose from {list(KNOWN_DOMAINS)}")
         return check_unique(v, "data.domains")
 

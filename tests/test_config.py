@@ -188,7 +188,7 @@ def test_dvc_off_is_off_however_yaml_reads_it(override, tmp_path):
 @pytest.mark.parametrize("override, fragments", [
     ("store.model_name=a/b", ["store.model_name='a/b' is not a registry name", "letters, digits, '.', '_' and '-'"]),
     ({"store": {"model_name": 123}}, ["store.model_name: expects a string", 'the number 123', '"123"']),
-    ({"data": {"domains": [True]}}, ["data.domains.0: expects a string", "the boolean True"]),
+    ({"data": {"domains": [True]}}, ["data.domains[0]: expects a string", "the boolean True"]),
     ("data.domains=[1]", ["unknown domain(s) ['1']"]),  # YAML text for a str item stays the text "1"
     ("train.trained_roles=[user]", ["set rollout.user_rehearse=true, or train.trained_roles=[act,rehearse]"]),
     ("rollout.source=real,train.trained_roles=[rehearse]", ["set train.trained_roles=[act]"]),

@@ -165,8 +165,10 @@ def test_text_settings_keep_dates_and_words_yaml_would_convert():
 
 def test_numbers_inside_lists_and_mappings_follow_the_same_rules():
     assert load_config("cpu-smoke", "data.synthetic_levels=[1,3]").data.synthetic_levels == [1, 3]
-    assert "data.synthetic_levels: expects a number, not the boolean True" in _error("data.synthetic_levels=[true]")
-    assert "'010' is not a plain decimal integer" in _error("rollout.max_new_tokens_rehearse_per_tool={calculate: 010}")
+    assert "data.synthetic_levels[0]: expects a number, not the boolean True" in _error("data.synthetic_levels=[true]")
+    assert "data.synthetic_levels[1]: Input should be 1, 2 or 3" in _error("data.synthetic_levels=[1,4]")
+    assert "rollout.max_new_tokens_rehearse_per_tool.calculate: '010' is not a plain decimal integer" in \
+        _error("rollout.max_new_tokens_rehearse_per_tool={calculate: 010}")
     assert load_config("cpu-smoke", "rollout.max_new_tokens_rehearse_per_tool={calculate: 30}") \
         .rollout.max_new_tokens_rehearse_per_tool == {"calculate": 30}
     # a setting of any type keeps YAML's reading
