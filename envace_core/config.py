@@ -20,7 +20,7 @@ from typing import Any, Literal, Union, get_args, get_origin
 from pydantic import BaseModel, ValidationError
 from pydantic.fields import FieldInfo
 
-from envace_core.config_checks import PLACEHOLDER, location
+from envace_core.config_checks import PLACEHOLDER, ItemError, location
 from envace_core.config_sections import (
     KNOWN_DOMAINS,
     REHEARSE_TOKENS_PER_TOOL,
@@ -55,6 +55,7 @@ __all__ = [
     "StoreConfig",
     "TrainConfig",
     "ValidateConfig",
+    "apply_setting",
     "config_from_json",
     "config_table_markdown",
     "deep_merge",
@@ -164,11 +165,36 @@ def load_config(profile: str = "cpu-smoke", overrides: str | dict[str, Any] | No
                           "\nFix the override (see README 'Configuration').") from None
 
 
+def apply_setting(cfg: RunConfig, key: str, value: str, flag: str) -> None:
+    """Set the dotted setting `key` (e.g. ``model.ref``) of `cfg` to `value`, given by the command-line
+    flag `flag`, through the setting's own checks (the models validate assignments).
+
+    Raises:
+        ConfigError: `value` is empty or blank (``--model is empty``), or the setting refuses it; the
+            message names `flag` and `key`.
+    """
+    if not value.strip():
+        raise ConfigError(f"{flag} is empty: give a value for {key}, or leave {flag} out to keep the config's")
+    *path, leaf = key.split(".")
+    node: BaseModel = cfg
+    for part in path:
+        node = getattr(node, part)
+    try:
+        setattr(node, leaf, value)
+    except ValidationError as e:
+        why = "; ".join(_error_line({**err, "loc": ()}) for err in e.errors())
+        raise ConfigError(f"{flag} {value!r} (the setting {key}): {why}") from None
+
+
 def _error_line(err: dict[str, Any]) -> str:
-    """One pydantic error as 'key: message'; a string field given a number or boolean (by a JSON file or
-    a dict: YAML text keeps what was typed) says to write it as a JSON string."""
-    key = ".".join(str(p) for p in err["loc"])
+    """One pydantic error as 'key: message', a list item's key
+    with its position (data.synthetic_levels[1]); a string field given a number or boolean (by a JSON file
+    or a dict: YAML text keeps what was typed) says to write it as a JSON string."""
+    key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
     msg = err["msg"].removeprefix("Value error, ")
+    item = (err.get("ctx") or {}).get("error")
+    if isinstance(item, ItemError):  # a list item's or mapping value's problem: name its position
+        key, msg = key + item.at, item.reason
     value = err.get("input")
     if err["type"] == "string_type" and isinstance(value, (bool, int, float)):
         kind = "boolean" if isinstance(value, bool) else "number"

@@ -270,12 +270,54 @@ def _parse_pairs(text: str) -> dict[str, Any]:
         if not raw.lstrip().startswith(("'", '"', "[", "{")) and _NEXT_PAIR.search(raw):
             raise ConfigError(f"override {pair.strip()!r} holds another override after a space or ';': "
                               f"separate overrides with commas: write {PAIRS_FORM}")
+        annotation, extra = _annotation_at(key.split(".")), _dropped_by_yaml(raw)
+        if annotation is not None and extra and _is_text(annotation):
+            _put(out, key.split("."), raw.strip(), f"the overrides {text!r}")  # the text as typed, '#' and all
+            continue
+        if annotation is not None and extra:
+            raise ConfigError(f"override {pair.strip()!r}: the value holds {extra}, which YAML would drop or "
+                              "read as markup, not as the value: remove it (in a list item, quote the text)")
         try:
             value = _load_yaml(raw, f"the overrides {text!r}", tuple(key.split(".")))
         except yaml.YAMLError as e:
             raise ConfigError(f"the value of override {key!r} is not valid YAML: {raw!r}") from e
         _put(out, key.split("."), value, f"the overrides {text!r}")
     return out
+
+
+def _annotation_at(parts: list[str]) -> Any:
+    """The annotation of the setting at the dotted key `parts` of `RunConfig` (a key inside a mapping
+    setting gets the mapping's value type); None for an unknown key."""
+    annotation: Any = RunConfig
+    for part in parts:
+        fields = _model_fields(annotation)
+        if fields is not None and part not in fields:
+            return None
+        annotation = fields[part] if fields is not None else item_annotation(annotation, dict, 1)
+    return annotation
+
+
+def _is_text(annotation: Any) -> bool:
+    """Whether a setting of type `annotation` is text (str, a Literal of strings, or either or None)."""
+    kinds = scalar_kinds(annotation)
+    return str in kinds and kinds <= {str, type(None)}
+
+
+def _dropped_by_yaml(raw: str) -> str | None:
+    """What in the unquoted value `raw` YAML would not read as part of it: a comment (' #...', or a value
+    that starts with '#'), an anchor (&a), an alias (*a) or a tag (!!int); None when there is none or
+    `raw` does not parse (the YAML load reports that)."""
+    try:
+        tokens = list(yaml.scan(raw))
+    except yaml.YAMLError:
+        return None
+    for kind, what in ((yaml.AnchorToken, "an anchor (&name)"), (yaml.AliasToken, "an alias (*name)"),
+                       (yaml.TagToken, "a tag (!...)")):
+        if any(isinstance(t, kind) for t in tokens):
+            return what
+    end = max((t.end_mark.index for t in tokens
+               if not isinstance(t, (yaml.StreamStartToken, yaml.StreamEndToken))), default=0)
+    return "a comment ('#' and what follows)" if end < len(raw.rstrip()) else None
 
 
 def _yaml_problem(e: yaml.YAMLError) -> str:
@@ -285,50 +327,101 @@ def _yaml_problem(e: yaml.YAMLError) -> str:
     return f"{problem} (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else problem
 
 
-def parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
-    """Overrides: a dict, a JSON/YAML string, a path to a YAML/JSON file, or 'a.b=v' pairs separated by
-    commas. A mapping's top-level dotted keys (``train.iterations: 2``) mean what they mean as pairs.
-    An unquoted YAML value keeps its text for a str setting (``store.model_name=123`` is "123") and is a
-    number for an int / float setting only as a plain decimal (`_typed`); a .json file is read as JSON.
+def _is_pairs(text: str) -> bool:
+    """Whether one-line override text is ``a.b=v`` pairs rather than YAML/JSON: it holds '=', does not open a
+    flow mapping or list, and what comes before its first '=' is a setting name, or at least holds no
+    YAML ``key: value`` form (``store.root: /x/a=b`` is YAML; ``a b=1`` is pairs, refused by name)."""
+    if "=" not in text or "\n" in text or text.startswith(("{", "[")):
+        return False
+    before = text.partition("=")[0].strip()
+    return bool(_KEY.fullmatch(before)) or not re.search(r":(\s|$)", before)
+
+
+def _looks_like_path(text: str) -> bool:
+    """Whether override text that is no file is most likely a mistyped file path rather than overrides."""
+    return not re.search(r"[=:]", text) and ("/" in text or text.endswith((".yaml", ".yml", ".json", ".txt")))
+
+
+def _read_file(source: str) -> Any:
+    """The YAML (or, for a .json name, JSON) content of the overrides file `source`.
 
     Raises:
-        ConfigError: a missing, non-UTF-8 or unparseable file (named, with the YAML / JSON error's line
-            and column), pairs that are not ``key=value,key=value`` (an empty item or value, a second
-            pair after a space, an unclosed quote), a setting given twice (also a key twice in one
-            mapping of a file, named with its lines), or anything that is not a mapping.
+        ConfigError: the file is not UTF-8, does not parse (with the line and column), is empty, holds
+            ``a.b=v`` pairs (a file holds YAML or JSON), or repeats a key in one mapping.
+    """
+    where = f"config overrides file {source!r}"
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{where} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if source.endswith(".json"):
+        try:
+            return _json_dict(json.loads(text, object_pairs_hook=_JsonObject), where)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{where} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    try:
+        data = _load_yaml(text, where, lines=True)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{where} is not valid YAML/JSON: {_yaml_problem(e)}") from None
+    if data is None:
+        raise ConfigError(f"{where} is empty: write settings as YAML (train.iterations: 4) or JSON")
+    pair = re.match(r"\s*([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)\s*=[ \t]*(.*)", text)
+    if isinstance(data, (str, _Plain)) and pair:
+        raise ConfigError(f"{where} holds a.b=value pairs, but a file holds YAML or JSON: write "
+                          f"{pair[1]}: {pair[2].strip() or 'VALUE'}, one setting a line")
+    return data
+
+
+def parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
+    """Overrides: a dict, a JSON/YAML string, a path to a YAML/JSON file, or 'a.b=v' pairs separated by
+    commas. One-line text is pairs when what precedes its first '=' is a setting name (`_is_pairs`); a
+    file is always YAML (JSON for a .json name). A mapping's top-level dotted keys (``train.iterations: 2``)
+    mean what they mean as pairs. An unquoted YAML value keeps its text for a str setting
+    (``store.model_name=123`` is "123"; in pairs also with '#', '&' or '!!' in it, which YAML would drop)
+    and is a number for an int / float setting only as a plain decimal (`_typed`).
+
+    Raises:
+        ConfigError: blank text (``--overrides is empty``), a folder, a missing file (text that looks like
+            a path), a non-UTF-8, empty or unparseable file (named, with the YAML / JSON error's line and
+            column) or one holding pairs, pairs that are not ``key=value,key=value`` (an empty item or
+            value, a second pair after a space, an unclosed quote, a comment, anchor or tag in a value of
+            a non-text setting), a setting given twice (also a key twice in one mapping of a file, named
+            with its lines), or anything that is not a mapping.
     """
     if overrides is None or overrides == "":
         return {}
     if isinstance(overrides, dict):
         return expand_dotted(overrides)
     text, source = overrides.strip(), None
-    if not text.startswith("{") and Path(text).is_file():
-        source = text
+    if not text:
+        raise ConfigError("--overrides is empty: give a.b=v pairs, JSON/YAML text or a file path, or leave "
+                          "--overrides out")
+    if not text.startswith("{") and "\n" not in text:
         try:
-            text = Path(text).read_text(encoding="utf-8")
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"config overrides file {text!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-    elif "=" not in text and "\n" not in text and text.endswith((".yaml", ".yml", ".json")):
-        raise ConfigError(f"config overrides file {text!r} does not exist")
-    if "=" in text and not text.lstrip().startswith("{") and "\n" not in text:
-        return _typed(_parse_pairs(text), RunConfig)
+            kind = "folder" if Path(text).is_dir() else "file" if Path(text).is_file() else None
+        except OSError:  # a name too long for a path
+            kind = None
+        if kind == "folder":
+            raise ConfigError(f"config overrides file {text!r} is a folder: give a YAML or JSON file")
+        source = text if kind == "file" else None
+        if source is None and _looks_like_path(text):
+            raise ConfigError(f"config overrides file {text!r} does not exist")
     where = f"config overrides file {source!r}" if source else "config overrides"
-    if source and source.endswith(".json"):
-        try:
-            data = _json_dict(json.loads(text, object_pairs_hook=_JsonObject), where)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{where} is not valid JSON: {e.msg} (line {e.lineno}, column {e.colno})") from None
+    if source:
+        data = _read_file(source)
+    elif _is_pairs(text):
+        return _typed(_parse_pairs(text), RunConfig)
     else:
         try:
-            data = _load_yaml(text, where, lines=source is not None)
+            data = _load_yaml(text, where)
         except yaml.YAMLError as e:
-            what = "is not valid YAML/JSON" if source else "are neither a file, JSON/YAML, nor a.b=v pairs"
-            raise ConfigError(f"{where} {what}: {_yaml_problem(e)}") from None
+            raise ConfigError(f"{where} are neither a file, JSON/YAML, nor a.b=v pairs: {_yaml_problem(e)}") from None
     if isinstance(data, _Plain):
         data = data.value
-    if isinstance(data, str) and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", text):
+    if isinstance(data, str) and not source and re.fullmatch(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)+", text):
         raise ConfigError(f"override {text!r} has no value: write {text}=VALUE")
-    spaced = re.fullmatch(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)\s+(\S.*)", text) if isinstance(data, str) else None
+    spaced = re.fullmatch(r"([A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+)\s+(\S.*)", text) \
+        if isinstance(data, str) and not source else None
     if spaced:
         raise ConfigError(f"override {text!r} has no '=': write {spaced[1]}={spaced[2]}; several are {PAIRS_FORM}")
     if not isinstance(data, dict):
