@@ -25,7 +25,7 @@ from typing import Any
 
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
-from envace_core.config import PROFILES, load_config
+from envace_core.config import PROFILES, ConfigError, apply_setting, load_config
 from envace_core.evaluation.protocols import MAX_STEPS, PROTOCOLS, TAU2_ORCHESTRATOR
 
 
@@ -53,6 +53,7 @@ def _config(args) -> int:
     if args.markdown:
         from envace_core.config import config_table_markdown
 
+        load_config(args.profile, args.overrides)  # bad --profile / --overrides stop here, not silently
         print(config_table_markdown())
         return 0
     cfg = load_config(args.profile, args.overrides)
@@ -119,8 +120,10 @@ def _rehearse(args) -> int:
     if args.max_turns is not None and args.max_turns < 1:
         raise EnvaceError(f"--max-turns must be >= 1, got {args.max_turns}")
     cfg = load_config(args.profile, args.overrides)
-    if args.model:
-        cfg.model.ref = args.model
+    if args.model is not None:
+        apply_setting(cfg, "model.ref", args.model, "--model")
+    if args.adapter is not None and not args.adapter.strip():
+        raise ConfigError("--adapter is empty: give a LoRA adapter folder, or leave --adapter out")
     find_task(args.task)  # an unknown id fails before the model loads
     res = rehearse_task(cfg, args.task, args.mode, args.n, adapter_dir=args.adapter,
                                      reenter=True if args.reenter else None,
@@ -149,17 +152,25 @@ def _eval(args) -> int:
 
 
 def merged_overrides(overrides: str, sets: list[str] | None) -> dict:
-    """`--overrides` then each `--set KEY=VALUE` in order, merged into one override mapping.
+    """`--overrides`, then the `--set KEY=VALUE` values over it, merged into one override mapping.
 
-    Raises ConfigError for a `--set` without "=" or an unparseable value."""
-    from envace_core.config import ConfigError, deep_merge, parse_overrides
+    Raises:
+        ConfigError: a `--set` without "=" or with an unparseable value, or two `--set` that give the same
+            setting (named).
+    """
+    from envace_core.config import deep_merge, parse_overrides
 
-    out = parse_overrides(overrides)
+    seen: dict[str, str] = {}
+    sets_over: dict = {}
     for s in sets or []:
-        if "=" not in s or not s.partition("=")[0].strip():
+        key = s.partition("=")[0].strip()
+        if "=" not in s or not key:
             raise ConfigError(f"--set {s!r}: write KEY=VALUE, e.g. --set train.iterations=1")
-        out = deep_merge(out, parse_overrides(s))
-    return out
+        if key in seen:
+            raise ConfigError(f"--set {key} is given twice ({seen[key]!r} and {s!r}): give each setting once")
+        seen[key] = s
+        sets_over = deep_merge(sets_over, parse_overrides(s))
+    return deep_merge(parse_overrides(overrides), sets_over)
 
 
 def _ci_cell(m: dict | None) -> str:
@@ -197,11 +208,15 @@ def _adapt_tools(args) -> int:
     if args.trials < 1:
         raise EnvaceError(f"--trials must be >= 1, got {args.trials}")
     over = merged_overrides(args.overrides, args.set)
+    given = (over.get("data") or {}).get("domains")
+    if given is not None and given != [args.domain]:
+        raise ConfigError(f"data.domains={given!r} (from --set or --overrides) and --domain {args.domain!r} "
+                          "differ: the adaptation runs on --domain's tasks; give the domain as --domain only")
     # the adaptation runs on --domain: check data.hidden_tools etc. against it, not the profile's domains
     over = {**over, "data": {**(over.get("data") or {}), "domains": [args.domain]}}
     cfg = load_config(args.config or args.profile, over)
-    if args.registry:
-        cfg.store.registry = args.registry
+    if args.registry is not None:
+        apply_setting(cfg, "store.registry", args.registry, "--registry")
     tools = load_tools(args.tools)  # a bad schema stops here, before any model loads
     examples = load_examples(args.examples, tools) if args.examples else []
     res = adapt(cfg, args.model, tools, examples, domain=args.domain, n_tasks=args.tasks,
@@ -259,14 +274,13 @@ class _Once(argparse.Action):
 
 def _one_place(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """`--profile` / `--overrides` from before or after the subcommand (argparse error when both are given),
-    defaults filled in; `args.profile_given` says whether --profile was given at all."""
+    defaults filled in; `args.profile_given` / `args.overrides_given` say whether each was given at all."""
     for name, default in (("profile", "cpu-smoke"), ("overrides", "")):
         before, after = getattr(args, name), getattr(args, f"sub_{name}", None)
         if before is not None and after is not None:
             p.error(f"--{name} is given both before ({before!r}) and after ({after!r}) the subcommand: give it "
                     "once" + (" (several overrides go in one comma-separated list)" if name == "overrides" else ""))
-        if name == "profile":
-            args.profile_given = before is not None or after is not None
+        setattr(args, f"{name}_given", before is not None or after is not None)
         setattr(args, name, after if after is not None else before if before is not None else default)
     if getattr(args, "config", None) and args.profile_given and args.config != args.profile:
         p.error(f"--config {args.config!r} and --profile {args.profile!r} name different profiles: give one")
@@ -350,6 +364,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _one_place(p, args)
     try:
+        if args.overrides_given and not args.overrides.strip():
+            raise ConfigError("--overrides is empty: give a.b=v pairs, JSON/YAML text or a file path, or leave "
+                              "--overrides out")
         return dict(zip(SUBCOMMANDS, (_train, _config, _registry, _rehearse, _eval, _adapt_tools)))[args.cmd](args)
     except EnvaceError as e:
         print(f"envace: error: {e}", file=sys.stderr)

@@ -7,20 +7,33 @@ import tempfile
 from typing import TYPE_CHECKING, Optional
 
 from envace_core import EnvaceError
-from envace_core.config import RunConfig
-from envace_core.models import ModelRefError, ResolvedModel, adapter_load_error, check_adapter_dir
+from envace_core.config import ConfigError, RunConfig, apply_setting
+from envace_core.models import (
+    ModelRefError,
+    ResolvedModel,
+    adapter_load_error,
+    check_adapter_dir,
+)
 
 if TYPE_CHECKING:
     import torch
 
 
 def load_engine(cfg: RunConfig, model: ResolvedModel):
-    """(HFEngine, parameter count) for `model`; a registry model's base weights must match the manifest's
-    ``base_model.sha256`` (`models.model_fingerprint`), else `ModelRefError`."""
+    """(HFEngine, parameter count) for `model`.
+
+    Raises:
+        ModelRefError: `model.base_ref` is no valid model.ref (named as ``--model``), or a registry model's
+            base weights differ from the manifest's ``base_model.sha256`` (`models.model_fingerprint`).
+    """
     from envace_core.models import model_fingerprint
 
     cfg = cfg.model_copy(deep=True)
-    cfg.model.ref = model.base_ref
+    flag = "--model" if model.base_ref == model.ref else f"--model {model.ref!r}: its base model"
+    try:
+        apply_setting(cfg, "model.ref", model.base_ref, flag)
+    except ConfigError as e:  # ModelRefError: the evaluation harness names the flag it came from
+        raise ModelRefError(str(e)) from None
     policy, tok, base_dir = load_policy(cfg, model.adapter_dir)
     want = ((model.manifest or {}).get("base_model") or {}).get("sha256")
     if want and model_fingerprint(base_dir) != want:
