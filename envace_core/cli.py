@@ -364,9 +364,6 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _one_place(p, args)
     try:
-        if args.overrides_given and not args.overrides.strip():
-            raise ConfigError("--overrides is empty: give a.b=v pairs, JSON/YAML text or a file path, or leave "
-                              "--overrides out")
         return dict(zip(SUBCOMMANDS, (_train, _config, _registry, _rehearse, _eval, _adapt_tools)))[args.cmd](args)
     except EnvaceError as e:
         print(f"envace: error: {e}", file=sys.stderr)

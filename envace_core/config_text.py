@@ -381,7 +381,7 @@ def parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
     and is a number for an int / float setting only as a plain decimal (`_typed`).
 
     Raises:
-        ConfigError: blank text (``--overrides is empty``), a folder, a missing file (text that looks like
+        ConfigError: a folder, a missing file (text that looks like
             a path), a non-UTF-8, empty or unparseable file (named, with the YAML / JSON error's line and
             column) or one holding pairs, pairs that are not ``key=value,key=value`` (an empty item or
             value, a second pair after a space, an unclosed quote, a comment, anchor or tag in a value of
@@ -393,9 +393,8 @@ def parse_overrides(overrides: str | dict[str, Any] | None) -> dict[str, Any]:
     if isinstance(overrides, dict):
         return expand_dotted(overrides)
     text, source = overrides.strip(), None
-    if not text:
-        raise ConfigError("--overrides is empty: give a.b=v pairs, JSON/YAML text or a file path, or leave "
-                          "--overrides out")
+    if not text:  # `make train` passes --overrides '$(OVERRIDES)', empty unless the user sets it
+        return {}
     if not text.startswith("{") and "\n" not in text:
         try:
             kind = "folder" if Path(text).is_dir() else "file" if Path(text).is_file() else None

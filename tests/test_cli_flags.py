@@ -7,7 +7,7 @@ import re
 import pytest
 
 from envace_core.cli import main, merged_overrides
-from envace_core.config import ConfigError, apply_setting, load_config
+from envace_core.config import ConfigError, apply_setting, load_config, parse_overrides
 from envace_core.models import ModelRefError, ResolvedModel
 from envace_core.training.policy import load_engine
 
@@ -76,8 +76,13 @@ def test_set_twice_and_set_domains_against_domain(p, capsys, tmp_path):
 
 
 @pytest.mark.parametrize("value", ["", " "])
-def test_empty_overrides_flag(capsys, value):
-    assert "--overrides is empty" in _err(capsys, ["--overrides", value, "config"])
+def test_empty_overrides_flag_means_none(capsys, value):
+    """`make train` runs `envace --profile P --overrides '$(OVERRIDES)' config --check` with OVERRIDES
+    empty by default: that must be the profile unchanged (`config` here; `--check` also makes the store)."""
+    assert main(["--profile", "cpu-smoke", "--overrides", value, "config"]) == 0
+    assert "envace: error" not in capsys.readouterr().err
+    assert parse_overrides(value) == {}
+    assert load_config("cpu-smoke", value) == load_config("cpu-smoke")
 
 
 def test_config_markdown_checks_the_overrides_first(capsys):
