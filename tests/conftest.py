@@ -109,3 +109,14 @@ def s3_server(tmp_path_factory):
             yield SimpleNamespace(endpoint=endpoint, bucket=bucket, root=f"s3://{bucket}", client=client)
     finally:
         server.stop()
+
+
+@pytest.fixture
+def eval_loads_no_model(monkeypatch):
+    """`envace eval` / `run_eval` fail the test if they load a model (for errors that must come first)."""
+    from envace_core.evaluation import harness
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the bad option was reported")
+
+    monkeypatch.setattr(harness, "load_engine", refuse)

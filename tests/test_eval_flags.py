@@ -12,20 +12,11 @@ import pytest
 
 from envace_core.cli import main
 from envace_core.config import load_config
-from envace_core.evaluation import harness
 from envace_core.evaluation.options import EvalOptions, fingerprint, parse_benches
 from envace_core.models import resolve_model_ref
 
 MODEL = "bundled:smollm2-135m-instruct"
 DEAD = "http://127.0.0.1:9/v1"
-
-
-@pytest.fixture
-def no_model_loads(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the bad option was reported")
-
-    monkeypatch.setattr(harness, "load_engine", refuse)
 
 
 @pytest.fixture
@@ -43,7 +34,7 @@ def _eval(over: str, *args: str) -> int:
     ("--judge-model", ""), ("--user-url-model", ""), ("--model", ""), ("--model", " "), ("--bench", ""),
     ("--rehearsal", ""),
 ])
-def test_an_empty_flag_is_an_error_naming_it_before_any_work(flag, value, no_model_loads, over, tmp_path, monkeypatch,
+def test_an_empty_flag_is_an_error_naming_it_before_any_work(flag, value, eval_loads_no_model, over, tmp_path, monkeypatch,
                                                              capsys):
     cwd = tmp_path / "cwd"
     cwd.mkdir()
@@ -70,7 +61,7 @@ def test_an_empty_flag_is_an_error_naming_it_before_any_work(flag, value, no_mod
      "--user-url: no selected bench uses a user simulator (tau2 does); VitaBench is judged by --judge-url"),
     ("tau2:airline", ["--user-url-model", "qwen"], "--user-url-model: it names the model sent to --user-url"),
 ])
-def test_a_flag_no_selected_bench_uses_is_an_error_naming_it_and_why(bench, extra, needle, no_model_loads, over,
+def test_a_flag_no_selected_bench_uses_is_an_error_naming_it_and_why(bench, extra, needle, eval_loads_no_model, over,
                                                                      tmp_path, capsys):
     out = tmp_path / "out"
     rc = _eval(over, "--model", MODEL, "--bench", bench.format(tmp=tmp_path), "--limit", "1", "--out", str(out),

@@ -78,14 +78,6 @@ class _Server:
 
 
 @pytest.fixture
-def no_model_loads(monkeypatch):
-    def refuse(*a, **k):
-        raise AssertionError("a model was loaded before the bad option was reported")
-
-    monkeypatch.setattr(harness, "load_engine", refuse)
-
-
-@pytest.fixture
 def over(tmp_path):
     return json.dumps({"model": {"compute_dtype": "float32"},
                        "store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "registry")}})
@@ -96,7 +88,7 @@ def _records(out: Path) -> list[dict]:
 
 
 # ------------------------------------------------------------------------------ --user-url preflight
-def test_unreachable_user_url_stops_in_one_line_before_any_model_loads(no_model_loads, over, tmp_path, capsys):
+def test_unreachable_user_url_stops_in_one_line_before_any_model_loads(eval_loads_no_model, over, tmp_path, capsys):
     url = f"http://127.0.0.1:{_closed_port()}/v1"
     out = tmp_path / "eval"
     rc = main(["--profile", "test", "--overrides", over, "eval", "--model", "bundled:smollm2-135m-instruct",
@@ -253,7 +245,7 @@ def test_errored_trials_are_recorded_but_never_cached_nor_reused(tmp_path):
     ("bundled:nope", "envace: error: --user-model: unknown bundled model 'bundled:nope'"),
     ("registry:nope", "envace: error: --user-model 'registry:nope': write registry:NAME@VERSION"),
 ])
-def test_bad_user_model_is_named_as_such_before_any_model_loads(no_model_loads, over, tmp_path, capsys, ref, needle):
+def test_bad_user_model_is_named_as_such_before_any_model_loads(eval_loads_no_model, over, tmp_path, capsys, ref, needle):
     rc = main(["--profile", "test", "--overrides", over, "eval", "--model", "bundled:smollm2-135m-instruct",
                "--bench", "tau2:airline", "--limit", "1", "--user-model", ref, "--out", str(tmp_path / "e")])
     err = capsys.readouterr().err.strip()
