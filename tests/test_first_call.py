@@ -1,0 +1,61 @@
+"""benchmarks/first_call.py: the first ACT turn's classification against the gold first action (exact,
+right tool with other arguments and the copy-error flag, other tool, message, parse error), the
+`grounded` flag, and the per-level summary."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import envace_core  # noqa: F401  (offline environment before tau2)
+from envace_core.types import ToolCall
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+_SPEC = importlib.util.spec_from_file_location("first_call", BENCH / "first_call.py")
+fc = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(fc)
+
+REQUEST = "You want the flight numbers in your reservation HYRRPC.\n\nYour user id is fatima_johansson_1766."
+GOLD = {"name": "get_reservation_details", "arguments": {"reservation_id": "HYRRPC"}}
+
+
+def test_exact_call_is_exact_and_grounded():
+    r = fc.classify(GOLD, ToolCall(name="get_reservation_details", arguments={"reservation_id": "HYRRPC"}), None,
+                    REQUEST)
+    assert r["outcome"] == "exact" and r["grounded"] and not r["copy_error"]
+
+
+def test_a_merged_id_is_a_copy_error_and_not_grounded():
+    # what the warm start wrote: the reservation id with the user id's digits appended
+    r = fc.classify(GOLD, ToolCall(name="get_reservation_details", arguments={"reservation_id": "HYRRPC1766"}),
+                    None, REQUEST)
+    assert r["outcome"] == "right_tool_wrong_args" and r["copy_error"] and not r["grounded"]
+
+
+def test_other_tool_with_copied_arguments_is_grounded():
+    r = fc.classify(GOLD, ToolCall(name="get_user_details", arguments={"user_id": "fatima_johansson_1766"}), None,
+                    REQUEST)
+    assert r["outcome"] == "other_tool" and r["grounded"]
+    made_up = fc.classify(GOLD, ToolCall(name="get_user_details", arguments={"user_id": "sara_doe_496"}), None,
+                          REQUEST)
+    assert not made_up["grounded"]
+
+
+def test_no_call_is_message_or_parse_error():
+    assert fc.classify(GOLD, None, "agent_message", REQUEST)["outcome"] == "message"
+    assert fc.classify(GOLD, None, "parse_error", REQUEST)["outcome"] == "parse_error"
+    assert fc.classify(GOLD, None, "prompt_too_long", REQUEST)["outcome"] == "other"
+
+
+def test_summary_rates_per_level():
+    recs = [{"outcome": "exact", "copy_error": False, "grounded": True, "level": 1, "domain": "airline"},
+            {"outcome": "other_tool", "copy_error": False, "grounded": False, "level": 1, "domain": "retail"},
+            {"outcome": "parse_error", "copy_error": False, "grounded": False, "level": 2, "domain": "retail"}]
+    s = fc.summarize(recs, n_boot=200, seed=0)
+    assert s["all"]["n"] == 3 and abs(s["all"]["exact"]["mean"] - 1 / 3) < 1e-9
+    assert s["by_level"]["1"]["grounded"]["mean"] == 0.5 and s["by_level"]["2"]["parse_error"]["mean"] == 1.0
+    assert s["by_domain"]["retail"]["n"] == 2 and s["by_domain"]["airline"]["exact"]["mean"] == 1.0
+    table = fc.markdown({"models": {"warm": s}})
+    assert "| warm | all | 3 |" in table and "| warm | level 2 | 1 |" in table and "| warm | retail | 2 |" in table
