@@ -463,3 +463,48 @@ def test_engine_generates_each_role_with_its_adapter_and_reloads(tiny_model_dir,
         assert torch.equal(a, b)
     with pytest.raises(AdapterLoadError, match="missing"):
         make_trainer(tiny_model_dir).load_adapter(str(tmp_path / "adapter"))  # shared vs per-role
+
+
+def _rows_with_system(trainer, system_tokens=150, n=6):
+    g = torch.Generator().manual_seed(7)
+    system = torch.randint(1, 2000, (system_tokens,), generator=g).tolist()
+    rows = []
+    for i in range(n):  # three GRPO groups of two rows behind one long system message
+        prompt = system + torch.randint(1, 2000, (4 + 3 * (i // 2),), generator=torch.Generator().manual_seed(i // 2)).tolist()
+        C = 2 + (3 * i) % 5
+        rows.append(TrainingRow("act", prompt, torch.randint(1, 2000, (C,), generator=g).tolist(), [0.0] * C,
+                                float(torch.randn((), generator=g)), 1.0))
+    return on_policy(trainer, rows)
+
+
+@pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
+def test_a_system_message_shared_across_micro_batches_runs_once_with_the_same_gradient(tiny_model_dir, dtype, tol):
+    grads, losses, root_calls = [], [], []
+    for share in (False, True):
+        trainer = make_trainer(tiny_model_dir, compute_dtype=dtype, micro_batch_rows=2)
+        rows = _rows_with_system(trainer)
+        if not share:
+            trainer._root_clusters = lambda rows, mbs: [([k], 0) for k in range(len(mbs))]
+        clusters = trainer._root_clusters(rows, trainer._micro_batches(rows))
+        root_calls.append([r for _, r in clusters])
+        got = capture_grads(trainer)
+        losses.append(trainer.step(rows)["loss"])
+        grads.append(got[0])
+    assert root_calls == [[0, 0, 0], [150]]  # three micro-batches, one root of the 150 shared tokens
+    assert losses[1] == pytest.approx(losses[0], rel=tol)
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=tol, atol=tol * 1e-2), (a - b).abs().max()
+    assert sum(float(a.abs().sum()) for a in grads[1]) > 0
+
+
+def test_root_clusters_group_consecutive_micro_batches_by_their_shared_prefix():
+    from envace_core.training.prefix_grad import root_clusters
+
+    sys_a, sys_b = list(range(1, 201)), list(range(1000, 1200))
+    mbs = [[sys_a + [1, 2], sys_a + [1, 3]], [sys_a + [5]], [sys_b + [9], sys_b + [9, 9]], [sys_b + [4]], [[7, 7]]]
+    assert root_clusters(mbs) == [([0, 1], 200), ([2, 3], 200), ([4], 0)]
+    # a prompt that is all root keeps one token for its own forward; a short root is not shared
+    assert root_clusters([[sys_a], [sys_a + [3]]]) == [([0, 1], 199)]
+    assert root_clusters([[sys_a[:100] + [1]], [sys_a[:100] + [2]]]) == [([0], 0), ([1], 0)]
+    with pytest.raises(ValueError, match="micro-batch 0 has no row"):
+        root_clusters([[]])

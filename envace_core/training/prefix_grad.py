@@ -82,3 +82,78 @@ def shared_prefix_ce_backward(backbone, head, cache_kw: str, rows: Sequence[tupl
     if pairs:
         torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
     return total
+
+
+MIN_ROOT_TOKENS = 128  # a shorter prefix shared across micro-batches is not worth holding its graph
+
+
+def root_clusters(prompts: Sequence[Sequence[Sequence[int]]], min_root: int = MIN_ROOT_TOKENS) -> list[tuple[list[int], int]]:
+    """Consecutive micro-batches that share a root prefix, for `SharedRoot`.
+
+    Args:
+        prompts: per micro-batch (in run order), its rows' prompt ids.
+        min_root: the least root worth sharing, in tokens.
+    Returns:
+        [(micro-batch indices, root length)], covering every micro-batch once, in order. A root is the
+        longest common prefix of all the cluster's prompts, at most every prompt's length − 1 (so each
+        row keeps at least one prompt token after it); clusters of one micro-batch, or whose root would
+        be shorter than `min_root`, get 0 (no root: that micro-batch's own shared prefix still runs once).
+    """
+    out: list[tuple[list[int], int]] = []
+    first: Sequence[int] | None = None
+    root = 0
+    for k, rows in enumerate(prompts):
+        if not rows:
+            raise ValueError(f"micro-batch {k} has no row")
+        bound = min(len(p) for p in rows) - 1
+        if out and first is not None:
+            r = min(root, bound, common_prefix([first, *rows]))
+            if r >= min_root:
+                out[-1][0].append(k)
+                out[-1] = (out[-1][0], r)
+                root = r
+                continue
+        first, root = rows[0], min(bound, common_prefix(list(rows)))
+        out.append(([k], root))
+    return [(ks, r if len(ks) > 1 and r >= min_root else 0) for ks, r in out]
+
+
+class SharedRoot:
+    """A prompt prefix common to several micro-batches of one optimizer step, run once with grad.
+
+    The technique of `shared_prefix_ce_backward`, across micro-batches instead of rows: the root's
+    keys/values are computed once; every micro-batch runs on a fresh cache over float32 *detached leaf
+    copies* of them (`cache`), so its backward stops there and accumulates ∂loss/∂(K, V) into the
+    leaves; `backward` then pushes the summed gradient through the root once. Gradients equal the
+    per-micro-batch computation's up to float summation order (same identity as the module docstring);
+    the leaves accumulate in float32, so a bf16 root loses nothing to the sum. Memory: the root's
+    activations stay alive until `backward`, in place of each micro-batch's own copy of them.
+
+    Args:
+        backbone, cache_kw: as `shared_prefix_ce_backward`.
+        ids: the root's token ids (length R ≥ 1).
+        device: where to run.
+        bf16: run under bfloat16 autocast (as the micro-batches do).
+    """
+
+    def __init__(self, backbone, cache_kw: str, ids: Sequence[int], device, bf16: bool = False):
+        self.length, self._config = len(ids), backbone.config
+        cache = DynamicCache(config=backbone.config)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            backbone(input_ids=torch.tensor([list(ids)], device=device), use_cache=True, **{cache_kw: cache})
+        self._kv = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        self._leaves = [t.detach().float().requires_grad_(t.requires_grad) for t in self._kv]
+
+    def cache(self) -> DynamicCache:
+        """A fresh cache of the root (batch 1, R positions) over the leaves, in the root's dtype; the
+        caller's forward appends to it (new tensors: the leaves are never written)."""
+        kv = [leaf.to(t.dtype) for leaf, t in zip(self._leaves, self._kv)]
+        return DynamicCache([(kv[2 * i], kv[2 * i + 1]) for i in range(len(kv) // 2)], config=self._config)
+
+    def backward(self) -> None:
+        """Backward of the summed leaf gradients through the root (once; the graph is freed)."""
+        pairs = [(t, leaf.grad.to(t.dtype)) for t, leaf in zip(self._kv, self._leaves)
+                 if t.requires_grad and leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        self._kv, self._leaves = [], []

@@ -46,6 +46,8 @@ Speed (PERF_NOTES.md; 16 rows of ~300 prompt + 64 completion tokens, SmolLM2-135
 2 cores): ~5.6 s/step in bf16, ~9 s in float32, against ~40 s for TRL's loss forward+backward.
   - Rows sharing a prompt (a GRPO group) or a prefix (a system message) are batched together and
     the common prefix runs once at batch size 1; its KV cache, with grad, is repeated over the rows.
+    A prefix that consecutive micro-batches share (≥ 128 tokens: a role's system message) runs once
+    per step (`prefix_grad.SharedRoot`: its gradient is summed over the micro-batches, then one backward).
   - The LM head runs only on completion tokens (a 300-token prompt costs no [300, V] logits),
     `logprob_chunk_tokens` at a time (`training.logprobs`: no [B, T, V] tensor, forward or
     backward), in float32: bf16 logits would add ~1.7x more noise to the importance ratio.
@@ -76,7 +78,7 @@ from envace_core.training.persistence import (
     CheckpointError,
     TrainerPersistence,
 )
-from envace_core.training.prefix_grad import shared_prefix_ce_backward
+from envace_core.training.prefix_grad import SharedRoot, root_clusters, shared_prefix_ce_backward
 from envace_core.training.rows import TrainingRow, role_name, trainable_rows
 
 __all__ = ["CHECKPOINT_FORMAT", "AdapterLoadError", "CheckpointError", "PolicyTrainer"]
@@ -322,8 +324,14 @@ class PolicyTrainer(TrainerPersistence):
             share = unit_tok / n_tok if cfg.loss_agg == "token-mean" else len(unit) / len(keep)
             mine = self._shard(unit)
             with self._using(adapter):
-                for idx in self._micro_batches(mine):
-                    self._accumulate([mine[i] for i in idx], unit, unit_tok, n_tok, share, out)
+                mbs = self._micro_batches(mine)
+                for ks, r in self._root_clusters(mine, mbs):  # a system message shared across micro-batches
+                    root = SharedRoot(self._backbone, self._cache_kw, mine[mbs[ks[0]][0]].prompt_ids[:r], self.device,
+                                      bf16=self.compute_dtype == "bfloat16") if r else None
+                    for k in ks:
+                        self._accumulate([mine[i] for i in mbs[k]], unit, unit_tok, n_tok, share, out, root)
+                    if root is not None:
+                        root.backward()
         if self.world.enabled:
             self._sum_over_ranks(units, out)
         norms = {}
@@ -342,16 +350,17 @@ class PolicyTrainer(TrainerPersistence):
         return out
 
     def _accumulate(self, mb: list[TrainingRow], unit: list[TrainingRow], unit_tok: int, n_tok: int,
-                    share: float, out: dict) -> None:
+                    share: float, out: dict, root: SharedRoot | None = None) -> None:
         """Forward + backward of one micro-batch, its loss scaled so that the unit's accumulated
-        gradient equals that of the unit as one batch; adds its share of the metrics to `out`."""
+        gradient equals that of the unit as one batch; adds its share of the metrics to `out`. With
+        `root`, the policy's forward starts from that shared prefix (its gradient waits in the root)."""
         cfg = self.cfg
         b = self._collate(mb)
         ref = None
         if cfg.kl_beta > 0:  # reference = same weights, adapters off; no second model copy
             with torch.no_grad(), self.model.disable_adapter():
                 ref, _ = self._token_logprobs(b)
-        lp, entropy = self._token_logprobs(b, entropy=True)
+        lp, entropy = self._token_logprobs(b, entropy=True, root=root)
         loss, m = policy_loss(lp, b.old, b.adv, b.mask, cfg.clip_eps, cfg.loss_agg, ref, cfg.kl_beta)
         mb_tok = int(b.mask.sum())
         weight = mb_tok / unit_tok if cfg.loss_agg == "token-mean" else len(mb) / len(unit)
@@ -415,6 +424,12 @@ class PolicyTrainer(TrainerPersistence):
                                  f"{len(r.old_logprobs)} old_logprobs: they must align one to one")
         return keep
 
+    def _root_clusters(self, rows: Sequence[TrainingRow], mbs: list[list[int]]) -> list[tuple[list[int], int]]:
+        """`prefix_grad.root_clusters` of the micro-batches `mbs` of `rows`; no roots off the hidden-state
+        path (`_token_logprobs`'s chunked head, the only one that starts from a cache)."""
+        chunked = self.logprob_chunk_tokens is not None and self._split_head and isinstance(self._head, torch.nn.Linear)
+        return root_clusters([[rows[i].prompt_ids for i in mb] for mb in mbs]) if chunked else [([k], 0) for k in range(len(mbs))]
+
     def _micro_batches(self, rows: Sequence[TrainingRow]) -> list[list[int]]:
         """Indices of `rows` in micro-batches of at most cfg.micro_batch_rows.
 
@@ -470,7 +485,8 @@ class PolicyTrainer(TrainerPersistence):
                       old.to(dev), torch.tensor([float(r.advantage) for r in rows], device=dev),
                       torch.tensor([float(r.temperature) for r in rows], device=dev))
 
-    def _token_logprobs(self, b: _Batch, entropy: bool = False) -> tuple[torch.Tensor, float]:
+    def _token_logprobs(self, b: _Batch, entropy: bool = False, root: SharedRoot | None = None
+                        ) -> tuple[torch.Tensor, float]:
         """(log-probs [B, T] float32 of b.targets under the logits / b.temperature, valid where b.mask;
         entropy sum over the masked tokens in nats, 0.0 unless `entropy`).
 
@@ -484,7 +500,7 @@ class PolicyTrainer(TrainerPersistence):
             logits = self._logits(b)
             lp = token_logprobs(logits, b.targets, b.temperature)
             return lp, (self._entropy_sum(logits, b) if entropy else 0.0)
-        return chunked_token_logprobs(self._hidden(b), self._head, b.targets, b.temperature, b.mask,
+        return chunked_token_logprobs(self._hidden(b, root), self._head, b.targets, b.temperature, b.mask,
                                       self.logprob_chunk_tokens, entropy)
 
     def _logits(self, b: _Batch) -> torch.Tensor:
@@ -497,18 +513,29 @@ class PolicyTrainer(TrainerPersistence):
                              logits_to_keep=b.input_ids.shape[1] - b.start)
         return out.logits[:, :-1].float()
 
-    def _hidden(self, b: _Batch) -> torch.Tensor:
+    def _hidden(self, b: _Batch, root: SharedRoot | None = None) -> torch.Tensor:
         """[B, T, d] final hidden states (the LM head's input) at positions start .. L-2; needs
         `_split_head`. Under bf16 autocast when compute_dtype is bfloat16.
 
         When the rows share a prefix of >= `min_shared_prefix` tokens (a GRPO group's prompt, a
         system message), it is run once at batch size 1 and its KV cache (with grad) is repeated
-        over the rows: same numbers, and its gradient is summed over the rows as in the plain batch.
+        over the rows: same numbers, and its gradient is summed over the rows as in the plain batch. A
+        `root` (`prefix_grad.SharedRoot`, R <= b.shared tokens) supplies the first R tokens' cache instead.
         """
         B, n = b.input_ids.shape[0], b.shared
         with torch.autocast(self.device.type, dtype=torch.bfloat16,
                             enabled=self.compute_dtype == "bfloat16"):
-            if B > 1 and n >= self.min_shared_prefix:
+            if root is not None:
+                cache, r = root.cache(), root.length
+                kw = {self._cache_kw: cache}
+                if B > 1 and n - r >= self.min_shared_prefix:
+                    self._backbone(input_ids=b.input_ids[:1, r:n], use_cache=True, **kw)
+                else:
+                    n = r
+                cache.batch_repeat_interleave(B)
+                h = self._backbone(input_ids=b.input_ids[:, n:], attention_mask=b.attention_mask, use_cache=True,
+                                   **kw).last_hidden_state
+            elif B > 1 and n >= self.min_shared_prefix:
                 cache = DynamicCache(config=self._backbone.config)  # filled in place by the call
                 self._backbone(input_ids=b.input_ids[:1, :n], use_cache=True, **{self._cache_kw: cache})
                 cache.batch_repeat_interleave(B)
