@@ -245,7 +245,18 @@ class RolloutConfig(_Strict):
     prefix_cache_tokens: int = Field(
         16384, ge=0, description="KV caches of finished samples kept by the transformers engine, in "
         "tokens (LRU): a trajectory's next turn prefills only its new tokens "
-        "(envace_core/engines/prefix_cache.py); 0 = off")
+        "(envace_core/engines/prefix_cache.py); per group when merge_groups rolls several out at once; "
+        "emptied before each update; 0 = off")
+    merge_groups: bool = Field(
+        False, description="the iteration's GRPO groups roll out in lockstep, one thread each, their engine "
+        "calls merged into one batch per turn (envace_core/engines/merging.py): each call keeps its own seeds "
+        "(same rollouts as one group after another up to float rounding), fewer and larger engine calls. Off "
+        "by default: on 2 CPU cores with cpu-smoke it did not speed rollouts up (per-prompt prefill dominates; "
+        "benchmarks/RESULTS.md 'Where an iteration's time goes'); off: one group at a time")
+    max_batch_size: int = Field(
+        8, ge=1, description="most sequences in one decode batch of the transformers engine (rollouts, "
+        "Private Rehearsal, evaluation); with merge_groups, ≥ tasks_per_iteration × group_size keeps a "
+        "merged turn in one batch")
     source: Literal["imagined", "real"] = Field(
         "imagined", description="'imagined': World Rehearsal (ACT + REHEARSE, self-unfolded, METHOD.md §1); "
         "'real': the standard-GRPO ablation (METHOD.md §3), ACT only against a private copy of the real "

@@ -59,6 +59,9 @@ class SamplingParams:
         `stop_check_every` tokens (not with ignore_eos). Only for predicates whose verdict no
         continuation can change (e.g. `roles.json_prefix.NotJsonStop`: the output can no longer
         parse), so stopping saves decoding and changes no outcome; the vLLM engine decodes on.
+    prompt_seeds: None, or one ``(seed, index)`` pair per prompt: prompt i is sampled exactly as prompt
+        ``index`` of a call seeded ``seed`` would be (``seed`` is then ignored). `engines.merging` uses it
+        to run several callers' calls as one batch whose every prompt keeps the randomness of its own call.
     """
 
     max_new_tokens: int = 64
@@ -71,6 +74,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_when: Callable[[list[int]], bool] | None = field(default=None, compare=False)
     stop_check_every: int = 8
+    prompt_seeds: tuple[tuple[int, int], ...] | None = None
 
 
 # Per-role policy ablation (METHOD.md §1, "noshare"): which named LoRA adapter plays each role. The

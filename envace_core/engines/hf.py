@@ -223,6 +223,9 @@ class HFEngine:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {params.temperature}")
         if not 0.0 < params.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")
+        if params.prompt_seeds is not None and len(params.prompt_seeds) != len(prompts):
+            raise ValueError(f"SamplingParams.prompt_seeds holds {len(params.prompt_seeds)} pairs for "
+                             f"{len(prompts)} prompts: give one (seed, index) per prompt")
         cfg = getattr(self.model, "config", None)
         max_pos = getattr(cfg, "max_position_embeddings", None)
         vocab = self.model.get_input_embeddings().num_embeddings
@@ -265,6 +268,8 @@ class HFEngine:
                 softmax(logits / temperature), restricted to the top-p nucleus when top_p < 1. With
                 ``params.seed`` set, the result is a deterministic function of (seed, prompts, params, weights)
                 and does not depend on ``max_batch_size``; without it, the seed is drawn from torch's global RNG.
+                With ``params.prompt_seeds``, prompt i's samples are those of prompt ``index`` of a call seeded
+                ``seed`` (its pair), so they do not depend on the other prompts of the call either.
         Returns:
             B lists (input order) of ``params.n`` Completions. ``token_ids`` has length C <= max_new_tokens
             and ends with the stop token when ``finish_reason == "stop"`` (a token of
@@ -426,9 +431,10 @@ class HFEngine:
         gens = None
         if not greedy:
             gens = []
+            seeds = params.prompt_seeds
             for i, j in owners:
                 g = torch.Generator(device=device)
-                g.manual_seed(_row_seed(base_seed, i, j))
+                g.manual_seed(_row_seed(*(seeds[i] if seeds is not None else (base_seed, i)), j))
                 gens.append(g)
         toks: list[list[int]] = [[] for _ in owners]
         lps: list[list[float]] = [[] for _ in owners]

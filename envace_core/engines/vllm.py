@@ -215,8 +215,8 @@ class VLLMEngine:
         """Sample ``params.n`` completions per prompt (B lists, input order), as `Engine.generate`.
 
         With LoRA adapters loaded, every request of the call uses the adapter of ``params.role``
-        (`ROLE_ADAPTERS`; the only adapter when one is loaded). Raises ValueError for invalid params or an
-        empty prompt.
+        (`ROLE_ADAPTERS`; the only adapter when one is loaded). Raises ValueError for invalid params, an
+        empty prompt or ``prompt_seeds`` of another length than `prompts`.
         """
         import time
 
@@ -224,10 +224,17 @@ class VLLMEngine:
 
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token id")
+        if params.prompt_seeds is not None and len(params.prompt_seeds) != len(prompts):
+            raise ValueError(f"SamplingParams.prompt_seeds holds {len(params.prompt_seeds)} pairs for "
+                             f"{len(prompts)} prompts: give one (seed, index) per prompt")
         if params.max_new_tokens == 0:
             return [[Completion([], [], "length") for _ in range(params.n)] for _ in prompts]
         t0 = time.perf_counter()
-        sp = self._vllm.SamplingParams(**sampling_kwargs(params, getattr(self.tokenizer, "eos_token_id", None)))
+        kw = sampling_kwargs(params, getattr(self.tokenizer, "eos_token_id", None))
+        # per-prompt seeds (`SamplingParams.prompt_seeds`): one vLLM SamplingParams per request, each with its
+        # call's seed, as that call alone would have sent it
+        sp = self._vllm.SamplingParams(**kw) if params.prompt_seeds is None else \
+            [self._vllm.SamplingParams(**{**kw, "seed": s}) for s, _ in params.prompt_seeds]
         outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp,
                                  lora_request=self._lora_for(params.role), use_tqdm=False)
         result = [completions_from_output(o) for o in outs]

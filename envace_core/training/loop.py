@@ -76,6 +76,8 @@ def train_iteration(run: TrainingRun, state: RunState) -> dict[str, Any]:
     # 2-3. rollouts, each trajectory scored by the configured reward (`rollout.training_group`)
     gen_before = dict(run.engine.stats)
     groups = roll_out(run, batch, it)
+    if hasattr(run.engine, "reset_prefix_cache"):  # the update changes the weights, so the cached KV is stale:
+        run.engine.reset_prefix_cache()             # freed before the update's memory peak, not after it
     gen_tokens = run.engine.stats.get("generated_tokens", 0) - gen_before.get("generated_tokens", 0)
     groups, gen_tokens = run.world.gather_shards(groups, gen_tokens)  # every rank: all groups, task order
     t_roll = time.perf_counter() - t0
@@ -119,17 +121,33 @@ def roll_out(run: TrainingRun, batch: list[Task], iteration: int) -> list[list[T
     """This rank's GRPO groups of `batch`: the contiguous share `shard_range` of its tasks, each
     rolled out by `rollout.training_group` (rollout.source, rollout.user_rehearse and reward.*
     select the branch) and scored. The seed follows the task's place k in the batch, so it does not
-    depend on the rank."""
+    depend on the rank. With ``rollout.merge_groups`` the groups run in lockstep, one thread each, their
+    engine calls merged (`engines.merging.MergingEngine`): each call keeps its own seeds, so the groups
+    are those of one group after another, up to float rounding of the larger batches; the engine's prefix
+    KV cache then holds ``rollout.prefix_cache_tokens`` per group."""
     from tqdm.auto import tqdm
 
+    from envace_core.engines.merging import MergingEngine
     from envace_core.training.distributed import shard_range
     from envace_core.training.rollout import training_group
 
     cfg, world = run.cfg, run.world
     mine = shard_range(len(batch), world.rank, world.size)
-    return [training_group(run.engine, batch[k], cfg, run.params, seed=cfg.train.seed * 100003 + iteration * 1009 + k)
-            for k in tqdm(mine, desc=f"rollouts iteration {iteration + 1}", leave=False, unit="task",
-                          disable=not world.is_main)]
+
+    def group(engine, k: int) -> list[Trajectory]:
+        return training_group(engine, batch[k], cfg, run.params, seed=cfg.train.seed * 100003 + iteration * 1009 + k)
+
+    if cfg.rollout.merge_groups and len(mine) > 1:
+        pool = getattr(run.engine, "prefix_pool", None)  # room for every concurrent group's trajectories
+        if pool is not None:
+            pool.max_tokens = cfg.rollout.prefix_cache_tokens * len(mine)
+        try:
+            return MergingEngine(run.engine).map(group, list(mine))
+        finally:
+            if pool is not None:
+                pool.max_tokens = cfg.rollout.prefix_cache_tokens
+    return [group(run.engine, k) for k in tqdm(mine, desc=f"rollouts iteration {iteration + 1}", leave=False,
+                                                unit="task", disable=not world.is_main)]
 
 
 def sync_engine(run: TrainingRun) -> dict[str, float]:

@@ -105,7 +105,7 @@ def policy_engine(cfg: RunConfig, model, tok):
         return PolicyVLLMEngine(model, tok, workdir, **cfg.rollout.vllm_kwargs)
     from envace_core.engines.hf import HFEngine
 
-    return HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype,
+    return HFEngine(model, tok, compute_dtype=cfg.model.compute_dtype, max_batch_size=cfg.rollout.max_batch_size,
                     prefix_cache_tokens=cfg.rollout.prefix_cache_tokens)
 
 

@@ -1,0 +1,168 @@
+"""Several rollouts in lockstep over one engine: their concurrent `generate` calls become one batch.
+
+An iteration rolls out one GRPO group per task (`training.loop.roll_out`), each group a lockstep of G
+trajectories. Run one after another, every group's turn is its own engine call of G rows; decoding on a
+CPU is bound by reading the weights once per step and by per-step Python work, both paid per call, so
+three groups of four pay them three times for the same tokens. `MergingEngine.map` runs the groups in
+threads (one per group) and, each time every live worker is waiting in `generate`, runs the waiting calls
+in its own thread (the only one that ever enters the wrapped engine) as one call per compatible set of sampling
+settings (`merge_key`: all fields but the seeds; e.g. REHEARSE calls with different token budgets stay
+apart). Each merged prompt keeps its own call's randomness through `SamplingParams.prompt_seeds`, so a
+worker's completions are those its call would have got alone (up to float rounding of a different
+batch shape), and results do not depend on how workers were grouped: same seeds, same rollouts.
+
+This is the continuous-batching idea of vLLM's scheduler (many requests, one forward per step) applied
+at the granularity of whole calls, for the transformers engine; with `engines.vllm` it only makes calls
+larger.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, TypeVar
+
+import torch
+
+from envace_core.engines.base import Completion, Engine, SamplingParams
+
+T = TypeVar("T")
+
+
+def merge_key(params: SamplingParams) -> tuple:
+    """What two calls must share to be one call: every `SamplingParams` field except the seeds, and the
+    stop predicate's type (predicates are compared by type: `roles.json_prefix.NotJsonStop` holds no
+    per-call state)."""
+    base = replace(params, seed=None, prompt_seeds=None, stop_when=None)
+    return base, type(params.stop_when)
+
+
+@dataclass
+class _Call:
+    worker: int
+    prompts: list[list[int]]
+    params: SamplingParams
+    result: list[list[Completion]] | None = None
+    error: BaseException | None = None
+    done: bool = False
+    seeds: tuple[tuple[int, int], ...] = field(default_factory=tuple)
+
+
+class MergingEngine:
+    """An `Engine` over `engine` for `map`'s worker threads (module docstring). Attributes other than
+    `generate` and `map` are the wrapped engine's (`tokenizer`, `stats`, `model`, ...).
+
+    Outside `map` (no workers), `generate` is the wrapped engine's.
+
+    Attributes:
+        merged_calls: engine calls made for the workers; ``calls_in``: worker calls they served.
+    """
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._cond = threading.Condition()
+        self._alive: set[int] = set()
+        self._waiting: dict[int, _Call] = {}
+        self._local = threading.local()
+        self.merged_calls = 0
+        self.calls_in = 0
+
+    def __getattr__(self, name: str) -> Any:  # only called for attributes not found on self
+        return getattr(self.__dict__["engine"], name)
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ------------------------------------------------------------------ workers
+    def map(self, fn: Callable[[Engine, T], Any], items: Sequence[T]) -> list[Any]:
+        """``[fn(self, item) for item in items]``, each in its own thread, their `generate` calls merged.
+
+        The wrapped engine runs only in the thread that called `map`: every torch call of a merged batch
+        comes from one thread, so one OpenMP team does the work (a team per calling thread would spin
+        against the others for the same cores). Returns the results in `items` order. If any call of `fn`
+        raises, the first exception (in `items` order) is raised after every thread has ended. Not
+        re-entrant: one `map` at a time.
+        """
+        if not items:
+            return []
+        if len(items) == 1:
+            return [fn(self.engine, items[0])]
+        results: list[Any] = [None] * len(items)
+        errors: list[BaseException | None] = [None] * len(items)
+        with self._cond:
+            if self._alive:
+                raise RuntimeError("MergingEngine.map is already running")
+            self._alive = set(range(len(items)))
+
+        def work(k: int) -> None:
+            self._local.worker = k
+            try:
+                results[k] = fn(self, items[k])
+            except BaseException as e:  # noqa: BLE001 - re-raised by map in the caller's thread
+                errors[k] = e
+            finally:
+                with self._cond:
+                    self._alive.discard(k)
+                    self._cond.notify_all()
+
+        threads = [threading.Thread(target=work, args=(k,), name=f"envace-rollout-{k}", daemon=True)
+                   for k in range(len(items))]
+        for t in threads:
+            t.start()
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: not self._alive or (self._waiting and len(self._waiting) >= len(self._alive)))
+                if not self._alive:
+                    break
+                calls = [self._waiting[w] for w in sorted(self._waiting)]
+                self._waiting = {}
+            self._run(calls)  # every live worker waits: nothing else runs meanwhile
+            with self._cond:
+                for c in calls:
+                    c.done = True
+                self._cond.notify_all()
+        for t in threads:
+            t.join()
+        for e in errors:
+            if e is not None:
+                raise e
+        return results
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
+        """As `Engine.generate`. From a `map` worker: waits until every live worker waits or has ended;
+        `map`'s thread then runs the waiting calls merged. Otherwise the wrapped engine's call."""
+        worker = getattr(self._local, "worker", None)
+        if worker is None:
+            return self.engine.generate(prompts, params)
+        call = _Call(worker, list(prompts), params)
+        seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
+        call.seeds = params.prompt_seeds or tuple((seed, i) for i in range(len(prompts)))
+        with self._cond:
+            self._waiting[worker] = call
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: call.done)
+        if call.error is not None:
+            raise call.error
+        return call.result  # type: ignore[return-value]
+
+    def _run(self, calls: list[_Call]) -> None:
+        """The waiting calls, merged by `merge_key` (in worker order), one engine call per set."""
+        sets: dict[tuple, list[_Call]] = {}
+        for c in calls:
+            sets.setdefault(merge_key(c.params), []).append(c)
+        for group in sets.values():
+            prompts = [p for c in group for p in c.prompts]
+            seeds = tuple(s for c in group for s in c.seeds)
+            params = replace(group[0].params, seed=None, prompt_seeds=seeds)
+            try:
+                out = self.engine.generate(prompts, params) if prompts else []
+                self.merged_calls += 1
+                self.calls_in += len(group)
+                at = 0
+                for c in group:
+                    c.result, at = out[at:at + len(c.prompts)], at + len(c.prompts)
+            except BaseException as e:  # noqa: BLE001 - raised in every caller of the merged call
+                for c in group:
+                    c.error = e
