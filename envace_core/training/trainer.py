@@ -425,8 +425,7 @@ class PolicyTrainer(TrainerPersistence):
         return keep
 
     def _root_clusters(self, rows: Sequence[TrainingRow], mbs: list[list[int]]) -> list[tuple[list[int], int]]:
-        """`prefix_grad.root_clusters` of the micro-batches `mbs` of `rows`; no roots off the hidden-state
-        path (`_token_logprobs`'s chunked head, the only one that starts from a cache)."""
+        """`prefix_grad.root_clusters` of micro-batches `mbs` of `rows`; none off the chunked-head path."""
         chunked = self.logprob_chunk_tokens is not None and self._split_head and isinstance(self._head, torch.nn.Linear)
         return root_clusters([[rows[i].prompt_ids for i in mb] for mb in mbs]) if chunked else [([k], 0) for k in range(len(mbs))]
 
