@@ -22,8 +22,8 @@ runs exactly that turn, as the evaluate stage does (`evaluation.tau2.policy_agen
   e-mail or name was copied, not made up), whichever tool it calls.
 
 Rates are over tasks with a 95 % percentile bootstrap CI (`evaluation.stats.mean_ci`), per model and per
-level. Per-task records are cached in ``<out>/<label>-<fingerprint>.jsonl`` (model weights, task, ACT
-settings), so a rerun resumes. Writes ``--json`` and prints a markdown table.
+level and domain. Per-task records are cached in ``<out>/<label>-<fingerprint>.jsonl`` (`fingerprint`: the
+model, a local folder's file checksums, the task file's content, the ACT settings), so a rerun resumes. Writes ``--json`` and prints a markdown table.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import sys
 import time
 from pathlib import Path
@@ -87,13 +88,46 @@ def classify(gold: dict[str, Any], action: Any, termination: str | None, request
     return rec
 
 
-def fingerprint(label_key: str, cfg: Any, task_file: str) -> str:
-    """Cache key of one model's records: its weights' identity, the ACT settings and the task file."""
+def fingerprint(label_key: str, ref: str, cfg: Any, task_file: str) -> str:
+    """Cache key of one model's records: the model (its resolved label; for a local folder also every
+    file's sha256, so retraining into the same path is a new key), the ACT settings and the task file's
+    content (not its name)."""
+    from envace_core.store.files import dir_checksums, sha256_path
     from envace_core.training.policy import rollout_params
 
     p = rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=1, lenient=cfg.eval.lenient_tool_format)
-    blob = json.dumps([label_key, repr(p), Path(task_file).name, cfg.data.policy_max_chars], sort_keys=True)
+    local = Path(ref)
+    weights = dir_checksums(local) if local.is_dir() else None
+    blob = json.dumps([label_key, weights, repr(p), sha256_path(Path(task_file)), cfg.data.policy_max_chars],
+                      sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def load_tasks_file(path: str) -> list:
+    """The held-out tasks of `path` (a JSON list of dataset task records, as `rehearsal_effect.py --heldout`
+    writes). Raises `BenchmarkError` naming the file for anything else: unreadable, not JSON, not a
+    non-empty list of records, or a task without a gold first action of a known shape."""
+    from envace_core.stages.dataset import _task_from_record
+
+    f = Path(path)
+    if not f.is_file():
+        raise BenchmarkError(f"--tasks {path}: no such file (rehearsal_effect.py --heldout writes it)")
+    try:
+        records = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BenchmarkError(f"--tasks {path}: not a readable JSON file ({e})") from e
+    if not isinstance(records, list) or not records:
+        raise BenchmarkError(f"--tasks {path}: expected a non-empty JSON list of task records")
+    tasks = []
+    for k, r in enumerate(records):
+        try:
+            task = _task_from_record(r)
+        except Exception as e:  # noqa: BLE001 - any malformed record: name it
+            raise BenchmarkError(f"--tasks {path}: record {k} is not a task record ({type(e).__name__}: {e})") from e
+        if not task.gold_actions:
+            raise BenchmarkError(f"--tasks {path}: task {task.id} has no gold action to compare the first call with")
+        tasks.append(task)
+    return tasks
 
 
 def run_model(cfg: Any, engine_for, tasks: list, cache: Path, log=print) -> list[dict[str, Any]]:
@@ -191,20 +225,31 @@ def main(argv=None) -> int:
 
     from envace_core.config import load_config
     from envace_core.models import resolve_model_ref
-    from envace_core.stages.dataset import _task_from_record
     from envace_core.store.files import atomic_write_text
     from envace_core.training.policy import load_engine
 
-    if not Path(args.tasks).is_file():
-        raise BenchmarkError(f"--tasks {args.tasks}: no such file (rehearsal_effect.py --heldout writes it)")
+    if args.limit is not None and args.limit < 1:
+        raise BenchmarkError(f"--limit must be >= 1, got {args.limit}")
+    if args.n_boot < 1:
+        raise BenchmarkError(f"--n-boot must be >= 1, got {args.n_boot}")
     models = parse_models(args.models, None)
-    cfg = load_config(args.profile, args.overrides)
-    tasks = [_task_from_record(r) for r in json.loads(Path(args.tasks).read_text())]
+    bad = [label for label, _ in models if not re.fullmatch(r"[A-Za-z0-9_.-]+", label)]
+    if bad:
+        raise BenchmarkError(f"--models labels name cache files: use letters, digits, '_', '.', '-' ({bad})")
+    tasks = load_tasks_file(args.tasks)
     tasks = tasks[:args.limit] if args.limit else tasks
-    if not tasks or any(not t.gold_actions for t in tasks):
-        raise BenchmarkError(f"{args.tasks}: every task needs a gold first action")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    cfg = load_config(args.profile, args.overrides)
+    resolved = {label: resolve_model_ref(ref, cfg.store.registry, base_ref=cfg.model.ref) for label, ref in models}
+    out, report_path = Path(args.out), Path(args.json)
+    for d in (out, report_path.parent):  # before any model runs: a report that cannot be written loses the run
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise BenchmarkError(f"cannot create the folder {d} ({e})") from e
+        if not os.access(d, os.W_OK):
+            raise BenchmarkError(f"the folder {d} is not writable")
+    if report_path.is_dir():
+        raise BenchmarkError(f"--json {args.json} is a folder; give a file path")
     t0, load0 = time.monotonic(), os.getloadavg()
     report: dict[str, Any] = {"run": {"command": " ".join([sys.executable, *sys.argv]), "tasks": args.tasks,
                                       "n_tasks": len(tasks), "load_avg_start": list(load0),
@@ -213,30 +258,30 @@ def main(argv=None) -> int:
                                       "max_new_tokens_act": cfg.rollout.max_new_tokens_act},
                               "models": {}, "records": {}}
     for label, ref in models:
-        resolved = resolve_model_ref(ref, cfg.store.registry, base_ref=cfg.model.ref)
         engines: list = []
 
-        def engine_for(resolved=resolved, engines=engines, label=label):
+        def engine_for(resolved=resolved[label], engines=engines, label=label):
             if not engines:
                 print(f"[first_call] loading {label} ({resolved.label})", flush=True)
                 engines.append(load_engine(cfg, resolved)[0])
             return engines[0]
 
-        cache = out / f"{label}-{fingerprint(resolved.label, cfg, args.tasks)}.jsonl"
+        cache = out / f"{label}-{fingerprint(resolved[label].label, ref, cfg, args.tasks)}.jsonl"
         recs = run_model(cfg, engine_for, tasks, cache)
         report["models"][label] = {"ref": ref, **summarize(recs, args.n_boot, 0)}
         report["records"][label] = recs
         engines.clear()
     report["run"].update(wall_s=time.monotonic() - t0, load_avg_end=list(os.getloadavg()))
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(Path(args.json), json.dumps(report, indent=2, sort_keys=True, default=str))
+    atomic_write_text(report_path, json.dumps(report, indent=2, sort_keys=True, default=str))
     print(markdown(report))
     return 0
 
 
 if __name__ == "__main__":
+    from envace_core import EnvaceError
+
     try:
         sys.exit(main())
-    except BenchmarkError as e:
+    except (BenchmarkError, EnvaceError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

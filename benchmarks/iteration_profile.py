@@ -121,6 +121,27 @@ def role_of_calls(engine):
         engine.generate = orig
 
 
+def train_version(ds_dir: Path, version: str | None, split: str) -> str:
+    """The dataset's train_version (`stages.dataset.write_dataset`'s hash of the train split's records),
+    recomputed from its tasks.parquet after checking that the records hash to the manifest's version (so
+    the recomputation is the one the curate stage made). Raises EnvaceError otherwise."""
+    import pandas as pd
+
+    from envace_core import EnvaceError
+    from envace_core.store.files import sha256_bytes
+
+    path = ds_dir / "tasks.parquet"
+    try:
+        records = pd.read_parquet(path).to_dict("records")
+    except Exception as e:  # noqa: BLE001 - missing or unreadable: name the file
+        raise EnvaceError(f"{path}: cannot read the dataset's tasks ({e})") from e
+    if sha256_bytes(json.dumps(records, sort_keys=True, default=str).encode())[:16] != version:
+        raise EnvaceError(f"{path}: its records do not hash to the manifest's version {version!r}: "
+                          "not the dataset the curate stage wrote")
+    train = [r for r in records if r["split"] == split]
+    return sha256_bytes(json.dumps(train, sort_keys=True, default=str).encode())[:16]
+
+
 def build_run(args):
     """(TrainingRun, RunState) of a fresh run of the config from the warm start (module docstring)."""
     from envace_core import EnvaceError
@@ -140,10 +161,16 @@ def build_run(args):
         raise EnvaceError(f"--dataset {args.dataset}: no manifest.json (a curated dataset folder in the store)")
     if not meta.is_file():
         raise EnvaceError(f"--warm-start {args.warm_start}: no warm_start.json (a warm start folder in the store)")
-    man, warm = json.loads(manifest.read_text()), json.loads(meta.read_text())
+    if ds_dir.parent.name != "datasets":
+        raise EnvaceError(f"--dataset {args.dataset}: give the folder as the store holds it, "
+                          "<store>/datasets/<version> (the curate stage writes it there)")
+    try:
+        man, warm = json.loads(manifest.read_text()), json.loads(meta.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise EnvaceError(f"{manifest} or {meta} is not readable JSON ({e})") from e
     warm["adapter_uri"] = str(warm_dir / "adapter")
-    dataset = {"store": str(ds_dir.parent.parent), "key": f"datasets/{ds_dir.name}", "version": man["version"],
-               "train_version": (warm.get("settings") or {}).get("dataset.train_version")}
+    dataset = {"store": str(ds_dir.parent.parent), "key": f"datasets/{ds_dir.name}", "version": man.get("version"),
+               "train_version": train_version(ds_dir, man.get("version"), cfg.data.train_split)}
     check_warm_start(cfg, dataset, warm)
     tasks = load_dataset(dataset, "train")
     tmp = tempfile.mkdtemp(prefix="envace-iterprof-")

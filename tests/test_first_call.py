@@ -59,3 +59,48 @@ def test_summary_rates_per_level():
     assert s["by_domain"]["retail"]["n"] == 2 and s["by_domain"]["airline"]["exact"]["mean"] == 1.0
     table = fc.markdown({"models": {"warm": s}})
     assert "| warm | all | 3 |" in table and "| warm | level 2 | 1 |" in table and "| warm | retail | 2 |" in table
+
+
+def test_task_files_that_are_not_task_lists_are_named(tmp_path):
+    import json
+
+    import pytest
+
+    cases = {"bad.json": "{not json", "empty.json": "[]", "object.json": '{"id": 1}', "norecord.json": '["x"]',
+             "nogold.json": json.dumps([{"id": "airline/t", "domain": "airline", "split": "heldout",
+                                         "first_user_message": "hi", "user_scenario": "{}", "gold_actions": "[]",
+                                         "source": "{}"}])}
+    want = {"bad.json": "not a readable JSON file", "empty.json": "non-empty JSON list",
+            "object.json": "non-empty JSON list", "norecord.json": "record 0 is not a task record",
+            "nogold.json": "has no gold action"}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        with pytest.raises(fc.BenchmarkError, match=want[name]):
+            fc.load_tasks_file(str(tmp_path / name))
+    with pytest.raises(fc.BenchmarkError, match="no such file"):
+        fc.load_tasks_file(str(tmp_path / "missing.json"))
+
+
+def test_bad_arguments_stop_before_any_model_loads(tmp_path, monkeypatch):
+    import json
+
+    import pytest
+
+    import envace_core.training.policy as policy
+
+    monkeypatch.setattr(policy, "load_engine", lambda *a, **k: pytest.fail("a model was loaded"))
+    tasks = tmp_path / "tasks.json"
+    tasks.write_text(json.dumps([{"id": "airline/t1", "domain": "airline", "split": "heldout",
+                                  "first_user_message": "My user id is u1.", "user_scenario": "{}",
+                                  "gold_actions": json.dumps([{"name": "get_user_details", "id": "g0",
+                                                               "arguments": {"user_id": "u1"}}]),
+                                  "source": "{}"}]))
+    base = ["--tasks", str(tasks), "--out", str(tmp_path / "o"), "--json", str(tmp_path / "r.json")]
+    ok = "x=bundled:smollm2-135m-instruct"
+    for argv, msg in [(["--models", "a/b=bundled:smollm2-135m-instruct"], "labels name cache files"),
+                      (["--models", ok, "--limit", "0"], "--limit must be >= 1"),
+                      (["--models", ok, "--n-boot", "0"], "--n-boot must be >= 1"),
+                      (["--models", ok + ",y=" + str(tmp_path / "nothere")], "no such file"),
+                      (["--models", ok, "--json", str(tmp_path)], "is a folder")]:
+        with pytest.raises(Exception, match=msg):
+            fc.main(base + argv if "--json" not in argv else base[:4] + argv)

@@ -69,3 +69,23 @@ def test_report_table_lists_phases_categories_and_outside_time():
     assert "| generate: decode + sampling (act) | 6.0 | 60% |" in table
     assert "| matmul | 7.0 | 58% |" in table and "| outside torch ops (Python, op timer) | 3.0 | 25% |" in table
     assert "| `aten::mm` | 7.00 | 10 | matmul |" in table
+
+
+def test_train_version_is_the_curate_stages_and_a_changed_dataset_is_refused(tmp_path):
+    import json as _json
+
+    import pandas as pd
+    import pytest
+
+    from envace_core import EnvaceError
+    from envace_core.store.files import sha256_bytes
+
+    records = [{"id": "a", "split": "train", "x": "1"}, {"id": "b", "split": "test", "x": "2"}]
+    version = sha256_bytes(_json.dumps(records, sort_keys=True).encode())[:16]
+    pd.DataFrame(records).to_parquet(tmp_path / "tasks.parquet", index=False)
+    want = sha256_bytes(_json.dumps(records[:1], sort_keys=True).encode())[:16]  # as write_dataset computes it
+    assert ip.train_version(tmp_path, version, "train") == want
+    with pytest.raises(EnvaceError, match="do not hash to the manifest's version"):
+        ip.train_version(tmp_path, "deadbeefdeadbeef", "train")
+    with pytest.raises(EnvaceError, match="cannot read the dataset's tasks"):
+        ip.train_version(tmp_path / "missing", version, "train")

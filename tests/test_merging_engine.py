@@ -189,3 +189,45 @@ def test_an_iterations_merged_groups_are_its_groups_rolled_out_one_by_one(hf_eng
     assert got[True][:2] == got[False][:2]
     assert all(len(grp) >= 2 and all(ids for _, ids in grp) for grp in got[True][0])  # every trajectory generated
     assert got[True][2] < got[False][2]  # fewer, larger engine calls
+
+
+def test_bad_calls_fail_their_caller_only_and_leave_the_engine_usable():
+    inner = RecordingEngine()
+    eng = MergingEngine(inner)
+
+    def work(e, k):
+        if k == 0:  # one prompt_seeds pair for two prompts
+            with pytest.raises(ValueError, match="1 pairs for 2 prompts"):
+                e.generate([[1], [2]], SamplingParams(prompt_seeds=((1, 0),)))
+        # a list of stop ids (SamplingParams takes one) merges like a tuple
+        return e.generate([[k]], SamplingParams(seed=k, stop_token_ids=[2]))[0][0].token_ids
+
+    assert eng.map(work, iter([0, 1])) == [[0, 0, 0, 0], [1, 0, 1, 0]]  # any iterable
+    assert len(inner.calls) == 1
+    assert eng.map(lambda e, k: k, [3, 4]) == [3, 4]
+
+
+def test_map_inside_a_worker_and_other_threads_calls_are_refused():
+    inner = RecordingEngine()
+    eng = MergingEngine(inner)
+    side = {}
+
+    def nested(e, k):
+        with pytest.raises(RuntimeError, match="called from one of its own workers"):
+            eng.map(lambda e2, j: j, [1])
+        if k == 0:  # a thread that is not a worker, while map runs
+            t = threading.Thread(target=lambda: side.setdefault("err", _catch(lambda: eng.generate([[9]], SamplingParams()))))
+            t.start()
+            t.join()
+        return e.generate([[k]], SamplingParams(seed=k))[0][0].token_ids[0]
+
+    assert eng.map(nested, [0, 1]) == [0, 1]
+    assert "not one of map's workers" in side["err"]
+
+
+def _catch(fn):
+    try:
+        fn()
+    except RuntimeError as e:
+        return str(e)
+    return "no error"

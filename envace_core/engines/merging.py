@@ -34,7 +34,8 @@ def merge_key(params: SamplingParams) -> tuple:
     """What two calls must share to be one call: every `SamplingParams` field except the seeds, and the
     stop predicate's type (predicates are compared by type: `roles.json_prefix.NotJsonStop` holds no
     per-call state)."""
-    base = replace(params, seed=None, prompt_seeds=None, stop_when=None)
+    base = replace(params, seed=None, prompt_seeds=None, stop_when=None,
+                   stop_token_ids=tuple(int(t) for t in params.stop_token_ids))  # a list is allowed too
     return base, type(params.stop_when)
 
 
@@ -53,7 +54,10 @@ class MergingEngine:
     """An `Engine` over `engine` for `map`'s worker threads (module docstring). Attributes other than
     `generate` and `map` are the wrapped engine's (`tokenizer`, `stats`, `model`, ...).
 
-    Outside `map` (no workers), `generate` is the wrapped engine's.
+    Outside `map` (no workers), `generate` is the wrapped engine's. While `map` runs, only its workers
+    may call `generate` (another thread's call raises RuntimeError), and workers must not wait for each
+    other: a worker blocked on another worker's progress, outside `generate`, stalls every worker for
+    good (the merged call waits for it).
 
     Attributes:
         merged_calls: engine calls made for the workers; ``calls_in``: worker calls they served.
@@ -65,6 +69,7 @@ class MergingEngine:
         self._alive: set[int] = set()
         self._waiting: dict[int, _Call] = {}
         self._local = threading.local()
+        self._owner: int | None = None  # the thread running `map`
         self.merged_calls = 0
         self.calls_in = 0
 
@@ -85,6 +90,10 @@ class MergingEngine:
         raises, the first exception (in `items` order) is raised after every thread has ended. Not
         re-entrant: one `map` at a time.
         """
+        items = list(items)
+        if getattr(self._local, "worker", None) is not None:
+            raise RuntimeError("MergingEngine.map called from one of its own workers: a worker's calls are "
+                               "already merged; call fn for its items directly")
         if not items:
             return []
         if len(items) == 1:
@@ -94,7 +103,7 @@ class MergingEngine:
         with self._cond:
             if self._alive:
                 raise RuntimeError("MergingEngine.map is already running")
-            self._alive = set(range(len(items)))
+            self._alive, self._owner = set(range(len(items))), threading.get_ident()
 
         def work(k: int) -> None:
             self._local.worker = k
@@ -109,22 +118,32 @@ class MergingEngine:
 
         threads = [threading.Thread(target=work, args=(k,), name=f"envace-rollout-{k}", daemon=True)
                    for k in range(len(items))]
-        for t in threads:
-            t.start()
-        while True:
+        try:
+            for t in threads:
+                t.start()
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: not self._alive or (self._waiting and len(self._waiting) >= len(self._alive)))
+                    if not self._alive:
+                        break
+                    calls = [self._waiting[w] for w in sorted(self._waiting)]
+                    self._waiting = {}
+                try:
+                    self._run(calls)  # every live worker waits: nothing else runs meanwhile
+                except BaseException as e:  # noqa: BLE001 - e.g. an interrupt: every waiting caller gets it
+                    for c in calls:
+                        c.error = c.error or e
+                    raise
+                finally:
+                    with self._cond:
+                        for c in calls:
+                            c.done = True
+                        self._cond.notify_all()
+        finally:  # workers still running finish their calls with the error above, then end
+            for t in threads:
+                t.join()
             with self._cond:
-                self._cond.wait_for(lambda: not self._alive or (self._waiting and len(self._waiting) >= len(self._alive)))
-                if not self._alive:
-                    break
-                calls = [self._waiting[w] for w in sorted(self._waiting)]
-                self._waiting = {}
-            self._run(calls)  # every live worker waits: nothing else runs meanwhile
-            with self._cond:
-                for c in calls:
-                    c.done = True
-                self._cond.notify_all()
-        for t in threads:
-            t.join()
+                self._alive, self._waiting, self._owner = set(), {}, None
         for e in errors:
             if e is not None:
                 raise e
@@ -135,7 +154,13 @@ class MergingEngine:
         `map`'s thread then runs the waiting calls merged. Otherwise the wrapped engine's call."""
         worker = getattr(self._local, "worker", None)
         if worker is None:
+            if self._alive and threading.get_ident() != self._owner:
+                raise RuntimeError("MergingEngine.generate from a thread that is not one of map's workers "
+                                   "while map runs: the wrapped engine serves one thread at a time")
             return self.engine.generate(prompts, params)
+        if params.prompt_seeds is not None and len(params.prompt_seeds) != len(prompts):
+            raise ValueError(f"SamplingParams.prompt_seeds holds {len(params.prompt_seeds)} pairs for "
+                             f"{len(prompts)} prompts: give one (seed, index) per prompt")
         call = _Call(worker, list(prompts), params)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         call.seeds = params.prompt_seeds or tuple((seed, i) for i in range(len(prompts)))
@@ -151,7 +176,10 @@ class MergingEngine:
         """The waiting calls, merged by `merge_key` (in worker order), one engine call per set."""
         sets: dict[tuple, list[_Call]] = {}
         for c in calls:
-            sets.setdefault(merge_key(c.params), []).append(c)
+            try:
+                sets.setdefault(merge_key(c.params), []).append(c)
+            except Exception as e:  # noqa: BLE001 - settings that cannot be compared fail their caller only
+                c.error = e
         for group in sets.values():
             prompts = [p for c in group for p in c.prompts]
             seeds = tuple(s for c in group for s in c.seeds)
