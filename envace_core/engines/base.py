@@ -77,6 +77,13 @@ class SamplingParams:
     prompt_seeds: tuple[tuple[int, int], ...] | None = None
 
 
+def check_prompt_seeds(params: SamplingParams, n_prompts: int) -> None:
+    """Raise ValueError unless ``params.prompt_seeds`` is None or holds one pair per prompt."""
+    if params.prompt_seeds is not None and len(params.prompt_seeds) != n_prompts:
+        raise ValueError(f"SamplingParams.prompt_seeds holds {len(params.prompt_seeds)} pairs for "
+                         f"{n_prompts} prompts: give one (seed, index) per prompt")
+
+
 # Per-role policy ablation (METHOD.md §1, "noshare"): which named LoRA adapter plays each role. The
 # agent side (ACT, its self-evaluation, untagged calls) uses "act"; the simulators of the world
 # (REHEARSE, USER-REHEARSE) use "rehearse".

@@ -22,7 +22,7 @@ from contextlib import nullcontext
 import torch
 
 from envace_core.engines import shared_prefix
-from envace_core.engines.base import Completion, SamplingParams, resolve_compute_dtype, role_adapter
+from envace_core.engines.base import Completion, SamplingParams, check_prompt_seeds, resolve_compute_dtype, role_adapter
 from envace_core.engines.prefix_cache import (
     PrefixPool,
     padded_past,
@@ -223,9 +223,7 @@ class HFEngine:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {params.temperature}")
         if not 0.0 < params.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")
-        if params.prompt_seeds is not None and len(params.prompt_seeds) != len(prompts):
-            raise ValueError(f"SamplingParams.prompt_seeds holds {len(params.prompt_seeds)} pairs for "
-                             f"{len(prompts)} prompts: give one (seed, index) per prompt")
+        check_prompt_seeds(params, len(prompts))
         cfg = getattr(self.model, "config", None)
         max_pos = getattr(cfg, "max_position_embeddings", None)
         vocab = self.model.get_input_embeddings().num_embeddings

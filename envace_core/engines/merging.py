@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from envace_core.engines.base import Completion, Engine, SamplingParams
+from envace_core.engines.base import Completion, Engine, SamplingParams, check_prompt_seeds
 
 T = TypeVar("T")
 
@@ -158,9 +158,7 @@ class MergingEngine:
                 raise RuntimeError("MergingEngine.generate from a thread that is not one of map's workers "
                                    "while map runs: the wrapped engine serves one thread at a time")
             return self.engine.generate(prompts, params)
-        if params.prompt_seeds is not None and len(params.prompt_seeds) != len(prompts):
-            raise ValueError(f"SamplingParams.prompt_seeds holds {len(params.prompt_seeds)} pairs for "
-                             f"{len(prompts)} prompts: give one (seed, index) per prompt")
+        check_prompt_seeds(params, len(prompts))
         call = _Call(worker, list(prompts), params)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         call.seeds = params.prompt_seeds or tuple((seed, i) for i in range(len(prompts)))

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from envace_core import EnvaceError
-from envace_core.engines.base import ROLE_ADAPTERS, Completion, SamplingParams
+from envace_core.engines.base import ROLE_ADAPTERS, Completion, SamplingParams, check_prompt_seeds
 
 
 class EngineUnavailableError(EnvaceError):
@@ -224,9 +224,7 @@ class VLLMEngine:
 
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token id")
-        if params.prompt_seeds is not None and len(params.prompt_seeds) != len(prompts):
-            raise ValueError(f"SamplingParams.prompt_seeds holds {len(params.prompt_seeds)} pairs for "
-                             f"{len(prompts)} prompts: give one (seed, index) per prompt")
+        check_prompt_seeds(params, len(prompts))
         if params.max_new_tokens == 0:
             return [[Completion([], [], "length") for _ in range(params.n)] for _ in prompts]
         t0 = time.perf_counter()
