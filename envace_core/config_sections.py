@@ -431,6 +431,10 @@ class TrainConfig(_Strict):
     sft_max_rehearse_examples: Optional[int] = Field(
         None, ge=1, description="most REHEARSE warm-up examples (a seeded sample of the transitions); "
         "None = all")
+    sft_act_repeats: int = Field(
+        1, ge=1, description="times each ACT warm-up example appears per pass over the warm-up examples "
+        "(each time reshuffled; REHEARSE examples once): ACT epochs per REHEARSE epoch, so the short ACT "
+        "targets get more of the SFT steps (sft.batch_order)")
     sft_learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the SFT warm-up")
     sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
     sft_max_tokens: int = Field(

@@ -80,3 +80,21 @@ def test_batches_come_from_one_prompt_cluster_and_cover_every_example_once_per_p
     assert sorted(i for bt in batches for i in bt) == list(range(13))  # each example once
     assert all(len(bt) <= 3 for bt in batches) and len(batches) == 3 + 2 + 1
     assert all(any(set(bt) <= set(c) for c in clusters) for bt in batches)
+
+
+def test_role_repeats_put_each_act_example_that_many_times_in_a_pass_and_keep_clusters_apart():
+    a = list(range(100, 200))  # one system message shared by an ACT and a REHEARSE example set
+    exs = [_ex(a + [i]) for i in range(5)] + [
+        SFTExample(task_id="t", prompt_ids=a + [50 + i], completion_ids=[1], text="x", gold=None, role="rehearse")
+        for i in range(4)]
+    clusters = prompt_clusters(exs)
+    assert sorted(map(sorted, clusters)) == [list(range(5)), list(range(5, 9))]  # role splits the prefix
+    reps = [2 if exs[c[0]].role == "act" else 1 for c in clusters]
+    batches = batch_order(clusters, 2, torch.Generator().manual_seed(0), reps)
+    seen = sorted(i for bt in batches for i in bt)
+    assert seen == sorted(list(range(5)) * 2 + list(range(5, 9)))  # ACT twice, REHEARSE once per pass
+    assert all(len(set(bt)) == len(bt) for bt in batches)  # a repeat is its own reshuffled cut
+    assert len(batches) == 2 * 3 + 2
+    for bad in ([0, 1], [1]):
+        with pytest.raises(ValueError, match="repeats"):
+            batch_order(clusters, 2, torch.Generator().manual_seed(0), bad)

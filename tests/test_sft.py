@@ -120,10 +120,10 @@ def test_empty_set_is_a_clear_error():
 
 def test_config_defaults_and_bounds():
     c = TrainConfig()
-    assert (c.sft_warmup_steps, c.sft_learning_rate, c.sft_batch_rows) == (0, 1e-4, 4)
+    assert (c.sft_warmup_steps, c.sft_learning_rate, c.sft_batch_rows, c.sft_act_repeats) == (0, 1e-4, 4, 1)
     from pydantic import ValidationError
 
-    for bad in ({"sft_warmup_steps": -1}, {"sft_learning_rate": 0}, {"sft_batch_rows": 0}):
+    for bad in ({"sft_warmup_steps": -1}, {"sft_learning_rate": 0}, {"sft_batch_rows": 0}, {"sft_act_repeats": 0}):
         with pytest.raises(ValidationError):
             TrainConfig(**bad)
 

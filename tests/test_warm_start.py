@@ -56,8 +56,11 @@ def test_warm_start_trains_once_and_a_rerun_reuses_the_stored_adapter(setup, tin
     assert warm_start_id(cfg, ds, sha) == first["warm_start_id"]
     for other in (_cfg(tiny_model_dir, root, {"sft_learning_rate": 5e-4}),
                   _cfg(tiny_model_dir, root, {"sft_roles": ["act"]}),
-                  _cfg(tiny_model_dir, root, {"seed": 1})):
+                  _cfg(tiny_model_dir, root, {"seed": 1}),
+                  _cfg(tiny_model_dir, root, {"sft_act_repeats": 2})):
         assert warm_start_id(other, ds, sha) != first["warm_start_id"]
+    # sft_act_repeats at its default leaves the id as it was before the setting existed
+    assert "train.sft_act_repeats" not in first["settings"]
     assert warm_start_id(cfg, ds, "another base model") != first["warm_start_id"]
     grpo_only = _cfg(tiny_model_dir, root, {"iterations": 3, "shared_baseline": True},
                      rollout={"source": "real"}, reward={"fidelity_lambda": 0.5})

@@ -56,6 +56,8 @@ LORA_FIELDS = ("lora_r", "lora_alpha", "lora_target_modules", "policy_per_role",
 SFT_FIELDS = ("sft_warmup_steps", "sft_roles", "sft_error_transitions", "sft_rehearse_error_share",
               "sft_max_rehearse_examples",
               "sft_learning_rate", "sft_batch_rows", "sft_max_tokens", "max_grad_norm")
+# train.* fields of the SFT warm-up with their defaults, in the id only when set away from them
+OPTIONAL_SFT_FIELDS = {"sft_act_repeats": 1}
 # settings that shape the SFT prompts and targets (`warm_examples`, `sft.rehearse_examples`)
 PROMPT_FIELDS = (("data", "policy_max_chars"), ("data", "test_split"), ("rollout", "max_turns"),
                  ("rollout", "max_new_tokens_rehearse"), ("rollout", "max_new_tokens_rehearse_per_tool"),
@@ -77,6 +79,10 @@ def warm_start_settings(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, An
     fields = LORA_FIELDS + (SFT_FIELDS if cfg.train.sft_warmup_steps > 0 else ())
     out.update({f"train.{f}": getattr(cfg.train, f) for f in fields})
     if cfg.train.sft_warmup_steps > 0:
+        # only when set: warm starts made before the field existed (every one with 1) keep their ids
+        for f, default in OPTIONAL_SFT_FIELDS.items():
+            if getattr(cfg.train, f) != default:
+                out[f"train.{f}"] = getattr(cfg.train, f)
         out.update({f"{sec}.{f}": getattr(getattr(cfg, sec), f) for sec, f in PROMPT_FIELDS})
         out["sft.batching"] = SFT_BATCHING  # how steps draw their examples: same settings, other weights
     return out
@@ -174,9 +180,11 @@ def warm_up(cfg: RunConfig, trainer: PolicyTrainer, by_role: dict[str, list[SFTE
             trainer.model.set_adapter(adapter)  # peft: the active adapter is the trainable one
         losses[adapter or "policy"] = got = sft_warmup(
             trainer, examples, cfg.train.sft_warmup_steps, cfg.train.sft_learning_rate,
-            cfg.train.sft_batch_rows, seed=cfg.train.seed, log=progress(cfg.train.sft_warmup_steps, say))
+            cfg.train.sft_batch_rows, seed=cfg.train.seed, log=progress(cfg.train.sft_warmup_steps, say),
+            role_repeats={"act": cfg.train.sft_act_repeats})
+        reps = f", ACT × {cfg.train.sft_act_repeats} per pass" if cfg.train.sft_act_repeats > 1 else ""
         say(f"[warm_start] SFT warm-up{f' of adapter {adapter!r}' if adapter else ''}: {len(got)} steps on "
-            f"{len(examples)} examples ({counts}), loss {got[0]:.4f} -> {got[-1]:.4f}")
+            f"{len(examples)} examples ({counts}{reps}), loss {got[0]:.4f} -> {got[-1]:.4f}")
     if cfg.train.policy_per_role:
         trainer.model.set_adapter(ROLE_ADAPTERS["act"])
     return losses

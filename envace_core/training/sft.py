@@ -208,14 +208,14 @@ CLUSTER_MIN_PREFIX = 64
 
 
 def prompt_clusters(examples: Sequence[SFTExample], min_prefix: int = CLUSTER_MIN_PREFIX) -> list[list[int]]:
-    """Indices of `examples` grouped by shared prompt prefix (≥ `min_prefix` tokens with the cluster's
-    first example): one cluster per role × domain system message. Order: first appearance."""
+    """Indices of `examples` grouped by role and shared prompt prefix (≥ `min_prefix` tokens with the
+    cluster's first example): one cluster per role × domain system message. Order: first appearance."""
     clusters: list[list[int]] = []
     for i, e in enumerate(examples):
         for c in clusters:
             head = examples[c[0]].prompt_ids
             k = min(min_prefix, len(head), len(e.prompt_ids))
-            if k == min_prefix and head[:k] == e.prompt_ids[:k]:
+            if k == min_prefix and examples[c[0]].role == e.role and head[:k] == e.prompt_ids[:k]:
                 c.append(i)
                 break
         else:
@@ -223,18 +223,26 @@ def prompt_clusters(examples: Sequence[SFTExample], min_prefix: int = CLUSTER_MI
     return clusters
 
 
-def batch_order(clusters: list[list[int]], batch_rows: int, gen: torch.Generator) -> list[list[int]]:
+def batch_order(clusters: list[list[int]], batch_rows: int, gen: torch.Generator,
+                repeats: Sequence[int] | None = None) -> list[list[int]]:
     """One pass over the examples as batches of ≤ `batch_rows` indices, each from one cluster: every
-    cluster shuffled and cut into batches (its last one shorter), the batches of all clusters shuffled."""
+    cluster shuffled and cut into batches (its last one shorter), `repeats[i]` times for cluster i
+    (default 1; each repeat reshuffled: oversampling, as a data mixture's per-source epochs), then the
+    batches of all clusters shuffled. Raises ValueError for a repeat count < 1 or of the wrong length."""
+    reps = [1] * len(clusters) if repeats is None else list(repeats)
+    if len(reps) != len(clusters) or any(r < 1 for r in reps):
+        raise ValueError(f"repeats {reps!r}: need one count ≥ 1 per cluster ({len(clusters)} clusters)")
     batches = []
-    for c in clusters:
-        perm = [c[j] for j in torch.randperm(len(c), generator=gen).tolist()]
-        batches += [perm[k:k + batch_rows] for k in range(0, len(perm), batch_rows)]
+    for c, r in zip(clusters, reps):
+        for _ in range(r):
+            perm = [c[j] for j in torch.randperm(len(c), generator=gen).tolist()]
+            batches += [perm[k:k + batch_rows] for k in range(0, len(perm), batch_rows)]
     return [batches[j] for j in torch.randperm(len(batches), generator=gen).tolist()]
 
 
 def sft_warmup(trainer: PolicyTrainer, examples: Sequence[SFTExample], steps: int, learning_rate: float,
-               batch_rows: int, seed: int = 0, log: Callable[[str], None] | None = None) -> list[float]:
+               batch_rows: int, seed: int = 0, log: Callable[[str], None] | None = None,
+               role_repeats: Mapping[str, int] | None = None) -> list[float]:
     """`steps` AdamW steps of completion-only CE on `examples`, on the LoRA weights of
     `trainer.model` that are trainable now (the shared adapter; for a per-role policy the active
     one: the caller activates each role's adapter, `warm_start_roles`).
@@ -244,7 +252,10 @@ def sft_warmup(trainer: PolicyTrainer, examples: Sequence[SFTExample], steps: in
     Batches (`batch_order`): each pass shuffles the examples within their prompt cluster (role ×
     domain system message, `prompt_clusters`), cuts each cluster into batches of `batch_rows` (its
     last one shorter) and shuffles the batches; a step takes one batch, so its rows share the
-    system message, which runs once (`PolicyTrainer.completion_ce_backward`). Returns the loss of each step (nats per completion token, before that step's update).
+    system message, which runs once (`PolicyTrainer.completion_ce_backward`). `role_repeats` ({role: k},
+    default 1) puts each example of that role k times in every pass (`batch_order`'s repeats), e.g.
+    {"act": 2}: two ACT epochs per REHEARSE epoch. Returns the loss of each step (nats per completion
+    token, before that step's update).
 
     Raises:
         SFTError: `examples` is empty, or no trainable LoRA parameter is found.
@@ -259,12 +270,13 @@ def sft_warmup(trainer: PolicyTrainer, examples: Sequence[SFTExample], steps: in
     opt = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     clusters = prompt_clusters(examples)
+    repeats = [int((role_repeats or {}).get(examples[c[0]].role, 1)) for c in clusters]
     order: list[list[int]] = []
     losses: list[float] = []
     t0 = time.perf_counter()
     for step in range(steps):
         if not order:  # a new pass when the current one runs out
-            order = batch_order(clusters, batch_rows, gen)
+            order = batch_order(clusters, batch_rows, gen, repeats)
         batch = [examples[i] for i in order.pop(0)]
         # token-mean CE over the batch; its rows share their cluster's system message, which runs
         # once (`PolicyTrainer.completion_ce_backward`)
