@@ -10,6 +10,7 @@ the checks their validators run (storage locations, names, combinations of setti
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -23,6 +24,7 @@ from pydantic import (
 )
 
 from envace_core.config_checks import (
+    UnusedSettingWarning,
     check_hidden_tools,
     check_model_name,
     check_rollout,
@@ -34,6 +36,14 @@ from envace_core.config_checks import (
     warn_unknown_budget_tools,
 )
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
+
+MAX_ACT_REPEATS = 64  # train.sft_act_repeats: far past any useful ACT:REHEARSE mix; batch_order builds a pass up front
+
+
+def act_repeats_apply(train: Any) -> bool:
+    """Whether train.sft_act_repeats changes the SFT warm-up of `train` (a TrainConfig): only a shared
+    policy (not policy_per_role) warmed (sft_warmup_steps > 0) on both ACT and REHEARSE examples mixes them."""
+    return train.sft_warmup_steps > 0 and not train.policy_per_role and {"act", "rehearse"} <= set(train.sft_roles)
 
 KNOWN_DOMAINS = ("airline", "retail", "telecom", "mock")
 
@@ -432,9 +442,11 @@ class TrainConfig(_Strict):
         None, ge=1, description="most REHEARSE warm-up examples (a seeded sample of the transitions); "
         "None = all")
     sft_act_repeats: int = Field(
-        1, ge=1, description="times each ACT warm-up example appears per pass over the warm-up examples "
-        "(each time reshuffled; REHEARSE examples once): ACT epochs per REHEARSE epoch, so the short ACT "
-        "targets get more of the SFT steps (sft.batch_order)")
+        1, ge=1, le=MAX_ACT_REPEATS, description="k: ACT epochs per REHEARSE epoch in the SFT warm-up. A pass "
+        "is one shuffle of all warm-up examples cut into batches; with k each ACT example is in it k times "
+        "(each reshuffled), each REHEARSE example once (sft.batch_order). The step count stays "
+        "sft_warmup_steps: ACT's share of the steps grows from a/(a+r) to k·a/(k·a+r) batches. Only with a "
+        "shared policy warmed on both roles (otherwise unused, with a warning)")
     sft_learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the SFT warm-up")
     sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
     sft_max_tokens: int = Field(
@@ -453,6 +465,16 @@ class TrainConfig(_Strict):
     seed: int = Field(
         0, description="base seed of the run: LoRA init, the task order of each epoch, rollout sampling, "
         "mini-batch shuffles, the SFT warm-up and the evaluate stage's sampling")
+
+    @model_validator(mode="after")
+    def _act_repeats(self) -> TrainConfig:
+        if self.sft_act_repeats != 1 and not act_repeats_apply(self):
+            warnings.warn(f"train.sft_act_repeats={self.sft_act_repeats} has no effect: it weighs ACT against "
+                          "REHEARSE examples of one shared policy, and this config warms "
+                          + ("no policy (sft_warmup_steps=0)" if self.sft_warmup_steps == 0 else
+                             "each role's adapter on its own examples (policy_per_role)" if self.policy_per_role
+                             else f"only {self.sft_roles}"), UnusedSettingWarning, stacklevel=2)
+        return self
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainConfig:

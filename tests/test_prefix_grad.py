@@ -95,6 +95,6 @@ def test_role_repeats_put_each_act_example_that_many_times_in_a_pass_and_keep_cl
     assert seen == sorted(list(range(5)) * 2 + list(range(5, 9)))  # ACT twice, REHEARSE once per pass
     assert all(len(set(bt)) == len(bt) for bt in batches)  # a repeat is its own reshuffled cut
     assert len(batches) == 2 * 3 + 2
-    for bad in ([0, 1], [1]):
+    for bad in ([0, 1], [1], [True, 1], [1.5, 1], ["2", 1], {0: 2, 1: 1}):
         with pytest.raises(ValueError, match="repeats"):
             batch_order(clusters, 2, torch.Generator().manual_seed(0), bad)

@@ -14,7 +14,7 @@ from envace_core.envs.tau2.tasks import task_context
 from envace_core.roles.act import act_messages, act_prompt_ids, parse_act
 from envace_core.stages.curate import curate
 from envace_core.stages.train import rollout_and_train
-from envace_core.training.sft import SFTError, act_examples, sft_warmup
+from envace_core.training.sft import SFTError, SFTExample, act_examples, sft_warmup
 
 
 @pytest.fixture(scope="module")
@@ -116,6 +116,12 @@ def test_warmup_loss_decreases_on_a_fixed_set(examples, tiny_model_dir):
 def test_empty_set_is_a_clear_error():
     with pytest.raises(SFTError, match="synthetic_tasks_per_domain"):
         sft_warmup(None, [], steps=1, learning_rate=1e-4, batch_rows=1)
+
+
+def test_a_role_repeat_for_a_role_no_example_has_is_a_clear_error():
+    ex = SFTExample(task_id="t", prompt_ids=[1, 2], completion_ids=[3], text="x", gold=None, role="act")
+    with pytest.raises(SFTError, match=r"names roles \['ACT'\]"):
+        sft_warmup(None, [ex], steps=1, learning_rate=1e-4, batch_rows=1, role_repeats={"ACT": 2})
 
 
 def test_config_defaults_and_bounds():

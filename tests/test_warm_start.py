@@ -59,8 +59,14 @@ def test_warm_start_trains_once_and_a_rerun_reuses_the_stored_adapter(setup, tin
                   _cfg(tiny_model_dir, root, {"seed": 1}),
                   _cfg(tiny_model_dir, root, {"sft_act_repeats": 2})):
         assert warm_start_id(other, ds, sha) != first["warm_start_id"]
-    # sft_act_repeats at its default leaves the id as it was before the setting existed
+    # sft_act_repeats at its default leaves the id as it was before the setting existed; where it
+    # changes nothing (one role, per-role adapters) it is left out of the id too, with a warning
     assert "train.sft_act_repeats" not in first["settings"]
+    from envace_core.config_checks import UnusedSettingWarning
+    for extra in ({"sft_roles": ["act"]}, {"policy_per_role": True}):
+        with pytest.warns(UnusedSettingWarning, match="sft_act_repeats=2 has no effect"):
+            unused = _cfg(tiny_model_dir, root, {**extra, "sft_act_repeats": 2})
+        assert warm_start_id(unused, ds, sha) == warm_start_id(_cfg(tiny_model_dir, root, extra), ds, sha)
     assert warm_start_id(cfg, ds, "another base model") != first["warm_start_id"]
     grpo_only = _cfg(tiny_model_dir, root, {"iterations": 3, "shared_baseline": True},
                      rollout={"source": "real"}, reward={"fidelity_lambda": 0.5})

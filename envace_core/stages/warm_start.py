@@ -56,8 +56,14 @@ LORA_FIELDS = ("lora_r", "lora_alpha", "lora_target_modules", "policy_per_role",
 SFT_FIELDS = ("sft_warmup_steps", "sft_roles", "sft_error_transitions", "sft_rehearse_error_share",
               "sft_max_rehearse_examples",
               "sft_learning_rate", "sft_batch_rows", "sft_max_tokens", "max_grad_norm")
-# train.* fields of the SFT warm-up with their defaults, in the id only when set away from them
-OPTIONAL_SFT_FIELDS = {"sft_act_repeats": 1}
+
+
+def act_repeats(cfg: RunConfig) -> int:
+    """train.sft_act_repeats where it changes the warm-up (`config_sections.act_repeats_apply`), else 1."""
+    from envace_core.config_sections import act_repeats_apply
+
+    return cfg.train.sft_act_repeats if act_repeats_apply(cfg.train) else 1
+
 # settings that shape the SFT prompts and targets (`warm_examples`, `sft.rehearse_examples`)
 PROMPT_FIELDS = (("data", "policy_max_chars"), ("data", "test_split"), ("rollout", "max_turns"),
                  ("rollout", "max_new_tokens_rehearse"), ("rollout", "max_new_tokens_rehearse_per_tool"),
@@ -79,10 +85,10 @@ def warm_start_settings(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, An
     fields = LORA_FIELDS + (SFT_FIELDS if cfg.train.sft_warmup_steps > 0 else ())
     out.update({f"train.{f}": getattr(cfg.train, f) for f in fields})
     if cfg.train.sft_warmup_steps > 0:
-        # only when set: warm starts made before the field existed (every one with 1) keep their ids
-        for f, default in OPTIONAL_SFT_FIELDS.items():
-            if getattr(cfg.train, f) != default:
-                out[f"train.{f}"] = getattr(cfg.train, f)
+        # only when it changes the warm-up: warm starts made before the field existed (all with 1) keep
+        # their ids, and a config where it is unused shares the id of one without it
+        if act_repeats(cfg) != 1:
+            out["train.sft_act_repeats"] = act_repeats(cfg)
         out.update({f"{sec}.{f}": getattr(getattr(cfg, sec), f) for sec, f in PROMPT_FIELDS})
         out["sft.batching"] = SFT_BATCHING  # how steps draw their examples: same settings, other weights
     return out
@@ -181,8 +187,8 @@ def warm_up(cfg: RunConfig, trainer: PolicyTrainer, by_role: dict[str, list[SFTE
         losses[adapter or "policy"] = got = sft_warmup(
             trainer, examples, cfg.train.sft_warmup_steps, cfg.train.sft_learning_rate,
             cfg.train.sft_batch_rows, seed=cfg.train.seed, log=progress(cfg.train.sft_warmup_steps, say),
-            role_repeats={"act": cfg.train.sft_act_repeats})
-        reps = f", ACT × {cfg.train.sft_act_repeats} per pass" if cfg.train.sft_act_repeats > 1 else ""
+            role_repeats={"act": act_repeats(cfg)} if act_repeats(cfg) > 1 else None)
+        reps = f", ACT × {act_repeats(cfg)} per pass" if act_repeats(cfg) > 1 else ""
         say(f"[warm_start] SFT warm-up{f' of adapter {adapter!r}' if adapter else ''}: {len(got)} steps on "
             f"{len(examples)} examples ({counts}{reps}), loss {got[0]:.4f} -> {got[-1]:.4f}")
     if cfg.train.policy_per_role:

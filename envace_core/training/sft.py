@@ -228,10 +228,11 @@ def batch_order(clusters: list[list[int]], batch_rows: int, gen: torch.Generator
     """One pass over the examples as batches of ≤ `batch_rows` indices, each from one cluster: every
     cluster shuffled and cut into batches (its last one shorter), `repeats[i]` times for cluster i
     (default 1; each repeat reshuffled: oversampling, as a data mixture's per-source epochs), then the
-    batches of all clusters shuffled. Raises ValueError for a repeat count < 1 or of the wrong length."""
-    reps = [1] * len(clusters) if repeats is None else list(repeats)
-    if len(reps) != len(clusters) or any(r < 1 for r in reps):
-        raise ValueError(f"repeats {reps!r}: need one count ≥ 1 per cluster ({len(clusters)} clusters)")
+    batches of all clusters shuffled. Raises ValueError unless `repeats` is None or a list of one int
+    ≥ 1 per cluster."""
+    reps = [1] * len(clusters) if repeats is None else list(repeats) if isinstance(repeats, (list, tuple)) else None
+    if reps is None or len(reps) != len(clusters) or any(type(r) is not int or r < 1 for r in reps):
+        raise ValueError(f"repeats {repeats!r}: need a list of one int ≥ 1 per cluster ({len(clusters)} clusters)")
     batches = []
     for c, r in zip(clusters, reps):
         for _ in range(r):
@@ -258,11 +259,16 @@ def sft_warmup(trainer: PolicyTrainer, examples: Sequence[SFTExample], steps: in
     token, before that step's update).
 
     Raises:
-        SFTError: `examples` is empty, or no trainable LoRA parameter is found.
+        SFTError: `examples` is empty, no trainable LoRA parameter is found, or `role_repeats` names a
+            role no example has. ValueError: a repeat count that is not an int ≥ 1 (`batch_order`).
     """
     if not examples:
         raise SFTError("no supervised ACT example: the train split has no task with gold actions "
                        "(set data.synthetic_tasks_per_domain > 0 or train.sft_warmup_steps: 0)")
+    unknown = sorted(set(role_repeats or {}) - {e.role for e in examples})
+    if unknown:
+        raise SFTError(f"role_repeats names roles {unknown} that no example has (roles: "
+                       f"{sorted({e.role for e in examples})})")
     model = trainer.model
     params = [p for n, p in model.named_parameters() if p.requires_grad and "lora_" in n]
     if not params:
@@ -270,7 +276,7 @@ def sft_warmup(trainer: PolicyTrainer, examples: Sequence[SFTExample], steps: in
     opt = torch.optim.AdamW(params, lr=learning_rate, weight_decay=0.0)
     gen = torch.Generator().manual_seed(seed)
     clusters = prompt_clusters(examples)
-    repeats = [int((role_repeats or {}).get(examples[c[0]].role, 1)) for c in clusters]
+    repeats = [(role_repeats or {}).get(examples[c[0]].role, 1) for c in clusters]
     order: list[list[int]] = []
     losses: list[float] = []
     t0 = time.perf_counter()
