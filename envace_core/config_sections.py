@@ -10,7 +10,6 @@ the checks their validators run (storage locations, names, combinations of setti
 
 from __future__ import annotations
 
-import warnings
 from pathlib import Path
 from typing import Any, Literal, Optional
 
@@ -24,7 +23,7 @@ from pydantic import (
 )
 
 from envace_core.config_checks import (
-    UnusedSettingWarning,
+    MAX_ACT_REPEATS,
     check_hidden_tools,
     check_model_name,
     check_rollout,
@@ -34,16 +33,9 @@ from envace_core.config_checks import (
     off_word,
     plain_number,
     warn_unknown_budget_tools,
+    warn_unused_act_repeats,
 )
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
-
-MAX_ACT_REPEATS = 64  # train.sft_act_repeats: far past any useful ACT:REHEARSE mix; batch_order builds a pass up front
-
-
-def act_repeats_apply(train: Any) -> bool:
-    """Whether train.sft_act_repeats changes the SFT warm-up of `train` (a TrainConfig): only a shared
-    policy (not policy_per_role) warmed (sft_warmup_steps > 0) on both ACT and REHEARSE examples mixes them."""
-    return train.sft_warmup_steps > 0 and not train.policy_per_role and {"act", "rehearse"} <= set(train.sft_roles)
 
 KNOWN_DOMAINS = ("airline", "retail", "telecom", "mock")
 
@@ -467,17 +459,8 @@ class TrainConfig(_Strict):
         "mini-batch shuffles, the SFT warm-up and the evaluate stage's sampling")
 
     @model_validator(mode="after")
-    def _act_repeats(self) -> TrainConfig:
-        if self.sft_act_repeats != 1 and not act_repeats_apply(self):
-            warnings.warn(f"train.sft_act_repeats={self.sft_act_repeats} has no effect: it weighs ACT against "
-                          "REHEARSE examples of one shared policy, and this config warms "
-                          + ("no policy (sft_warmup_steps=0)" if self.sft_warmup_steps == 0 else
-                             "each role's adapter on its own examples (policy_per_role)" if self.policy_per_role
-                             else f"only {self.sft_roles}"), UnusedSettingWarning, stacklevel=2)
-        return self
-
-    @model_validator(mode="after")
     def _warmup(self) -> TrainConfig:
+        warn_unused_act_repeats(self)
         if self.warmup_iterations >= self.iterations and self.warmup_iterations > 0:
             raise ValueError(f"warmup_iterations ({self.warmup_iterations}) must be smaller than "
                              f"iterations ({self.iterations}): the LR would never reach learning_rate")

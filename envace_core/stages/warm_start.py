@@ -60,7 +60,7 @@ SFT_FIELDS = ("sft_warmup_steps", "sft_roles", "sft_error_transitions", "sft_reh
 
 def act_repeats(cfg: RunConfig) -> int:
     """train.sft_act_repeats where it changes the warm-up (`config_sections.act_repeats_apply`), else 1."""
-    from envace_core.config_sections import act_repeats_apply
+    from envace_core.config_checks import act_repeats_apply
 
     return cfg.train.sft_act_repeats if act_repeats_apply(cfg.train) else 1
 
