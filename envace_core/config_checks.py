@@ -138,15 +138,17 @@ def warn_unknown_budget_tools(budgets: Mapping[str, int], domains: list[str], kn
 MAX_ACT_REPEATS = 64  # train.sft_act_repeats: far past any useful ACT:REHEARSE mix; batch_order builds a pass up front
 
 
-def act_repeats_apply(train: Any) -> bool:
-    """Whether train.sft_act_repeats changes the SFT warm-up of `train` (a TrainConfig): only a shared
-    policy (not policy_per_role) warmed (sft_warmup_steps > 0) on both ACT and REHEARSE examples mixes them."""
-    return train.sft_warmup_steps > 0 and not train.policy_per_role and {"act", "rehearse"} <= set(train.sft_roles)
+def effective_act_repeats(train: Any) -> int:
+    """train.sft_act_repeats of `train` (a TrainConfig) where it changes the SFT warm-up, else 1: only a
+    shared policy (not policy_per_role) warmed (sft_warmup_steps > 0) on both ACT and REHEARSE examples
+    mixes them."""
+    mixes = train.sft_warmup_steps > 0 and not train.policy_per_role and {"act", "rehearse"} <= set(train.sft_roles)
+    return train.sft_act_repeats if mixes else 1
 
 
 def warn_unused_act_repeats(train: Any) -> None:
-    """Warn (`UnusedSettingWarning`) when train.sft_act_repeats ≠ 1 changes nothing (`act_repeats_apply`)."""
-    if train.sft_act_repeats != 1 and not act_repeats_apply(train):
+    """Warn (`UnusedSettingWarning`) when train.sft_act_repeats ≠ 1 changes nothing (`effective_act_repeats`)."""
+    if train.sft_act_repeats != effective_act_repeats(train):
         why = ("no policy (sft_warmup_steps=0)" if train.sft_warmup_steps == 0 else
                "each role's adapter on its own examples (policy_per_role)" if train.policy_per_role
                else f"only {train.sft_roles}")

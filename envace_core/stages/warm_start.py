@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
+from envace_core.config_checks import effective_act_repeats
 from envace_core.store.files import CHECKSUMS, dir_checksums, sha256_bytes
 from envace_core.store.uri import open_store
 from envace_core.types import Task
@@ -56,14 +57,6 @@ LORA_FIELDS = ("lora_r", "lora_alpha", "lora_target_modules", "policy_per_role",
 SFT_FIELDS = ("sft_warmup_steps", "sft_roles", "sft_error_transitions", "sft_rehearse_error_share",
               "sft_max_rehearse_examples",
               "sft_learning_rate", "sft_batch_rows", "sft_max_tokens", "max_grad_norm")
-
-
-def act_repeats(cfg: RunConfig) -> int:
-    """train.sft_act_repeats where it changes the warm-up (`config_sections.act_repeats_apply`), else 1."""
-    from envace_core.config_checks import act_repeats_apply
-
-    return cfg.train.sft_act_repeats if act_repeats_apply(cfg.train) else 1
-
 # settings that shape the SFT prompts and targets (`warm_examples`, `sft.rehearse_examples`)
 PROMPT_FIELDS = (("data", "policy_max_chars"), ("data", "test_split"), ("rollout", "max_turns"),
                  ("rollout", "max_new_tokens_rehearse"), ("rollout", "max_new_tokens_rehearse_per_tool"),
@@ -87,8 +80,8 @@ def warm_start_settings(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, An
     if cfg.train.sft_warmup_steps > 0:
         # only when it changes the warm-up: warm starts made before the field existed (all with 1) keep
         # their ids, and a config where it is unused shares the id of one without it
-        if act_repeats(cfg) != 1:
-            out["train.sft_act_repeats"] = act_repeats(cfg)
+        if effective_act_repeats(cfg.train) != 1:
+            out["train.sft_act_repeats"] = effective_act_repeats(cfg.train)
         out.update({f"{sec}.{f}": getattr(getattr(cfg, sec), f) for sec, f in PROMPT_FIELDS})
         out["sft.batching"] = SFT_BATCHING  # how steps draw their examples: same settings, other weights
     return out
@@ -180,6 +173,8 @@ def warm_up(cfg: RunConfig, trainer: PolicyTrainer, by_role: dict[str, list[SFTE
     units = [(ROLE_ADAPTERS[r], ex) for r, ex in by_role.items()] if cfg.train.policy_per_role \
         else [(None, [e for ex in by_role.values() for e in ex])]
     counts = ", ".join(f"{len(ex)} {r.upper()}" for r, ex in by_role.items())
+    act_repeats = effective_act_repeats(cfg.train)
+    reps = f", ACT × {act_repeats} per pass" if act_repeats > 1 else ""
     losses: dict[str, list[float]] = {}
     for adapter, examples in units:
         if adapter is not None:
@@ -187,8 +182,7 @@ def warm_up(cfg: RunConfig, trainer: PolicyTrainer, by_role: dict[str, list[SFTE
         losses[adapter or "policy"] = got = sft_warmup(
             trainer, examples, cfg.train.sft_warmup_steps, cfg.train.sft_learning_rate,
             cfg.train.sft_batch_rows, seed=cfg.train.seed, log=progress(cfg.train.sft_warmup_steps, say),
-            role_repeats={"act": act_repeats(cfg)} if act_repeats(cfg) > 1 else None)
-        reps = f", ACT × {act_repeats(cfg)} per pass" if act_repeats(cfg) > 1 else ""
+            role_repeats={"act": act_repeats} if act_repeats > 1 else None)
         say(f"[warm_start] SFT warm-up{f' of adapter {adapter!r}' if adapter else ''}: {len(got)} steps on "
             f"{len(examples)} examples ({counts}{reps}), loss {got[0]:.4f} -> {got[-1]:.4f}")
     if cfg.train.policy_per_role:

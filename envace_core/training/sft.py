@@ -230,8 +230,9 @@ def batch_order(clusters: list[list[int]], batch_rows: int, gen: torch.Generator
     (default 1; each repeat reshuffled: oversampling, as a data mixture's per-source epochs), then the
     batches of all clusters shuffled. Raises ValueError unless `repeats` is None or a list of one int
     ≥ 1 per cluster."""
-    reps = [1] * len(clusters) if repeats is None else list(repeats) if isinstance(repeats, (list, tuple)) else None
-    if reps is None or len(reps) != len(clusters) or any(type(r) is not int or r < 1 for r in reps):
+    reps = [1] * len(clusters) if repeats is None else repeats
+    if not isinstance(reps, (list, tuple)) or len(reps) != len(clusters) or any(
+            type(r) is not int or r < 1 for r in reps):
         raise ValueError(f"repeats {repeats!r}: need a list of one int ≥ 1 per cluster ({len(clusters)} clusters)")
     batches = []
     for c, r in zip(clusters, reps):
