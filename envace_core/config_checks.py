@@ -138,23 +138,36 @@ def warn_unknown_budget_tools(budgets: Mapping[str, int], domains: list[str], kn
 MAX_ACT_REPEATS = 64  # train.sft_act_repeats: far past any useful ACT:REHEARSE mix; batch_order builds a pass up front
 
 
+def mixes_roles(train: Any) -> bool:
+    """Whether the SFT warm-up of `train` (a TrainConfig) trains one shared policy (not policy_per_role) on
+    both ACT and REHEARSE examples (sft_warmup_steps > 0): the only warm-up whose ACT share
+    train.sft_act_repeats and train.sft_act_final_steps change."""
+    return train.sft_warmup_steps > 0 and not train.policy_per_role and {"act", "rehearse"} <= set(train.sft_roles)
+
+
 def effective_act_repeats(train: Any) -> int:
-    """train.sft_act_repeats of `train` (a TrainConfig) where it changes the SFT warm-up, else 1: only a
-    shared policy (not policy_per_role) warmed (sft_warmup_steps > 0) on both ACT and REHEARSE examples
-    mixes them."""
-    mixes = train.sft_warmup_steps > 0 and not train.policy_per_role and {"act", "rehearse"} <= set(train.sft_roles)
-    return train.sft_act_repeats if mixes else 1
+    """train.sft_act_repeats where it changes the SFT warm-up (`mixes_roles`), else 1."""
+    return train.sft_act_repeats if mixes_roles(train) else 1
 
 
-def warn_unused_act_repeats(train: Any) -> None:
-    """Warn (`UnusedSettingWarning`) when train.sft_act_repeats ≠ 1 changes nothing (`effective_act_repeats`)."""
-    if train.sft_act_repeats != effective_act_repeats(train):
-        why = ("no policy (sft_warmup_steps=0)" if train.sft_warmup_steps == 0 else
-               "each role's adapter on its own examples (policy_per_role)" if train.policy_per_role
-               else f"only {train.sft_roles}")
-        warnings.warn(f"train.sft_act_repeats={train.sft_act_repeats} has no effect: it weighs ACT against "
-                      f"REHEARSE examples of one shared policy, and this config warms {why}",
-                      UnusedSettingWarning, stacklevel=3)
+def effective_act_final_steps(train: Any) -> int:
+    """train.sft_act_final_steps where it changes the SFT warm-up (`mixes_roles`), else 0."""
+    return train.sft_act_final_steps if mixes_roles(train) else 0
+
+
+def warn_unused_act_settings(train: Any) -> None:
+    """Warn (`UnusedSettingWarning`) for train.sft_act_repeats ≠ 1 or train.sft_act_final_steps ≠ 0 where
+    they change nothing (`mixes_roles`)."""
+    if mixes_roles(train):
+        return
+    why = ("no policy (sft_warmup_steps=0)" if train.sft_warmup_steps == 0 else
+           "each role's adapter on its own examples (policy_per_role)" if train.policy_per_role
+           else f"only {train.sft_roles}")
+    for name, value, default in (("sft_act_repeats", train.sft_act_repeats, 1),
+                                 ("sft_act_final_steps", train.sft_act_final_steps, 0)):
+        if value != default:
+            warnings.warn(f"train.{name}={value} has no effect: it weighs ACT against REHEARSE examples of one "
+                          f"shared policy, and this config warms {why}", UnusedSettingWarning, stacklevel=3)
 
 
 def check_rollout(engine: str, vllm_kwargs: Mapping[str, Any]) -> None:

@@ -33,7 +33,7 @@ from envace_core.config_checks import (
     off_word,
     plain_number,
     warn_unknown_budget_tools,
-    warn_unused_act_repeats,
+    warn_unused_act_settings,
 )
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
 
@@ -434,11 +434,12 @@ class TrainConfig(_Strict):
         None, ge=1, description="most REHEARSE warm-up examples (a seeded sample of the transitions); "
         "None = all")
     sft_act_repeats: int = Field(
-        1, ge=1, le=MAX_ACT_REPEATS, description="k: ACT epochs per REHEARSE epoch in the SFT warm-up. A pass "
-        "is one shuffle of all warm-up examples cut into batches; with k each ACT example is in it k times "
-        "(each reshuffled), each REHEARSE example once (sft.batch_order). The step count stays "
-        "sft_warmup_steps: ACT's share of the steps grows from a/(a+r) to k·a/(k·a+r) batches. Only with a "
-        "shared policy warmed on both roles (otherwise unused, with a warning)")
+        1, ge=1, le=MAX_ACT_REPEATS, description="k: each pass of the SFT warm-up holds every ACT example k "
+        "times (each reshuffled), every REHEARSE example once (sft.batch_order); steps stay sft_warmup_steps")
+    sft_act_final_steps: int = Field(
+        0, ge=0, description="ACT-only SFT steps after the sft_warmup_steps mixed ones (a fresh AdamW, same lr "
+        "and rows); the mixed phase is a warm start of its own in the store, reused. This and sft_act_repeats "
+        "act only on a shared policy warmed on both roles (otherwise unused, with a warning)")
     sft_learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the SFT warm-up")
     sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
     sft_max_tokens: int = Field(
@@ -460,7 +461,7 @@ class TrainConfig(_Strict):
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainConfig:
-        warn_unused_act_repeats(self)
+        warn_unused_act_settings(self)
         if self.warmup_iterations >= self.iterations and self.warmup_iterations > 0:
             raise ValueError(f"warmup_iterations ({self.warmup_iterations}) must be smaller than "
                              f"iterations ({self.iterations}): the LR would never reach learning_rate")

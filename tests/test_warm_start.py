@@ -179,3 +179,33 @@ def test_the_stage_warms_rehearse_on_the_real_errors_of_wrong_calls(setup, tiny_
     plain = built[False]["rehearse"]
     assert plain and not [e for e in plain if key(e.task_id, e.gold) in wrong]
     assert len(plain) == len(rehearse) - len(errs)
+
+
+def test_a_final_act_phase_starts_from_the_stored_mixed_warm_start(setup, tiny_model_dir, sft_steps):
+    """train.sft_act_final_steps = n: the mixed warm start is stored under its own id (the same config
+    with n = 0) and reused by any n; the n ACT-only steps start from its adapter and change it."""
+    from safetensors.torch import load_file
+
+    from envace_core.config_checks import UnusedSettingWarning
+    from envace_core.stages.warm_start import mixed_phase_config
+
+    root, _, ds = setup
+    two = _cfg(tiny_model_dir, root, {"seed": 3, "sft_act_final_steps": 1})
+    got = warm_start(two, ds, say=lambda _: None)
+    mixed = got["mixed_warm_start"]
+    sha = got["base_model"]["sha256"]
+    assert sft_steps == [1, 1] and got["steps"] == 2  # the mixed phase, then the ACT-only one
+    assert mixed["warm_start_id"] == warm_start_id(mixed_phase_config(two), ds, sha) != got["warm_start_id"]
+    assert got["settings"]["train.sft_act_final_steps"] == 1 and len(got["losses"]["act_final"]) == 1
+    assert got["examples"]["act"] > 0 and got["examples"]["rehearse"] == 2
+    before = load_file(str(Path(mixed["adapter_uri"]) / "adapter_model.safetensors"))
+    after = load_file(str(Path(got["adapter_uri"]) / "adapter_model.safetensors"))
+    assert before.keys() == after.keys() and any(not (before[k] == after[k]).all() for k in before)
+    assert warm_start(two, ds, say=lambda _: None) == got and sft_steps == [1, 1]  # reused, both phases
+    more = warm_start(_cfg(tiny_model_dir, root, {"seed": 3, "sft_act_final_steps": 2}), ds, say=lambda _: None)
+    assert sft_steps == [1, 1, 2] and more["mixed_warm_start"]["warm_start_id"] == mixed["warm_start_id"]
+    # with one role or per-role adapters it changes nothing: a warning, and the id of the config without it
+    for extra in ({"sft_roles": ["act"]}, {"policy_per_role": True}):
+        with pytest.warns(UnusedSettingWarning, match="sft_act_final_steps=4 has no effect"):
+            unused = _cfg(tiny_model_dir, root, {**extra, "sft_act_final_steps": 4})
+        assert warm_start_id(unused, ds, sha) == warm_start_id(_cfg(tiny_model_dir, root, extra), ds, sha)

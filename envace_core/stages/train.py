@@ -129,8 +129,8 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any], warm: dict[str, A
 def warm_start_lineage(warm: dict[str, Any] | None) -> dict[str, Any] | None:
     """What the registered manifest records of the warm start a run started from: {"warm_start_id",
     "adapter_uri", "init_adapter", "examples" {role: n}, "losses" {unit: per-step losses}, "steps",
-    "seconds"}; None without one."""
+    "seconds", "mixed_warm_start" (a two-phase warm start's first phase, else None)}; None without one."""
     if warm is None:
         return None
     return {k: warm.get(k) for k in ("warm_start_id", "adapter_uri", "init_adapter", "examples", "losses",
-                                     "steps", "seconds")}
+                                     "steps", "seconds", "mixed_warm_start")}

@@ -6,7 +6,9 @@ SFT steps (`sft.sft_warmup`) on the warm-up examples of train.sft_roles (`warm_e
 the gold turns of the train tasks, REHEARSE on their real transitions, prompts as the rollouts build
 them). A shared policy trains on both roles' examples together; a per-role policy
 (train.policy_per_role) warms each adapter on its own role's examples, sft_warmup_steps steps each
-(`warm_up`).
+(`warm_up`). With train.sft_act_final_steps = n > 0 (a shared policy on both roles) the warm start
+has two phases: the mixed one above is a warm start of its own (the same config with n = 0, stored
+and reused like any other), then n ACT-only SFT steps start from its adapter (`train_act_final`).
 
 Where it goes: store key ``warm_starts/<warm_start_id>`` (`WARM_START_KEY`), one `put_dir` of
 adapter/ (`PolicyTrainer.save_adapter`: act/ + rehearse/ for a per-role policy, the layout
@@ -33,7 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
-from envace_core.config_checks import effective_act_repeats
+from envace_core.config_checks import effective_act_final_steps, effective_act_repeats
 from envace_core.store.files import CHECKSUMS, dir_checksums, sha256_bytes
 from envace_core.store.uri import open_store
 from envace_core.types import Task
@@ -82,6 +84,8 @@ def warm_start_settings(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, An
         # their ids, and a config where it is unused shares the id of one without it
         if effective_act_repeats(cfg.train) != 1:
             out["train.sft_act_repeats"] = effective_act_repeats(cfg.train)
+        if effective_act_final_steps(cfg.train):
+            out["train.sft_act_final_steps"] = effective_act_final_steps(cfg.train)
         out.update({f"{sec}.{f}": getattr(getattr(cfg, sec), f) for sec, f in PROMPT_FIELDS})
         out["sft.batching"] = SFT_BATCHING  # how steps draw their examples: same settings, other weights
     return out
@@ -219,8 +223,10 @@ def warm_start(cfg: RunConfig, dataset: dict[str, Any], say: Callable[[str], Non
         {"warm_start_id", "key" (store key; None without SFT), "adapter_uri" (the adapter to start
         from: in the store, train.init_adapter without SFT, or None for a fresh LoRA), "settings"
         (`warm_start_settings`), "base_model" (`models.base_model_lineage`), "init_adapter",
-        "examples" {role: n}, "losses" {unit: per-step losses}, "steps", "seconds" (SFT wall time)}.
-        A reused warm start returns the record it was written with.
+        "examples" {role: n}, "losses" {unit: per-step losses}, "steps", "seconds" (SFT wall time)},
+        and with train.sft_act_final_steps "mixed_warm_start" {"warm_start_id", "adapter_uri", "seconds"}
+        (the first phase; "losses" then also holds "act_final"). A reused warm start returns the record
+        it was written with.
 
     Raises:
         EnvaceError: the dataset has no train task, or a role has no warm-up example (`warm_up`);
@@ -249,10 +255,13 @@ def warm_start(cfg: RunConfig, dataset: dict[str, Any], say: Callable[[str], Non
         say(f"[warm_start] {warm_id}: reusing the warm start at {found['adapter_uri']} "
             f"(trained in {found['seconds']:.0f}s; examples {found['examples']})")
         return found
-    trained = train_warm_start(cfg, dataset, say)
+    final = effective_act_final_steps(cfg.train)
+    trained = train_act_final(cfg, dataset, final, say) if final else train_warm_start(cfg, dataset, say)
     record.update(key=key, adapter_uri=store.uri(f"{key}/adapter"), examples=trained["examples"],
-                  losses=trained["losses"], steps=cfg.train.sft_warmup_steps,
+                  losses=trained["losses"], steps=cfg.train.sft_warmup_steps + final,
                   seconds=round(time.perf_counter() - t0, 1))
+    if final:
+        record["mixed_warm_start"] = trained["mixed_warm_start"]
     with tempfile.TemporaryDirectory(prefix="envace-warm-") as tmp:
         trained["trainer"].save_adapter(str(Path(tmp) / "adapter"))
         (Path(tmp) / META).write_text(json.dumps(record, indent=1, sort_keys=True, default=str))
@@ -285,3 +294,41 @@ def train_warm_start(cfg: RunConfig, dataset: dict[str, Any], say: Callable[[str
     by_role = warm_examples(cfg, tasks, trainer.tokenizer, params, transitions)
     losses = warm_up(cfg, trainer, by_role, say)
     return {"trainer": trainer, "examples": {r: len(ex) for r, ex in by_role.items()}, "losses": losses}
+
+
+def mixed_phase_config(cfg: RunConfig) -> RunConfig:
+    """`cfg` with train.sft_act_final_steps = 0: the config of a two-phase warm start's first, mixed phase."""
+    return cfg.model_copy(update={"train": cfg.train.model_copy(update={"sft_act_final_steps": 0})})
+
+
+def train_act_final(cfg: RunConfig, dataset: dict[str, Any], steps: int,
+                    say: Callable[[str], None] = print) -> dict[str, Any]:
+    """A two-phase warm start: the mixed warm start of `mixed_phase_config` (`warm_start`: reused from the
+    store, or trained and stored there), then `steps` ACT-only SFT steps (`sft.sft_warmup`, a fresh AdamW
+    at train.sft_learning_rate, train.sft_batch_rows rows, seed train.seed) from its adapter, on the ACT
+    examples of `warm_examples`. Returns {"trainer", "examples" {role: n} (the mixed phase's),
+    "losses" (the mixed phase's, plus "act_final"), "mixed_warm_start" {"warm_start_id", "adapter_uri",
+    "seconds"}}; raises as `warm_start`."""
+    from envace_core.stages.dataset import load_dataset
+    from envace_core.training.loop import load_init_adapter
+    from envace_core.training.policy import load_policy, rollout_params
+    from envace_core.training.sft import sft_warmup
+    from envace_core.training.trainer import PolicyTrainer
+
+    mixed = warm_start(mixed_phase_config(cfg), dataset, say)
+    model, tok, _ = load_policy(cfg)
+    trainer = PolicyTrainer(model, tok, cfg.train, compute_dtype=cfg.model.compute_dtype)
+    load_init_adapter(trainer, mixed["adapter_uri"], f"the adapter of mixed warm start {mixed['warm_start_id']}")
+    act_only = cfg.model_copy(update={"train": cfg.train.model_copy(update={"sft_roles": ["act"]})})
+    examples = warm_examples(act_only, load_dataset(dataset, "train"), tok, rollout_params(cfg), [])["act"]
+    if not examples:
+        raise EnvaceError(f"train.sft_act_final_steps={steps} but no train task has a gold ACT turn within "
+                          f"rollout.max_turns={cfg.rollout.max_turns} and train.sft_max_tokens="
+                          f"{cfg.train.sft_max_tokens} tokens")
+    say(f"[warm_start] then {steps} ACT-only steps from mixed warm start {mixed['warm_start_id']}")
+    losses = sft_warmup(trainer, examples, steps, cfg.train.sft_learning_rate, cfg.train.sft_batch_rows,
+                        seed=cfg.train.seed, log=progress(steps, say))
+    say(f"[warm_start] ACT-only phase: {len(losses)} steps on {len(examples)} ACT examples, loss "
+        f"{losses[0]:.4f} -> {losses[-1]:.4f}")
+    return {"trainer": trainer, "examples": mixed["examples"], "losses": {**mixed["losses"], "act_final": losses},
+            "mixed_warm_start": {k: mixed[k] for k in ("warm_start_id", "adapter_uri", "seconds")}}
