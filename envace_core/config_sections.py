@@ -1,11 +1,9 @@
-"""The per-section config models that make up a `RunConfig`: `ModelConfig`, `DataConfig`,
-`RolloutConfig`, `RewardConfig`, `TrainConfig`, `RehearsalConfig`, `EvalConfig`, `ValidateConfig`,
-`StoreConfig` and `RunConfig` itself, each field with its default, range and meaning (the README's
-configuration table is generated from these descriptions). Alongside them: the strict base model
-(unknown keys and inf/NaN rejected), the known tau2 domains and the per-tool REHEARSE token budgets;
-the checks their validators run (storage locations, names, combinations of settings) are in
-`envace_core.config_checks`. Profiles, override parsing, `load_config` and the README table live in
-`envace_core.config`, which re-exports every public name defined here; import them from there.
+"""The per-section config models of a `RunConfig` (`ModelConfig`, `DataConfig`, `RolloutConfig`, `RewardConfig`,
+`TrainConfig`, `RehearsalConfig`, `EvalConfig`, `ValidateConfig`, `StoreConfig`, `RunConfig`): each field's default,
+range and meaning (the README's configuration table is generated from them), the strict base model (unknown keys
+and inf/NaN rejected), the known tau2 domains and the per-tool REHEARSE budgets. Their validators' checks are in
+`envace_core.config_checks`; profiles, overrides, `load_config` and the table in `envace_core.config`, which
+re-exports every public name here (import them from there).
 """
 
 from __future__ import annotations
@@ -437,9 +435,11 @@ class TrainConfig(_Strict):
         1, ge=1, le=MAX_ACT_REPEATS, description="k: each pass of the SFT warm-up holds every ACT example k "
         "times (each reshuffled), every REHEARSE example once (sft.batch_order); steps stay sft_warmup_steps")
     sft_act_final_steps: int = Field(
-        0, ge=0, description="ACT-only SFT steps after the sft_warmup_steps mixed ones (a fresh AdamW, same lr "
-        "and rows); the mixed phase is a warm start of its own in the store, reused. This and sft_act_repeats "
-        "act only on a shared policy warmed on both roles (otherwise unused, with a warning)")
+        0, ge=0, description="ACT-only SFT steps after the mixed ones, from the mixed warm start (stored under its "
+        "own id, reused; fresh AdamW, same lr, rows). It and sft_act_repeats need a shared policy on both roles")
+    sft_act_recovery: bool = Field(
+        False, description="ACT warm-up examples also recover from a tool error: a wrong variant of each gold call "
+        "and the error it gets, then the gold call as target (sft.act_recovery_examples)")
     sft_learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the SFT warm-up")
     sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
     sft_max_tokens: int = Field(

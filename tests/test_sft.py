@@ -403,3 +403,49 @@ def test_per_role_warm_start_trains_each_adapter_on_its_own_roles_examples_only(
     assert len(seen) == 2 and all(trainable == {a} for a, _, trainable, _ in seen)
     assert {a: n for a, _, _, n in seen} == {r: len(ex) for r, ex in by_role.items()}  # all of them, none other
     assert set(losses) == {"act", "rehearse"} and trainer.model.active_adapter == "act"
+
+
+def test_recovery_examples_show_a_wrong_call_and_its_error_then_target_the_gold_call(tasks, tok):
+    """`act_recovery_examples`: the prompt ends with a wrong variant of the gold call and the error a rollout
+    would show for it; the target is the gold call itself. Same seed, same examples; a test task is refused."""
+    import json
+    import re
+
+    from envace_core.training.sft import act_recovery_examples
+    from envace_core.training.transitions import TestSplitError
+
+    ex = act_recovery_examples(tasks, tok, policy_max_chars=300, seed=0)
+    assert ex and len(ex) <= sum(len(t.gold_actions) for t in tasks)
+    by_task = {t.id: t for t in tasks}
+    for e in ex:
+        tools = task_context(by_task[e.task_id], 300).tools
+        call = parse_act(e.text, tools).tool_call
+        assert (call.name, call.arguments) == (e.gold.name, e.gold.arguments)
+        assert (e.gold.name, e.gold.arguments) in [(g.name, g.arguments) for g in by_task[e.task_id].gold_actions]
+        prompt = tok.decode(e.prompt_ids)
+        turn = r"assistant\n<tool_call>(.*?)</tool_call><\|im_end\|>\n<\|im_start\|>tool\n(.*?)<\|im_end\|>"
+        wrong_text, error_text = re.findall(turn, prompt, re.S)[-1]
+        wrong = json.loads(wrong_text)
+        assert wrong["name"] == e.gold.name and wrong["arguments"] != e.gold.arguments
+        assert "error" in json.loads(error_text)  # the wrong call's error, the last thing before the turn
+        assert prompt.rstrip().endswith("<|im_start|>assistant")
+    again = act_recovery_examples(tasks, tok, policy_max_chars=300, seed=0)
+    assert [(e.prompt_ids, e.completion_ids) for e in again] == [(e.prompt_ids, e.completion_ids) for e in ex]
+    with pytest.raises(TestSplitError):
+        act_recovery_examples([tasks[0].model_copy(update={"split": "test"})], tok, policy_max_chars=300)
+
+
+def test_extra_argument_is_another_gold_calls_argument_the_tool_does_not_take():
+    import random
+
+    from envace_core.training.sft import extra_argument_call
+    from envace_core.types import Task, ToolCall
+
+    task = Task(id="airline/x", domain="airline", split="train", first_user_message="hi", gold_actions=[
+        ToolCall(name="get_user_details", arguments={"user_id": "ana_1"}),
+        ToolCall(name="get_reservation_details", arguments={"reservation_id": "ABC123"})])
+    schema = {"type": "object", "properties": {"reservation_id": {"type": "string"}}, "required": ["reservation_id"]}
+    got = extra_argument_call(task.gold_actions[1], schema, task, random.Random(0))
+    assert got.arguments == {"reservation_id": "ABC123", "user_id": "ana_1"}
+    schema["properties"]["user_id"] = {"type": "string"}
+    assert extra_argument_call(task.gold_actions[1], schema, task, random.Random(0)) is None

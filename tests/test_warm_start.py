@@ -57,11 +57,12 @@ def test_warm_start_trains_once_and_a_rerun_reuses_the_stored_adapter(setup, tin
     for other in (_cfg(tiny_model_dir, root, {"sft_learning_rate": 5e-4}),
                   _cfg(tiny_model_dir, root, {"sft_roles": ["act"]}),
                   _cfg(tiny_model_dir, root, {"seed": 1}),
-                  _cfg(tiny_model_dir, root, {"sft_act_repeats": 2})):
+                  _cfg(tiny_model_dir, root, {"sft_act_repeats": 2}),
+                  _cfg(tiny_model_dir, root, {"sft_act_recovery": True})):
         assert warm_start_id(other, ds, sha) != first["warm_start_id"]
     # sft_act_repeats at its default leaves the id as it was before the setting existed; where it
     # changes nothing (one role, per-role adapters) it is left out of the id too, with a warning
-    assert "train.sft_act_repeats" not in first["settings"]
+    assert "train.sft_act_repeats" not in first["settings"] and "train.sft_act_recovery" not in first["settings"]
     from envace_core.config_checks import UnusedSettingWarning
     for extra in ({"sft_roles": ["act"]}, {"policy_per_role": True}):
         with pytest.warns(UnusedSettingWarning, match="sft_act_repeats=2 has no effect"):

@@ -86,6 +86,8 @@ def warm_start_settings(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, An
             out["train.sft_act_repeats"] = effective_act_repeats(cfg.train)
         if effective_act_final_steps(cfg.train):
             out["train.sft_act_final_steps"] = effective_act_final_steps(cfg.train)
+        if cfg.train.sft_act_recovery and "act" in cfg.train.sft_roles:
+            out["train.sft_act_recovery"] = True
         out.update({f"{sec}.{f}": getattr(getattr(cfg, sec), f) for sec, f in PROMPT_FIELDS})
         out["sft.batching"] = SFT_BATCHING  # how steps draw their examples: same settings, other weights
     return out
@@ -119,16 +121,20 @@ def check_warm_start(cfg: RunConfig, dataset: dict[str, Any], warm: dict[str, An
 def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutParams,
                   transitions: list[Transition]) -> dict[str, list[SFTExample]]:
     """The warm-up examples of each role in train.sft_roles: "act" = `sft.act_examples` of the train
-    `tasks` (first rollout.max_turns turns), "rehearse" = `sft.rehearse_examples` of `transitions`
+    `tasks` (first rollout.max_turns turns; with train.sft_act_recovery also `sft.act_recovery_examples`,
+    seed train.seed), "rehearse" = `sft.rehearse_examples` of `transitions`
     (`loop.real_train_transitions`; prompts as rollouts build them with `params`, grounding included;
     targets cut to the per-tool budgets), both within train.sft_max_tokens; REHEARSE errors capped at
     train.sft_rehearse_error_share of them, then REHEARSE capped at train.sft_max_rehearse_examples."""
-    from envace_core.training.sft import act_examples, rehearse_examples
+    from envace_core.training.sft import act_examples, act_recovery_examples, rehearse_examples
 
     out: dict[str, list[SFTExample]] = {}
     if "act" in cfg.train.sft_roles:
-        out["act"] = act_examples(tasks, tokenizer, cfg.data.policy_max_chars, max_turns=cfg.rollout.max_turns,
-                                  max_tokens=cfg.train.sft_max_tokens, forbid_splits=(cfg.data.test_split,))
+        kw = {"max_turns": cfg.rollout.max_turns, "max_tokens": cfg.train.sft_max_tokens,
+              "forbid_splits": (cfg.data.test_split,)}
+        out["act"] = act_examples(tasks, tokenizer, cfg.data.policy_max_chars, **kw)
+        if cfg.train.sft_act_recovery:
+            out["act"] += act_recovery_examples(tasks, tokenizer, cfg.data.policy_max_chars, seed=cfg.train.seed, **kw)
     if "rehearse" in cfg.train.sft_roles:
         p = params
         out["rehearse"] = rehearse_examples(

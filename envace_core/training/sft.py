@@ -16,6 +16,10 @@ each target's ids end with the tokenizer's eos (SmolLM2: `<|im_end|>`), where th
 A test-split task is refused (`transitions.TestSplitError`), as `real_transitions` refuses it: the
 warm-start data never holds a test task.
 
+Recovery examples (`act_recovery_examples`, train.sft_act_recovery): the same ACT turn k after a wrong variant
+of a_k and the error it gets (as a rollout would show it), with a_k as the target: ACT learns to fix a refused
+call rather than repeat it.
+
 REHEARSE examples (`rehearse_examples`): one per real (history, call) → result transition of a train
 task (`training.transitions.real_transitions`: gold calls and deterministic wrong calls replayed in
 the real environment, so tool errors are learned too; MirrorAPI / StableToolBench: SFT on real
@@ -30,6 +34,7 @@ one AdamW step (gradient norm clipped) per batch of `batch_rows` examples of one
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -128,6 +133,84 @@ def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None 
             text = gold_answer(task)
             out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, history),
                                   completion_ids(tokenizer, text), text, None))
+    if max_tokens is not None:
+        out = [e for e in out if len(e.prompt_ids) + len(e.completion_ids) <= max_tokens]
+    return out
+
+
+def extra_argument_call(call: ToolCall, tool_schema: dict, task: Task, rng) -> ToolCall | None:
+    """`call` with one argument it does not take: an argument (name and value) of another gold call of
+    `task` that `tool_schema` (the tool's JSON schema) has no property for, drawn with `rng`; None when
+    there is none. The mistake the warm-started model makes (e.g. `get_reservation_details` given the
+    user id the user stated as well)."""
+    props = tool_schema.get("properties", {})
+    extra = sorted({(k, json.dumps(v)) for g in task.gold_actions for k, v in g.arguments.items()
+                    if k not in props and k not in call.arguments})
+    if not extra:
+        return None
+    name, value = extra[rng.randrange(len(extra))]
+    return call.model_copy(update={"arguments": {**call.arguments, name: json.loads(value)}})
+
+
+def act_recovery_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None = None,
+                          max_turns: int | None = None, max_tokens: int | None = None,
+                          forbid_splits: Collection[str] = ("test",), seed: int = 0,
+                          env_factory: Callable[[str], ToolEnvironment] | None = None) -> list[SFTExample]:
+    """ACT turns that recover from a tool error: for gold call a_k of each task (k ≤ `max_turns`), one
+    wrong variant w_k drawn with `seed` among `transitions.wrong_calls` (wrong id, missing argument,
+    value outside the enum) and `extra_argument_call`; the prompt's history is h_k ⊕ (w_k, e_k), with
+    e_k what a rollout or the evaluation shows after w_k (a call the tool's schema refuses:
+    `rollout.schema_error_observation` of `roles.parse_act`'s error, as with rollout.schema_errors;
+    otherwise the real environment's result), and the target is `format_tool_call(a_k)`: the call that
+    fixes the error instead of repeating it. A w_k the environment accepts is dropped (the environment
+    is reset to the gold prefix). Error-correction data (e.g. ToolACE's / Toolformer-style replayed
+    traces; METHOD.md §2b's warm start, ACT role). Arguments and raises as `act_examples`."""
+    import random
+
+    from envace_core.envs.tau2.environment import Tau2Environment
+    from envace_core.envs.tau2.tasks import task_context
+    from envace_core.roles.act import parse_act
+    from envace_core.training.rollout import schema_error_observation
+    from envace_core.training.transitions import check_splits, wrong_calls
+
+    check_splits(tasks, forbid_splits)
+    out: list[SFTExample] = []
+    for task in tasks:
+        if not task.gold_actions:
+            continue
+        ctx = task_context(task, policy_max_chars)
+        schemas = {t.name: t.parameters for t in ctx.tools}
+        rng = random.Random(f"recovery:{seed}:{task.id}")
+        env = (env_factory or Tau2Environment)(task.domain)
+        env.reset(task)
+        history = [Message(role="user", content=ctx.first_user_message)]
+        done: list[ToolCall] = []
+        turns = task.gold_actions[:max_turns] if max_turns is not None else task.gold_actions
+        for k, gold in enumerate(turns):
+            call = ToolCall(name=gold.name, arguments=gold.arguments, id=f"call_{k}")
+            schema = schemas.get(call.name, {})
+            variants = [w for _, w in wrong_calls(call, schema, rng)]
+            extra = extra_argument_call(call, schema, task, rng)
+            variants += [extra] if extra is not None else []
+            if variants:
+                wrong = variants[rng.randrange(len(variants))].model_copy(update={"id": f"call_{k}"})
+                parsed = parse_act(format_tool_call(wrong), ctx.tools, schema_errors=True)
+                obs = schema_error_observation(wrong, parsed.schema_error) if parsed.schema_error is not None \
+                    else env.step(wrong)
+                if obs.error:
+                    prompt = history + [Message(role="assistant", tool_call=wrong),
+                                        Message(role="tool", content=obs.content, error=True)]
+                    text = format_tool_call(call)
+                    out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, prompt),
+                                          completion_ids(tokenizer, text), text, call))
+                else:  # accepted: it may have changed the state, so back to the gold prefix
+                    env.reset(task)
+                    for c in done:
+                        env.step(c)
+            obs = env.step(call)
+            done.append(call)
+            history += [Message(role="assistant", tool_call=call),
+                        Message(role="tool", content=obs.content, error=obs.error)]
     if max_tokens is not None:
         out = [e for e in out if len(e.prompt_ids) + len(e.completion_ids) <= max_tokens]
     return out
