@@ -53,6 +53,9 @@ def dataset_record(ds_dir: str, split: str) -> dict[str, Any]:
     except (OSError, ValueError) as e:
         raise BenchmarkError(f"--dataset {ds_dir}: no readable manifest.json ({e}); give "
                              "<store>/datasets/<version> as the curate stage wrote it") from None
+    if not isinstance(man, dict) or not isinstance(man.get("version"), str):
+        raise BenchmarkError(f"--dataset {ds_dir}: its manifest.json has no \"version\"; give "
+                             "<store>/datasets/<version> as the curate stage wrote it")
     return {"store": str(d.parent.parent), "key": f"datasets/{d.name}", "version": man["version"],
             "train_version": train_version(d, man["version"], split)}
 
@@ -78,13 +81,12 @@ def measure(cfg: Any, dataset: dict[str, Any], model: Any) -> dict[str, Any]:
         validation_params,
         validation_transitions,
     )
-    from envace_core.training.policy import load_policy, policy_engine
+    from envace_core.training.policy import load_engine
 
     t0 = time.monotonic()
-    policy, tok, _ = load_policy(cfg, model.adapter_dir)
-    engine = policy_engine(cfg, policy, tok)
+    engine, _ = load_engine(cfg, model)  # the model's own base (a registry manifest's), its adapter over it
     params = validation_params(cfg, dataset)
-    rows = rehearse_rows(cfg, engine, validation_transitions(cfg, dataset, tok, params), params)
+    rows = rehearse_rows(cfg, engine, validation_transitions(cfg, dataset, engine.tokenizer, params), params)
     ci = {name: mean_ci([float(r[f]) for r in rows if r.get(f) is not None]) for name, f in COLUMNS.items()}
     return {**rehearsal_metrics(rows), "ci": ci, "seconds": round(time.monotonic() - t0, 1)}
 
@@ -104,6 +106,27 @@ def markdown(results: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def read_report(out: Path) -> dict[str, Any]:
+    """The report at `out` to resume ({"models": {label: result}}; a new one when there is no file), after
+    checking that `out` can be written. Raises `BenchmarkError` for a folder, a folder that cannot be
+    written, or a file that is not such a report (nothing is measured before this)."""
+    if out.is_dir():
+        raise BenchmarkError(f"--json {out} is a folder; give a file path")
+    if not out.parent.is_dir() or not os.access(out.parent, os.W_OK):
+        raise BenchmarkError(f"--json {out}: its folder {out.parent} does not exist or is not writable")
+    if not out.is_file():
+        return {"models": {}}
+    try:
+        report = json.loads(out.read_text())
+    except (OSError, ValueError) as e:
+        raise BenchmarkError(f"--json {out}: not JSON ({e}); move it away to start afresh") from None
+    models = report.get("models") if isinstance(report, dict) else None
+    if not isinstance(models, dict) or not all(isinstance(v, dict) for v in models.values()):
+        raise BenchmarkError(f"--json {out}: not a validate_models report ({{\"models\": {{label: result}}}}); "
+                             "move it away to start afresh")
+    return report
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", required=True, help="<store>/datasets/<version> (the curate stage's folder)")
@@ -114,21 +137,15 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from envace_core.config import load_config
-    from envace_core.models import resolve_model_ref
+    from envace_core.models import check_model_ref
     from envace_core.store.files import atomic_write_text
 
     out = Path(args.json)
-    if out.is_dir():
-        raise BenchmarkError(f"--json {args.json} is a folder; give a file path")
+    report = read_report(out)
     cfg = load_config(args.profile, args.overrides)
     dataset = dataset_record(args.dataset, cfg.data.train_split)
     models = parse_models(args.models, None)
-    resolved = {label: resolve_model_ref(ref, cfg.store.registry, base_ref=cfg.model.ref) for label, ref in models}
-    try:
-        report = json.loads(out.read_text()) if out.is_file() else {}
-    except ValueError as e:
-        raise BenchmarkError(f"--json {args.json}: not JSON ({e}); move it away to start afresh") from None
-    report.setdefault("models", {})
+    resolved = {label: check_model_ref(ref, cfg) for label, ref in models}  # every model found before any loads
     for label, ref in models:
         key = fingerprint(resolved[label], dataset, cfg)
         if report["models"].get(label, {}).get("fingerprint") == key:

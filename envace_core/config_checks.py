@@ -157,7 +157,11 @@ def effective_act_final_steps(train: Any) -> int:
 
 def warn_unused_act_settings(train: Any) -> None:
     """Warn (`UnusedSettingWarning`) for train.sft_act_repeats ≠ 1 or train.sft_act_final_steps ≠ 0 where
-    they change nothing (`mixes_roles`)."""
+    they change nothing (`mixes_roles`), and for train.sft_act_recovery without ACT warm-up examples."""
+    if train.sft_act_recovery and (train.sft_warmup_steps == 0 or "act" not in train.sft_roles):
+        warnings.warn(f"train.sft_act_recovery=true has no effect: it adds ACT warm-up examples, and this config "
+                      f"warms {'nothing (sft_warmup_steps=0)' if train.sft_warmup_steps == 0 else 'no ACT'}",
+                      UnusedSettingWarning, stacklevel=3)
     if mixes_roles(train):
         return
     why = ("no policy (sft_warmup_steps=0)" if train.sft_warmup_steps == 0 else

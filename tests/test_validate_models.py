@@ -44,3 +44,31 @@ def test_bad_dataset_folder_and_json_path_are_named(tmp_path):
     (tmp_path / "d").mkdir()
     with pytest.raises(vm.BenchmarkError, match="is a folder"):
         vm.main(["--dataset", str(tmp_path), "--json", str(tmp_path / "d"), "--models", "b=bundled:smollm2-135m-instruct"])
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", "null", '{"models": []}', '{"models": {"base": "x"}}'])
+def test_a_json_that_is_not_a_report_is_refused_before_anything_runs(tmp_path, text):
+    bad = tmp_path / "r.json"
+    bad.write_text(text)
+    with pytest.raises(vm.BenchmarkError, match="not a validate_models report"):
+        vm.main(["--dataset", str(tmp_path), "--json", str(bad), "--models", "b=bundled:smollm2-135m-instruct"])
+    assert bad.read_text() == text  # left as it was
+    with pytest.raises(vm.BenchmarkError, match="does not exist or is not writable"):
+        vm.read_report(bad / "x.json")  # its folder is a file
+
+
+@pytest.mark.parametrize("manifest", ["{}", "[]", '{"version": 3}'])
+def test_a_manifest_without_a_version_is_named(tmp_path, manifest):
+    (tmp_path / "manifest.json").write_text(manifest)
+    with pytest.raises(vm.BenchmarkError, match='has no "version"'):
+        vm.dataset_record(str(tmp_path), "train")
+
+
+def test_an_unknown_model_is_refused_before_any_loads(tmp_path, monkeypatch):
+    from envace_core import EnvaceError
+
+    monkeypatch.setattr(vm, "dataset_record", lambda d, split: {"version": "v1", "store": d, "key": "k"})
+    monkeypatch.setattr(vm, "measure", lambda *a: pytest.fail("measured"))
+    with pytest.raises(EnvaceError):
+        vm.main(["--dataset", str(tmp_path), "--json", str(tmp_path / "r.json"),
+                 "--models", "ok=bundled:smollm2-135m-instruct,a=bundled:nope"])

@@ -210,3 +210,5 @@ def test_a_final_act_phase_starts_from_the_stored_mixed_warm_start(setup, tiny_m
         with pytest.warns(UnusedSettingWarning, match="sft_act_final_steps=4 has no effect"):
             unused = _cfg(tiny_model_dir, root, {**extra, "sft_act_final_steps": 4})
         assert warm_start_id(unused, ds, sha) == warm_start_id(_cfg(tiny_model_dir, root, extra), ds, sha)
+    with pytest.warns(UnusedSettingWarning, match="sft_act_recovery=true has no effect"):
+        _cfg(tiny_model_dir, root, {"sft_roles": ["rehearse"], "sft_act_recovery": True})

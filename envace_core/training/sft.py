@@ -163,7 +163,7 @@ def act_recovery_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: in
     `rollout.schema_error_observation` of `roles.parse_act`'s error, as with rollout.schema_errors;
     otherwise the real environment's result), and the target is `format_tool_call(a_k)`: the call that
     fixes the error instead of repeating it. A w_k the environment accepts is dropped (the environment
-    is reset to the gold prefix). Error-correction data (e.g. ToolACE's / Toolformer-style replayed
+    is reset to the gold prefix), and a gold call of a tool the prompt does not list gets none. Error-correction data (e.g. ToolACE's / Toolformer-style replayed
     traces; METHOD.md §2b's warm start, ACT role). Arguments and raises as `act_examples`."""
     import random
 
@@ -189,8 +189,8 @@ def act_recovery_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: in
         for k, gold in enumerate(turns):
             call = ToolCall(name=gold.name, arguments=gold.arguments, id=f"call_{k}")
             schema = schemas.get(call.name, {})
-            variants = [w for _, w in wrong_calls(call, schema, rng)]
-            extra = extra_argument_call(call, schema, task, rng)
+            variants = [w for _, w in wrong_calls(call, schema, rng)] if call.name in schemas else []
+            extra = extra_argument_call(call, schema, task, rng) if call.name in schemas else None
             variants += [extra] if extra is not None else []
             if variants:
                 wrong = variants[rng.randrange(len(variants))].model_copy(update={"id": f"call_{k}"})
