@@ -51,7 +51,8 @@ def test_a_json_that_is_not_a_report_is_refused_before_anything_runs(tmp_path, t
     bad = tmp_path / "r.json"
     bad.write_text(text)
     with pytest.raises(vm.BenchmarkError, match="not a validate_models report"):
-        vm.main(["--dataset", str(tmp_path), "--json", str(bad), "--models", "b=bundled:smollm2-135m-instruct"])
+        vm.main(["--dataset", str(tmp_path), "--json", str(bad),
+                 "--models", "b=bundled:smollm2-135m-instruct"])
     assert bad.read_text() == text  # left as it was
     with pytest.raises(vm.BenchmarkError, match="does not exist or is not writable"):
         vm.read_report(bad / "x.json")  # its folder is a file

@@ -163,8 +163,8 @@ def act_recovery_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: in
     `rollout.schema_error_observation` of `roles.parse_act`'s error, as with rollout.schema_errors;
     otherwise the real environment's result), and the target is `format_tool_call(a_k)`: the call that
     fixes the error instead of repeating it. A w_k the environment accepts is dropped (the environment
-    is reset to the gold prefix), and a gold call of a tool the prompt does not list gets none. Error-correction data (e.g. ToolACE's / Toolformer-style replayed
-    traces; METHOD.md §2b's warm start, ACT role). Arguments and raises as `act_examples`."""
+    is reset to the gold prefix), and a gold call of a tool the prompt does not list gets none. Part of
+    the ACT warm start (METHOD.md §2b). Arguments and raises as `act_examples`."""
     import random
 
     from envace_core.envs.tau2.environment import Tau2Environment
