@@ -142,6 +142,29 @@ def train_version(ds_dir: Path, version: str | None, split: str) -> str:
     return sha256_bytes(json.dumps(train, sort_keys=True, default=str).encode())[:16]
 
 
+def dataset_record(ds_dir: str, split: str) -> dict[str, Any]:
+    """The `curate` result for a dataset folder of the artifact store (``<store>/datasets/<version>``):
+    {"store", "key", "version", "train_version"} (`train_version` over the `split` train split). Raises
+    rehearsal_effect's `BenchmarkError` for a folder without a readable manifest.json naming its version, or
+    one not under a ``datasets`` folder; EnvaceError as `train_version`."""
+    from rehearsal_effect import BenchmarkError
+
+    d = Path(ds_dir).resolve()
+    try:
+        man = json.loads((d / "manifest.json").read_text())
+    except (OSError, ValueError) as e:
+        raise BenchmarkError(f"--dataset {ds_dir}: no readable manifest.json ({e}); give "
+                             "<store>/datasets/<version> as the curate stage wrote it") from None
+    if not isinstance(man, dict) or not isinstance(man.get("version"), str):
+        raise BenchmarkError(f"--dataset {ds_dir}: its manifest.json has no \"version\"; give "
+                             "<store>/datasets/<version> as the curate stage wrote it")
+    if d.parent.name != "datasets":
+        raise BenchmarkError(f"--dataset {ds_dir}: give the folder as the store holds it, "
+                             "<store>/datasets/<version> (the curate stage writes it there)")
+    return {"store": str(d.parent.parent), "key": f"datasets/{d.name}", "version": man["version"],
+            "train_version": train_version(d, man["version"], split)}
+
+
 def build_run(args):
     """(TrainingRun, RunState) of a fresh run of the config from the warm start (module docstring)."""
     from envace_core import EnvaceError
@@ -155,22 +178,16 @@ def build_run(args):
     from envace_core.training.trainer import PolicyTrainer
 
     cfg = load_config(args.profile, args.overrides)
-    ds_dir, warm_dir = Path(args.dataset).resolve(), Path(args.warm_start).resolve()
-    manifest, meta = ds_dir / "manifest.json", warm_dir / "warm_start.json"
-    if not manifest.is_file():
-        raise EnvaceError(f"--dataset {args.dataset}: no manifest.json (a curated dataset folder in the store)")
+    dataset = dataset_record(args.dataset, cfg.data.train_split)
+    warm_dir = Path(args.warm_start).resolve()
+    meta = warm_dir / "warm_start.json"
     if not meta.is_file():
         raise EnvaceError(f"--warm-start {args.warm_start}: no warm_start.json (a warm start folder in the store)")
-    if ds_dir.parent.name != "datasets":
-        raise EnvaceError(f"--dataset {args.dataset}: give the folder as the store holds it, "
-                          "<store>/datasets/<version> (the curate stage writes it there)")
     try:
-        man, warm = json.loads(manifest.read_text()), json.loads(meta.read_text())
+        warm = json.loads(meta.read_text())
     except (OSError, json.JSONDecodeError) as e:
-        raise EnvaceError(f"{manifest} or {meta} is not readable JSON ({e})") from e
+        raise EnvaceError(f"{meta} is not readable JSON ({e})") from e
     warm["adapter_uri"] = str(warm_dir / "adapter")
-    dataset = {"store": str(ds_dir.parent.parent), "key": f"datasets/{ds_dir.name}", "version": man.get("version"),
-               "train_version": train_version(ds_dir, man.get("version"), cfg.data.train_split)}
     check_warm_start(cfg, dataset, warm)
     tasks = load_dataset(dataset, "train")
     tmp = tempfile.mkdtemp(prefix="envace-iterprof-")

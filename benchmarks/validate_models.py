@@ -32,6 +32,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+from iteration_profile import dataset_record
 from rehearsal_effect import BenchmarkError, parse_models
 
 import envace_core  # noqa: F401  (rehearsal_effect has set the offline environment)
@@ -40,24 +41,6 @@ HERE = Path(__file__).resolve().parent
 # reported metric -> its per-transition field in `rehearse_rows`
 COLUMNS = {"json_validity": "json_valid", "parse_error_rate": "parse_error", "fidelity": "fidelity",
            "error_prediction_accuracy": "error_match", "key_f1": "key_f1", "value_f1": "value_f1"}
-
-
-def dataset_record(ds_dir: str, split: str) -> dict[str, Any]:
-    """The `curate` result for a dataset folder of the artifact store (``<store>/datasets/<version>``):
-    {"store", "key", "version", "train_version"}. Raises `BenchmarkError` for a folder without manifest.json."""
-    from iteration_profile import train_version
-
-    d = Path(ds_dir).resolve()
-    try:
-        man = json.loads((d / "manifest.json").read_text())
-    except (OSError, ValueError) as e:
-        raise BenchmarkError(f"--dataset {ds_dir}: no readable manifest.json ({e}); give "
-                             "<store>/datasets/<version> as the curate stage wrote it") from None
-    if not isinstance(man, dict) or not isinstance(man.get("version"), str):
-        raise BenchmarkError(f"--dataset {ds_dir}: its manifest.json has no \"version\"; give "
-                             "<store>/datasets/<version> as the curate stage wrote it")
-    return {"store": str(d.parent.parent), "key": f"datasets/{d.name}", "version": man["version"],
-            "train_version": train_version(d, man["version"], split)}
 
 
 def fingerprint(model: Any, dataset: dict[str, Any], cfg: Any) -> str:
