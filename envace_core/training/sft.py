@@ -188,10 +188,11 @@ def act_recovery_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: in
         turns = task.gold_actions[:max_turns] if max_turns is not None else task.gold_actions
         for k, gold in enumerate(turns):
             call = ToolCall(name=gold.name, arguments=gold.arguments, id=f"call_{k}")
-            schema = schemas.get(call.name, {})
-            variants = [w for _, w in wrong_calls(call, schema, rng)] if call.name in schemas else []
-            extra = extra_argument_call(call, schema, task, rng) if call.name in schemas else None
-            variants += [extra] if extra is not None else []
+            variants: list[ToolCall] = []
+            if call.name in schemas:  # a tool the prompt does not list: no refusal to learn from
+                variants = [w for _, w in wrong_calls(call, schemas[call.name], rng)]
+                extra = extra_argument_call(call, schemas[call.name], task, rng)
+                variants += [extra] if extra is not None else []
             if variants:
                 wrong = variants[rng.randrange(len(variants))].model_copy(update={"id": f"call_{k}"})
                 parsed = parse_act(format_tool_call(wrong), ctx.tools, schema_errors=True)
