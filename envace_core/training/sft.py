@@ -45,6 +45,7 @@ import torch
 
 from envace_core import EnvaceError
 from envace_core.roles.act import act_prompt_ids
+from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
 from envace_core.roles.tools import format_tool_call
 from envace_core.types import Message, Task, ToolCall
 
@@ -88,7 +89,8 @@ def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None 
                  env_factory: Callable[[str], ToolEnvironment] | None = None,
                  include_answer: bool = True, max_turns: int | None = None,
                  max_tokens: int | None = None,
-                 forbid_splits: Collection[str] = ("test",)) -> list[SFTExample]:
+                 forbid_splits: Collection[str] = ("test",),
+                 max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS) -> list[SFTExample]:
     """The supervised ACT turns of every task in `tasks` that has gold actions (others are skipped).
 
     `env_factory(domain)` makes the private environment the gold calls run in (default
@@ -98,7 +100,9 @@ def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None 
     skipped, since a long tau2 history (tool results of several KB) makes one step need many GB.
     `forbid_splits`: splits whose tasks are refused (`transitions.check_splits`, as
     `transitions.real_transitions` does: warm-start data never holds a test task); pass ``()`` to
-    build examples of held-out tasks on purpose, e.g. for measurement.
+    build examples of held-out tasks on purpose, e.g. for measurement. `max_observation_tokens`: each
+    tool result in a prompt is cut to this many tokens, as ``rollout.max_observation_tokens`` cuts it
+    in a rollout (`roles.act.act_prompt_ids`; None = uncut).
 
     Raises:
         TestSplitError: a task's `split` is in `forbid_splits` (the first such task is named),
@@ -123,7 +127,7 @@ def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None 
         for k, gold in enumerate(turns):
             call = ToolCall(name=gold.name, arguments=gold.arguments, id=f"call_{k}")
             text = format_tool_call(call)
-            out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, history),
+            out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, history, None, max_observation_tokens),
                                   completion_ids(tokenizer, text), text, call))
             obs = env.step(call)  # a tool error stays in the history, as the gold replay sees it
             history += [Message(role="assistant", tool_call=call),
@@ -131,7 +135,7 @@ def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None 
         if include_answer and len(turns) == len(task.gold_actions) \
                 and (max_turns is None or len(turns) < max_turns):
             text = gold_answer(task)
-            out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, history),
+            out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, history, None, max_observation_tokens),
                                   completion_ids(tokenizer, text), text, None))
     if max_tokens is not None:
         out = [e for e in out if len(e.prompt_ids) + len(e.completion_ids) <= max_tokens]
