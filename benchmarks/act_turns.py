@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/act_turns.py \
         --models warm_start=ADAPTER_DIR,trained=registry:NAME@VERSION \
-        [--tasks .envace/bench/rehearsal_effect/heldout_tasks/<file>.json] [--limit N] \
+        [--tasks .envace/bench/rehearsal_effect/heldout_tasks/<file>.json] [--limit N per domain] \
         [--json benchmarks/results/act_turns.json]
 
 `first_call.py` measures turn 1 only. This probe measures every ACT turn k of a task's gold trajectory with
@@ -38,6 +38,7 @@ import json
 import os
 import re
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envace_core  # noqa: F401  (offline environment first)
 from first_call import DEFAULT_TASKS, load_tasks_file
 from rehearsal_effect import BenchmarkError, parse_models
+from rehearsal_effect_heldout import limit_per_domain
 
 HERE = Path(__file__).resolve().parent
 KINDS = ("first_call", "later_call", "answer")
@@ -108,6 +110,27 @@ def task_turns(task, tokenizer, cfg: Any) -> list:
                         forbid_splits=(), max_observation_tokens=cfg.rollout.max_observation_tokens)
 
 
+def read_cache(cache: Path) -> dict[str, list[dict[str, Any]]]:
+    """The cached turn records of `cache` (a JSONL file `run_model` appends to) by task id; {} when absent.
+    Raises `BenchmarkError` naming the file when it is a folder or holds a line that is not a turn record."""
+    if cache.is_dir():
+        raise BenchmarkError(f"the cache file {cache} is a folder; remove it or give another --out")
+    done: dict[str, list[dict[str, Any]]] = {}
+    if not cache.is_file():
+        return done
+    for n, line in enumerate(cache.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            r = json.loads(line)
+            done.setdefault(r["task_id"], []).append(r)
+            r["kind"], r["outcome"], r["level"]
+        except (json.JSONDecodeError, TypeError, KeyError) as e:
+            raise BenchmarkError(f"the cache file {cache} line {n} is not a turn record ({type(e).__name__}); "
+                                 "delete the file to measure that model again") from e
+    return done
+
+
 def run_model(cfg: Any, engine_for, tasks: list, cache: Path, log=print) -> list[dict[str, Any]]:
     """Every teacher-forced turn of every task (cached per task id in `cache`, a JSONL file of one record per
     turn)."""
@@ -118,12 +141,7 @@ def run_model(cfg: Any, engine_for, tasks: list, cache: Path, log=print) -> list
     from envace_core.roles.errors import ParseError, format_error
     from envace_core.training.policy import rollout_params
 
-    done: dict[str, list[dict]] = {}
-    if cache.is_file():
-        for line in cache.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                done.setdefault(r["task_id"], []).append(r)
+    done = read_cache(cache)
     p = rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=cfg.eval.max_turns,
                        lenient=cfg.eval.lenient_tool_format)
     sp = SamplingParams(max_new_tokens=p.max_new_tokens_act, temperature=p.temperature, top_p=p.top_p,
@@ -198,7 +216,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", required=True, help="LABEL=REF,... (bundled:..., an adapter folder, registry:...)")
     ap.add_argument("--tasks", default=DEFAULT_TASKS, help="held-out task file (rehearsal_effect.py --heldout writes it)")
-    ap.add_argument("--limit", type=int, help="first N tasks of the file")
+    ap.add_argument("--limit", type=int, help="first N tasks of each domain in the file")
     ap.add_argument("--profile", default="cpu-smoke")
     ap.add_argument("--overrides", default="")
     ap.add_argument("--out", default=".envace/bench/act_turns")
@@ -207,6 +225,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from envace_core.config import load_config
+    from envace_core.envs.tau2.tasks import task_context
     from envace_core.models import check_model_ref
     from envace_core.store.files import atomic_write_text
     from envace_core.training.policy import load_engine
@@ -220,19 +239,35 @@ def main(argv=None) -> int:
     if bad:
         raise BenchmarkError(f"--models labels name cache files: use letters, digits, '_', '.', '-' ({bad})")
     tasks = load_tasks_file(args.tasks)
-    tasks = tasks[:args.limit] if args.limit else tasks
+    tasks = limit_per_domain(tasks, args.limit)
+    repeated = sorted({t.id for t in tasks if sum(u.id == t.id for u in tasks) > 1})
+    if repeated:
+        raise BenchmarkError(f"--tasks {args.tasks}: task ids repeat ({repeated[:3]}): each task is measured once")
     cfg = load_config(args.profile, args.overrides)
+    for t in tasks:  # an unknown domain is named now, not after a model has loaded
+        task_context(t, cfg.data.policy_max_chars)
     resolved = {label: check_model_ref(ref, cfg) for label, ref in models}  # every model found before any loads
     out, report_path = Path(args.out), Path(args.json)
     if report_path.is_dir():
         raise BenchmarkError(f"--json {args.json} is a folder; give a file path")
+    rp, op = report_path.resolve(), out.resolve()
+    if rp == Path(args.tasks).resolve():
+        raise BenchmarkError(f"--json {args.json} is the --tasks file: the report would overwrite the tasks")
+    if rp == op or rp in op.parents:
+        raise BenchmarkError(f"--json {args.json} is --out {args.out} or a folder above it; give another file")
     for d in (out, report_path.parent):  # before any model runs: a report that cannot be written loses the run
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise BenchmarkError(f"cannot create the folder {d} ({e})") from e
-        if not os.access(d, os.W_OK):
-            raise BenchmarkError(f"the folder {d} is not writable")
+        try:  # a file can be made there (os.access says yes on /proc for root)
+            tempfile.TemporaryFile(dir=d).close()
+        except OSError as e:
+            raise BenchmarkError(f"the folder {d} is not writable ({e})") from e
+    caches = {label: out / f"{label}-{fingerprint(resolved[label].label, ref, cfg, args.tasks)}.jsonl"
+              for label, ref in models}
+    for cache in caches.values():  # a corrupt cache is named before any model runs
+        read_cache(cache)
     t0, load0 = time.monotonic(), os.getloadavg()
     report: dict[str, Any] = {"run": {"command": " ".join([sys.executable, *sys.argv]), "tasks": args.tasks,
                                       "n_tasks": len(tasks), "load_avg_start": list(load0),
@@ -249,8 +284,7 @@ def main(argv=None) -> int:
                 engines.append(load_engine(cfg, resolved)[0])
             return engines[0]
 
-        cache = out / f"{label}-{fingerprint(resolved[label].label, ref, cfg, args.tasks)}.jsonl"
-        recs = run_model(cfg, engine_for, tasks, cache)
+        recs = run_model(cfg, engine_for, tasks, caches[label])
         report["models"][label] = {"ref": ref, "summary": summarize(recs, args.n_boot, 0)}
         report["records"][label] = recs
         engines.clear()

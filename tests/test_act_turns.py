@@ -87,6 +87,25 @@ def test_bad_arguments_stop_before_any_model_loads(tmp_path, monkeypatch):
     for argv, msg in [(["--models", "a/b=bundled:smollm2-135m-instruct"], "labels name cache files"),
                       (["--models", ok, "--limit", "0"], "--limit must be >= 1"),
                       (["--models", ok + ",y=" + str(tmp_path / "nothere")], "no such file|not found"),
-                      (["--models", ok, "--json", str(tmp_path)], "is a folder")]:
+                      (["--models", ok, "--json", str(tmp_path)], "is a folder"),
+                      (["--models", ok, "--json", str(tasks)], "is the --tasks file"),
+                      (["--models", ok, "--json", str(tmp_path / "o")], "or a folder above it")]:
         with pytest.raises(Exception, match=msg):
             at.main(base + argv if "--json" not in argv else base[:4] + argv)
+    record = json.loads(tasks.read_text())[0]
+    for name, records, msg in [("dup.json", [record, record], "task ids repeat"),
+                               ("dom.json", [{**record, "domain": "nowhere"}], "nowhere")]:
+        (tmp_path / name).write_text(json.dumps(records))
+        with pytest.raises(Exception, match=msg):
+            at.main(["--tasks", str(tmp_path / name)] + base[2:] + ["--models", ok])
+
+
+def test_a_corrupt_or_folder_cache_is_named(tmp_path):
+    for text in ("not json", "{}", "[1]"):
+        (tmp_path / "c.jsonl").write_text(text + "\n")
+        with pytest.raises(at.BenchmarkError, match="line 1 is not a turn record"):
+            at.read_cache(tmp_path / "c.jsonl")
+    (tmp_path / "d.jsonl").mkdir()
+    with pytest.raises(at.BenchmarkError, match="is a folder"):
+        at.read_cache(tmp_path / "d.jsonl")
+    assert at.read_cache(tmp_path / "missing.jsonl") == {}
