@@ -36,9 +36,7 @@ import argparse
 import hashlib
 import json
 import os
-import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -46,10 +44,16 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import envace_core  # noqa: F401  (offline environment first)
-from first_call import DEFAULT_TASKS, load_tasks_file
-from rehearsal_effect import BenchmarkError, parse_models
+from first_call import (
+    add_run_arguments,
+    check_outputs,
+    checked_models,
+    load_tasks_file,
+)
+from rehearsal_effect import BenchmarkError
 from rehearsal_effect_heldout import limit_per_domain
+
+import envace_core  # noqa: F401  (offline environment first)
 
 HERE = Path(__file__).resolve().parent
 KINDS = ("first_call", "later_call", "answer")
@@ -214,14 +218,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", required=True, help="LABEL=REF,... (bundled:..., an adapter folder, registry:...)")
-    ap.add_argument("--tasks", default=DEFAULT_TASKS, help="held-out task file (rehearsal_effect.py --heldout writes it)")
-    ap.add_argument("--limit", type=int, help="first N tasks of each domain in the file")
-    ap.add_argument("--profile", default="cpu-smoke")
-    ap.add_argument("--overrides", default="")
-    ap.add_argument("--out", default=".envace/bench/act_turns")
-    ap.add_argument("--json", default=str(HERE / "results" / "act_turns.json"))
-    ap.add_argument("--n-boot", type=int, default=2000)
+    add_run_arguments(ap, "act_turns", "first N tasks of each domain in the file")
     args = ap.parse_args(argv)
 
     from envace_core.config import load_config
@@ -230,14 +227,7 @@ def main(argv=None) -> int:
     from envace_core.store.files import atomic_write_text
     from envace_core.training.policy import load_engine
 
-    if args.limit is not None and args.limit < 1:
-        raise BenchmarkError(f"--limit must be >= 1, got {args.limit}")
-    if args.n_boot < 1:
-        raise BenchmarkError(f"--n-boot must be >= 1, got {args.n_boot}")
-    models = parse_models(args.models, None)
-    bad = [label for label, _ in models if not re.fullmatch(r"[A-Za-z0-9_.-]+", label)]
-    if bad:
-        raise BenchmarkError(f"--models labels name cache files: use letters, digits, '_', '.', '-' ({bad})")
+    models = checked_models(args)
     tasks = load_tasks_file(args.tasks)
     tasks = limit_per_domain(tasks, args.limit)
     repeated = sorted({t.id for t in tasks if sum(u.id == t.id for u in tasks) > 1})
@@ -247,23 +237,7 @@ def main(argv=None) -> int:
     for t in tasks:  # an unknown domain is named now, not after a model has loaded
         task_context(t, cfg.data.policy_max_chars)
     resolved = {label: check_model_ref(ref, cfg) for label, ref in models}  # every model found before any loads
-    out, report_path = Path(args.out), Path(args.json)
-    if report_path.is_dir():
-        raise BenchmarkError(f"--json {args.json} is a folder; give a file path")
-    rp, op = report_path.resolve(), out.resolve()
-    if rp == Path(args.tasks).resolve():
-        raise BenchmarkError(f"--json {args.json} is the --tasks file: the report would overwrite the tasks")
-    if rp == op or rp in op.parents:
-        raise BenchmarkError(f"--json {args.json} is --out {args.out} or a folder above it; give another file")
-    for d in (out, report_path.parent):  # before any model runs: a report that cannot be written loses the run
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise BenchmarkError(f"cannot create the folder {d} ({e})") from e
-        try:  # a file can be made there (os.access says yes on /proc for root)
-            tempfile.TemporaryFile(dir=d).close()
-        except OSError as e:
-            raise BenchmarkError(f"the folder {d} is not writable ({e})") from e
+    out, report_path = check_outputs(args)
     caches = {label: out / f"{label}-{fingerprint(resolved[label].label, ref, cfg, args.tasks)}.jsonl"
               for label, ref in models}
     for cache in caches.values():  # a corrupt cache is named before any model runs

@@ -41,8 +41,9 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import envace_core  # noqa: F401  (offline environment first)
 from rehearsal_effect import BenchmarkError, parse_models
+
+import envace_core  # noqa: F401  (offline environment first)
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_TASKS = ".envace/bench/rehearsal_effect/heldout_tasks/f676219993e898f4-h30-s0-L123.json"
@@ -211,23 +212,21 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_arguments(ap: argparse.ArgumentParser, name: str, limit_help: str) -> None:
+    """The arguments `first_call.py` and `act_turns.py` share; `name` names the default cache folder and report."""
     ap.add_argument("--models", required=True, help="LABEL=REF,... (bundled:..., an adapter folder, registry:...)")
     ap.add_argument("--tasks", default=DEFAULT_TASKS, help="held-out task file (rehearsal_effect.py --heldout writes it)")
-    ap.add_argument("--limit", type=int, help="first N tasks of the file")
+    ap.add_argument("--limit", type=int, help=limit_help)
     ap.add_argument("--profile", default="cpu-smoke")
     ap.add_argument("--overrides", default="")
-    ap.add_argument("--out", default=".envace/bench/first_call")
-    ap.add_argument("--json", default=str(HERE / "results" / "first_call.json"))
+    ap.add_argument("--out", default=f".envace/bench/{name}")
+    ap.add_argument("--json", default=str(HERE / "results" / f"{name}.json"))
     ap.add_argument("--n-boot", type=int, default=2000)
-    args = ap.parse_args(argv)
 
-    from envace_core.config import load_config
-    from envace_core.models import resolve_model_ref
-    from envace_core.store.files import atomic_write_text
-    from envace_core.training.policy import load_engine
 
+def checked_models(args: argparse.Namespace) -> list[tuple[str, str]]:
+    """(label, ref) of ``--models`` after checking ``--limit``, ``--n-boot`` and that labels can name cache files.
+    Raises `BenchmarkError`."""
     if args.limit is not None and args.limit < 1:
         raise BenchmarkError(f"--limit must be >= 1, got {args.limit}")
     if args.n_boot < 1:
@@ -236,20 +235,52 @@ def main(argv=None) -> int:
     bad = [label for label, _ in models if not re.fullmatch(r"[A-Za-z0-9_.-]+", label)]
     if bad:
         raise BenchmarkError(f"--models labels name cache files: use letters, digits, '_', '.', '-' ({bad})")
-    tasks = load_tasks_file(args.tasks)
-    tasks = tasks[:args.limit] if args.limit else tasks
-    cfg = load_config(args.profile, args.overrides)
-    resolved = {label: resolve_model_ref(ref, cfg.store.registry, base_ref=cfg.model.ref) for label, ref in models}
+    return models
+
+
+def check_outputs(args: argparse.Namespace) -> tuple[Path, Path]:
+    """(``--out``, ``--json``) as paths, both folders made and writable, before any model runs: a report that cannot
+    be written would lose the run. Raises `BenchmarkError` for a report path that is a folder, the task file,
+    ``--out`` or a folder above it, and for a folder that cannot be made or written (tried with a temporary file:
+    `os.access` says yes on /proc for root)."""
+    import tempfile
+
     out, report_path = Path(args.out), Path(args.json)
-    for d in (out, report_path.parent):  # before any model runs: a report that cannot be written loses the run
+    if report_path.is_dir():
+        raise BenchmarkError(f"--json {args.json} is a folder; give a file path")
+    rp, op = report_path.resolve(), out.resolve()
+    if rp == Path(args.tasks).resolve():
+        raise BenchmarkError(f"--json {args.json} is the --tasks file: the report would overwrite the tasks")
+    if rp == op or rp in op.parents:
+        raise BenchmarkError(f"--json {args.json} is --out {args.out} or a folder above it; give another file")
+    for d in (out, report_path.parent):
         try:
             d.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise BenchmarkError(f"cannot create the folder {d} ({e})") from e
-        if not os.access(d, os.W_OK):
-            raise BenchmarkError(f"the folder {d} is not writable")
-    if report_path.is_dir():
-        raise BenchmarkError(f"--json {args.json} is a folder; give a file path")
+        try:
+            tempfile.TemporaryFile(dir=d).close()
+        except OSError as e:
+            raise BenchmarkError(f"the folder {d} is not writable ({e})") from e
+    return out, report_path
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(ap, "first_call", "first N tasks of the file")
+    args = ap.parse_args(argv)
+
+    from envace_core.config import load_config
+    from envace_core.models import resolve_model_ref
+    from envace_core.store.files import atomic_write_text
+    from envace_core.training.policy import load_engine
+
+    models = checked_models(args)
+    tasks = load_tasks_file(args.tasks)
+    tasks = tasks[:args.limit] if args.limit else tasks
+    cfg = load_config(args.profile, args.overrides)
+    resolved = {label: resolve_model_ref(ref, cfg.store.registry, base_ref=cfg.model.ref) for label, ref in models}
+    out, report_path = check_outputs(args)
     t0, load0 = time.monotonic(), os.getloadavg()
     report: dict[str, Any] = {"run": {"command": " ".join([sys.executable, *sys.argv]), "tasks": args.tasks,
                                       "n_tasks": len(tasks), "load_avg_start": list(load0),

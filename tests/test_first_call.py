@@ -101,6 +101,7 @@ def test_bad_arguments_stop_before_any_model_loads(tmp_path, monkeypatch):
                       (["--models", ok, "--limit", "0"], "--limit must be >= 1"),
                       (["--models", ok, "--n-boot", "0"], "--n-boot must be >= 1"),
                       (["--models", ok + ",y=" + str(tmp_path / "nothere")], "no such file"),
-                      (["--models", ok, "--json", str(tmp_path)], "is a folder")]:
+                      (["--models", ok, "--json", str(tmp_path)], "is a folder"),
+                      (["--models", ok, "--json", str(tasks)], "is the --tasks file")]:
         with pytest.raises(Exception, match=msg):
             fc.main(base + argv if "--json" not in argv else base[:4] + argv)
