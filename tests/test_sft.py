@@ -316,6 +316,29 @@ def test_the_warm_start_stage_builder_refuses_a_test_split_task(tasks, tok, tiny
         warm_examples(cfg, [tasks[1], held], tok, rollout_params(cfg), [])
 
 
+
+def test_the_warm_start_cuts_tool_results_in_act_prompts_as_rollouts_do(tasks, tok, tiny_model_dir):
+    """rollout.max_observation_tokens bounds each tool result of the warm-up's ACT prompts (plain and recovery
+    examples), as `rollout.act_turn` bounds it: the SFT prompt of a turn is the prompt a rollout builds there."""
+    from envace_core.config import load_config
+    from envace_core.roles.bounds import TRUNCATION_MARKER
+    from envace_core.stages.warm_start import warm_examples
+    from envace_core.training.policy import rollout_params
+
+    marker = TRUNCATION_MARKER.split("{")[0]
+    texts = {}
+    for bound in (None, 32):
+        cfg = load_config("test", {"model": {"ref": str(tiny_model_dir), "compute_dtype": "float32"},
+                                   "rollout": {"max_turns": 3, "max_observation_tokens": bound},
+                                   "train": {"sft_warmup_steps": 1, "sft_roles": ["act"], "sft_act_recovery": True}})
+        ex = warm_examples(cfg, tasks, tok, rollout_params(cfg), [])["act"]
+        texts[bound] = [tok.decode(e.prompt_ids) for e in ex]
+    later = [i for i, t in enumerate(texts[None]) if "<|im_start|>tool" in t]
+    assert later and not any(marker in texts[None][i] for i in later)
+    cut = [i for i in later if marker in texts[32][i]]  # look-up results are over 32 tokens; short errors are not
+    assert cut and all(len(texts[32][i]) < len(texts[None][i]) for i in cut)
+    assert all(texts[32][i] == texts[None][i] for i in range(len(texts[None])) if i not in cut)
+
 # ------------------------------------------------------------------------- REHEARSE prompts never leak the own task
 @pytest.fixture(scope="module")
 def several():

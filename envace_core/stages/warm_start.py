@@ -121,8 +121,9 @@ def check_warm_start(cfg: RunConfig, dataset: dict[str, Any], warm: dict[str, An
 def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutParams,
                   transitions: list[Transition]) -> dict[str, list[SFTExample]]:
     """The warm-up examples of each role in train.sft_roles: "act" = `sft.act_examples` of the train
-    `tasks` (first rollout.max_turns turns; with train.sft_act_recovery also `sft.act_recovery_examples`,
-    seed train.seed), "rehearse" = `sft.rehearse_examples` of `transitions`
+    `tasks` (first rollout.max_turns turns, tool results cut to rollout.max_observation_tokens as rollouts
+    cut them; with train.sft_act_recovery also `sft.act_recovery_examples`, seed train.seed), "rehearse" =
+    `sft.rehearse_examples` of `transitions`
     (`loop.real_train_transitions`; prompts as rollouts build them with `params`, grounding included;
     targets cut to the per-tool budgets), both within train.sft_max_tokens; REHEARSE errors capped at
     train.sft_rehearse_error_share of them, then REHEARSE capped at train.sft_max_rehearse_examples."""
@@ -131,7 +132,7 @@ def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutP
     out: dict[str, list[SFTExample]] = {}
     if "act" in cfg.train.sft_roles:
         kw = {"max_turns": cfg.rollout.max_turns, "max_tokens": cfg.train.sft_max_tokens,
-              "forbid_splits": (cfg.data.test_split,)}
+              "forbid_splits": (cfg.data.test_split,), "max_observation_tokens": cfg.rollout.max_observation_tokens}
         out["act"] = act_examples(tasks, tokenizer, cfg.data.policy_max_chars, **kw)
         if cfg.train.sft_act_recovery:
             out["act"] += act_recovery_examples(tasks, tokenizer, cfg.data.policy_max_chars, seed=cfg.train.seed, **kw)

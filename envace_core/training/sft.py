@@ -159,7 +159,8 @@ def extra_argument_call(call: ToolCall, tool_schema: dict, task: Task, rng) -> T
 def act_recovery_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None = None,
                           max_turns: int | None = None, max_tokens: int | None = None,
                           forbid_splits: Collection[str] = ("test",), seed: int = 0,
-                          env_factory: Callable[[str], ToolEnvironment] | None = None) -> list[SFTExample]:
+                          env_factory: Callable[[str], ToolEnvironment] | None = None,
+                          max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS) -> list[SFTExample]:
     """ACT turns that recover from a tool error: for gold call a_k of each task (k ≤ `max_turns`), one
     wrong variant w_k drawn with `seed` among `transitions.wrong_calls` (wrong id, missing argument,
     value outside the enum) and `extra_argument_call`; the prompt's history is h_k ⊕ (w_k, e_k), with
@@ -206,7 +207,7 @@ def act_recovery_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: in
                     prompt = history + [Message(role="assistant", tool_call=wrong),
                                         Message(role="tool", content=obs.content, error=True)]
                     text = format_tool_call(call)
-                    out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, prompt),
+                    out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, prompt, None, max_observation_tokens),
                                           completion_ids(tokenizer, text), text, call))
                 else:  # accepted: it may have changed the state, so back to the gold prefix
                     env.reset(task)
