@@ -11,14 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal, Optional
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    PositiveInt,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from envace_core.config_checks import (
     MAX_ACT_REPEATS,
@@ -429,22 +422,23 @@ class TrainConfig(_Strict):
         "examples: errors are a seeded sample, every success is kept (sft.rehearse_examples' "
         "error_share); None = one error per gold call (about half)")
     sft_max_rehearse_examples: Optional[int] = Field(
-        None, ge=1, description="most REHEARSE warm-up examples (a seeded sample of the transitions); "
-        "None = all")
+        None, ge=1, description="most REHEARSE warm-up examples (a seeded sample of the transitions); None = all")
     sft_act_repeats: int = Field(
         1, ge=1, le=MAX_ACT_REPEATS, description="k: each pass of the SFT warm-up holds every ACT example k "
         "times (each reshuffled), every REHEARSE example once (sft.batch_order); steps stay sft_warmup_steps")
     sft_act_final_steps: int = Field(
         0, ge=0, description="ACT-only SFT steps after the mixed ones, from the mixed warm start (stored under its "
         "own id, reused; fresh AdamW, same lr, rows). It and sft_act_repeats need a shared policy on both roles")
+    sft_answer_repeats: int = Field(
+        1, ge=1, le=MAX_ACT_REPEATS, description="k: each final-answer ACT example (the message after a task's "
+        "last gold call) is held k times in the ACT examples, so the warm-up teaches answering, not only calling")
     sft_act_recovery: bool = Field(
         False, description="ACT warm-up examples also recover from a tool error: a wrong variant of each gold call "
         "and the error it gets, then the gold call as target (sft.act_recovery_examples)")
     sft_learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the SFT warm-up")
     sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
-    sft_max_tokens: int = Field(
-        4096, ge=16, description="SFT warm-up examples longer than this (prompt + target, tokens) are "
-        "skipped: memory grows with length (logits alone are ~0.2 MB per token)")
+    sft_max_tokens: int = Field(4096, ge=16, description="SFT warm-up examples longer than this (prompt + target, "
+                                "tokens) are skipped: memory grows with length (logits alone ~0.2 MB per token)")
     @field_validator("init_adapter")
     @classmethod
     def _init_adapter(cls, v: Optional[str]) -> Optional[str]:

@@ -339,6 +339,27 @@ def test_the_warm_start_cuts_tool_results_in_act_prompts_as_rollouts_do(tasks, t
     assert cut and all(len(texts[32][i]) < len(texts[None][i]) for i in cut)
     assert all(texts[32][i] == texts[None][i] for i in range(len(texts[None])) if i not in cut)
 
+
+def test_the_warm_start_holds_each_final_answer_example_k_times(tasks, tok, tiny_model_dir):
+    """train.sft_answer_repeats = k: every final-answer ACT example (gold None: the message after the last gold
+    call) is in the ACT warm-up examples k times; every call example stays once."""
+    from envace_core.config import load_config
+    from envace_core.stages.warm_start import warm_examples
+    from envace_core.training.policy import rollout_params
+
+    got = {}
+    for k in (1, 3):
+        cfg = load_config("test", {"model": {"ref": str(tiny_model_dir), "compute_dtype": "float32"},
+                                   "rollout": {"max_turns": 5},
+                                   "train": {"sft_warmup_steps": 1, "sft_roles": ["act"], "sft_answer_repeats": k}})
+        got[k] = warm_examples(cfg, tasks, tok, rollout_params(cfg), [])["act"]
+    answers = [e for e in got[1] if e.gold is None]
+    assert answers and len(answers) < len(got[1])
+    assert len(got[3]) == len(got[1]) + 2 * len(answers)
+    key = lambda e: (e.task_id, tuple(e.prompt_ids), e.text)  # noqa: E731
+    for e in got[1]:
+        assert sum(key(x) == key(e) for x in got[3]) == (3 if e.gold is None else 1)
+
 # ------------------------------------------------------------------------- REHEARSE prompts never leak the own task
 @pytest.fixture(scope="module")
 def several():

@@ -88,6 +88,8 @@ def warm_start_settings(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, An
             out["train.sft_act_final_steps"] = effective_act_final_steps(cfg.train)
         if cfg.train.sft_act_recovery and "act" in cfg.train.sft_roles:
             out["train.sft_act_recovery"] = True
+        if cfg.train.sft_answer_repeats != 1 and "act" in cfg.train.sft_roles:
+            out["train.sft_answer_repeats"] = cfg.train.sft_answer_repeats
         out.update({f"{sec}.{f}": getattr(getattr(cfg, sec), f) for sec, f in PROMPT_FIELDS})
         out["sft.batching"] = SFT_BATCHING  # how steps draw their examples: same settings, other weights
     return out
@@ -122,7 +124,8 @@ def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutP
                   transitions: list[Transition]) -> dict[str, list[SFTExample]]:
     """The warm-up examples of each role in train.sft_roles: "act" = `sft.act_examples` of the train
     `tasks` (first rollout.max_turns turns, tool results cut to rollout.max_observation_tokens as rollouts
-    cut them; with train.sft_act_recovery also `sft.act_recovery_examples`, seed train.seed), "rehearse" =
+    cut them; each final-answer example train.sft_answer_repeats times; with train.sft_act_recovery also
+    `sft.act_recovery_examples`, seed train.seed), "rehearse" =
     `sft.rehearse_examples` of `transitions`
     (`loop.real_train_transitions`; prompts as rollouts build them with `params`, grounding included;
     targets cut to the per-tool budgets), both within train.sft_max_tokens; REHEARSE errors capped at
@@ -134,6 +137,7 @@ def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutP
         kw = {"max_turns": cfg.rollout.max_turns, "max_tokens": cfg.train.sft_max_tokens,
               "forbid_splits": (cfg.data.test_split,), "max_observation_tokens": cfg.rollout.max_observation_tokens}
         out["act"] = act_examples(tasks, tokenizer, cfg.data.policy_max_chars, **kw)
+        out["act"] += [e for e in out["act"] if e.gold is None] * (cfg.train.sft_answer_repeats - 1)
         if cfg.train.sft_act_recovery:
             out["act"] += act_recovery_examples(tasks, tokenizer, cfg.data.policy_max_chars, seed=cfg.train.seed, **kw)
     if "rehearse" in cfg.train.sft_roles:
