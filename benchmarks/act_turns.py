@@ -25,7 +25,8 @@ Each turn is classified against its target:
   ``repeat``, ``other_tool`` (any other call), ``parse_error``.
 
 Rates per turn kind ("first call", "later call", "answer") and per level, with 95 % percentile bootstrap
-CIs over turns (`evaluation.stats.mean_ci`). Records are cached per model in
+CIs over turns (`evaluation.stats.mean_ci`); with several models, each one's paired difference to the first
+(`paired`: the same turns, bootstrap over turns). Records are cached per model in
 ``<out>/<label>-<fingerprint>.jsonl`` (the model's files, the task file's content, the ACT settings), so a
 rerun resumes. Writes ``--json`` and prints a markdown table.
 """
@@ -207,12 +208,44 @@ def summarize(records: list[dict[str, Any]], n_boot: int, seed: int) -> dict[str
     return res
 
 
+def paired(records: dict[str, list[dict[str, Any]]], n_boot: int, seed: int) -> dict[str, Any]:
+    """Each model after the first against the first (the reference), on the turns both measured (same task id
+    and turn): per turn kind, each outcome's per-turn difference (1, 0 or −1: model minus reference) as
+    `stats.mean_ci`, a paired percentile bootstrap over turns (Dror et al. 2018 §3.2, as `stages.compare`).
+    `records`: label → turn records, in the --models order. Returns {"reference": label, label: {kind:
+    {"n", outcome: mean_ci}}}; {} with fewer than two models."""
+    from envace_core.evaluation.stats import mean_ci
+
+    labels = list(records)
+    if len(labels) < 2:
+        return {}
+    ref = {(r["task_id"], r["turn"]): r for r in records[labels[0]]}
+    out: dict[str, Any] = {"reference": labels[0]}
+    for label in labels[1:]:
+        pairs = [(ref[(r["task_id"], r["turn"])], r) for r in records[label] if (r["task_id"], r["turn"]) in ref]
+        out[label] = {}
+        for kind in KINDS:
+            ps = [(a, b) for a, b in pairs if b["kind"] == kind]
+            if ps:
+                out[label][kind] = {"n": len(ps), **{o: mean_ci([float(b["outcome"] == o) - float(a["outcome"] == o)
+                                                                  for a, b in ps], n_boot=n_boot, seed=seed)
+                                                     for o in OUTCOMES}}
+    return out
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = ["| model | turns | n | " + " | ".join(OUTCOMES) + " |", "|---|---|---|" + "---|" * len(OUTCOMES)]
     for label, s in report["models"].items():
         for key, blk in s["summary"].items():
             cells = [f"{blk[o]['mean']:.2f} [{blk[o]['ci95'][0]:.2f}, {blk[o]['ci95'][1]:.2f}]" for o in OUTCOMES]
             lines.append(f"| {label} | {key} | {blk['n']} | " + " | ".join(cells) + " |")
+    diff = report.get("paired") or {}
+    for label, kinds in diff.items():
+        if label == "reference":
+            continue
+        for kind, blk in kinds.items():
+            cells = [f"{blk[o]['mean']:+.2f} [{blk[o]['ci95'][0]:+.2f}, {blk[o]['ci95'][1]:+.2f}]" for o in OUTCOMES]
+            lines.append(f"| {label} − {diff['reference']} (paired) | {kind} | {blk['n']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -262,6 +295,7 @@ def main(argv=None) -> int:
         report["models"][label] = {"ref": ref, "summary": summarize(recs, args.n_boot, 0)}
         report["records"][label] = recs
         engines.clear()
+    report["paired"] = paired(report["records"], args.n_boot, 0)
     report["run"].update(wall_s=time.monotonic() - t0, load_avg_end=list(os.getloadavg()))
     atomic_write_text(report_path, json.dumps(report, indent=2, sort_keys=True, default=str))
     print(markdown(report))

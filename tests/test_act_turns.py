@@ -76,6 +76,26 @@ def test_a_model_that_repeats_its_look_up_is_counted_at_the_answer_turn(tok, tmp
     assert [r["outcome"] for r in recs] == ["exact", "answer"]
 
 
+def test_paired_differences_match_turns_and_subtract_the_first_model():
+    """`paired`: the second model minus the first on the same (task, turn); a turn only one model measured is
+    left out, and one model gives no comparison."""
+    def rec(task, turn, kind, outcome):
+        return {"task_id": task, "turn": turn, "kind": kind, "outcome": outcome, "level": 1}
+
+    ref = [rec("t1", 0, "first_call", "other_tool"), rec("t1", 1, "answer", "repeat"),
+           rec("t2", 0, "first_call", "exact"), rec("t2", 1, "answer", "answer")]
+    new = [rec("t1", 0, "first_call", "exact"), rec("t1", 1, "answer", "answer"),
+           rec("t2", 0, "first_call", "exact"), rec("t3", 0, "first_call", "exact")]
+    d = at.paired({"ref": ref, "new": new}, n_boot=200, seed=0)
+    assert d["reference"] == "ref"
+    assert d["new"]["first_call"]["n"] == 2 and d["new"]["first_call"]["exact"]["mean"] == 0.5
+    assert d["new"]["answer"]["n"] == 1 and d["new"]["answer"]["answer"]["mean"] == 1.0
+    assert d["new"]["answer"]["repeat"]["mean"] == -1.0
+    assert at.paired({"ref": ref}, n_boot=200, seed=0) == {}
+    table = at.markdown({"models": {}, "paired": d})
+    assert "| new − ref (paired) | first_call | 2 | +0.50" in table
+
+
 def test_bad_arguments_stop_before_any_model_loads(tmp_path, monkeypatch):
     import envace_core.training.policy as policy
 
