@@ -74,7 +74,8 @@ PROFILES: dict[str, dict[str, Any]] = {
             # the curriculum: synthesized levels 1-3 (one look-up; one write; a look-up then a write)
             # plus 10 tau2 train tasks per domain. 40 distinct synthesized tasks, not 10, at the same SFT
             # steps: held-out first ACT call +0.20 [+0.07, +0.37] (ACT-only pass) and the main job's
-            # rehearser JSON validity 19/24 vs 14/24 (RESULTS.md "Four times the synthesized train tasks")
+            # rehearser JSON validity 19/24 vs 14/24 (RESULTS.md "Four times the synthesized train tasks",
+            # "The default curriculum with 80 synthesized tasks")
             "max_train_tasks_per_domain": 10,
             "synthetic_tasks_per_domain": 40,
             # + 3 synthesized tasks per domain (one per level) held out: the evaluate stage compares
