@@ -23,6 +23,7 @@ from envace_core.evaluation.stats import mean_or_none
 from envace_core.store.files import dir_checksums, sha256_bytes
 from envace_core.store.uri import open_store
 from envace_core.training.checkpoint import RunState, recover_checkpoint, resume_run_state, save_run_state
+from envace_core.training.heap import release_free_heap
 from envace_core.types import Role, Task, Trajectory
 
 if TYPE_CHECKING:
@@ -78,6 +79,7 @@ def train_iteration(run: TrainingRun, state: RunState) -> dict[str, Any]:
     groups = roll_out(run, batch, it)
     if hasattr(run.engine, "reset_prefix_cache"):  # the update changes the weights, so the cached KV is stale:
         run.engine.reset_prefix_cache()             # freed before the update's memory peak, not after it
+    release_free_heap()  # the rollouts' freed KV pages go back to the OS before the update allocates
     gen_tokens = run.engine.stats.get("generated_tokens", 0) - gen_before.get("generated_tokens", 0)
     groups, gen_tokens = run.world.gather_shards(groups, gen_tokens)  # every rank: all groups, task order
     t_roll = time.perf_counter() - t0
@@ -93,6 +95,7 @@ def train_iteration(run: TrainingRun, state: RunState) -> dict[str, Any]:
     run.say(f"[train] iteration {it + 1}: updating the policy on {len(train_rows)} rows "
             f"({cfg.train.ppo_epochs} epoch(s)) after {t_roll:.0f}s of rollouts", flush=True)
     train_metrics = run.trainer.update(train_rows)
+    release_free_heap()  # and the update's activations before the next rollouts: each phase peaks alone
     train_metrics.update(sync_engine(run))
     # 7. metrics
     trajs = [t for group in groups for t in group]
