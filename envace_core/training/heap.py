@@ -10,8 +10,10 @@ update's high-water mark, and rollouts whose blocks do not fit the fragmented fr
 
 `release_free_heap` calls glibc's ``malloc_trim(0)``, which returns every whole free page of every arena
 to the kernel (``madvise(MADV_DONTNEED)``; glibc ≥ 2.8, malloc_trim(3)). It changes no tensor and no result;
-it only lowers the resident set between phases, so each phase's peak is its own and not the sum of the
-previous phase's leftovers and its own allocations.
+it only lowers the resident set between phases, so a phase does not start on the previous phase's leftovers.
+It cannot lower a phase's own peak: measured with `benchmarks/heap_trim.py` (cpu-smoke, 2 iterations), the
+rollouts started at 1.27 GiB instead of 4.68, while the process peak stayed the update's (benchmarks/RESULTS.md,
+"Free heap pages back to the OS between rollouts and update").
 """
 
 from __future__ import annotations
