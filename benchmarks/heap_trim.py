@@ -53,10 +53,7 @@ def child(args) -> None:
 
     if args.child == "no-trim":
         loop.release_free_heap = lambda: gc.collect() and False  # the behaviour before the trim
-    if args.warm_start:
-        _, run, state = iteration_profile.build_run(args)
-    else:
-        run, state = _fresh_run(args)
+    _, run, state = iteration_profile.build_run(args)
     phase = {"name": "setup"}
     peaks: dict[str, float] = {}
     stop = threading.Event()
@@ -103,32 +100,6 @@ def child(args) -> None:
     print(json.dumps({"condition": args.child, "iterations": records, "setup_peak_gib": round(peaks.get("setup", 0), 3),
                       "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
                       "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]}))
-
-
-def _fresh_run(args):
-    """(TrainingRun, RunState) of a fresh run from the fresh LoRA of train.seed (no warm start)."""
-    import tempfile
-
-    import iteration_profile
-
-    from envace_core.config import load_config
-    from envace_core.stages.dataset import load_dataset
-    from envace_core.store.uri import open_store
-    from envace_core.training.distributed import init_from_env
-    from envace_core.training.loop import TrainingRun, start_or_resume, sync_engine, training_run_id
-    from envace_core.training.policy import load_policy, policy_engine, rollout_params
-    from envace_core.training.trainer import PolicyTrainer
-
-    cfg = load_config(args.profile, args.overrides)
-    dataset = iteration_profile.dataset_record(args.dataset, cfg.data.train_split)
-    model, tok, _ = load_policy(cfg)
-    trainer = PolicyTrainer(model, tok, cfg.train, compute_dtype=cfg.model.compute_dtype)
-    run = TrainingRun(cfg, load_dataset(dataset, "train"), trainer, policy_engine(cfg, trainer.model, tok),
-                      rollout_params(cfg), init_from_env(), open_store(tempfile.mkdtemp(prefix="envace-heap-")),
-                      training_run_id(cfg, dataset, None))
-    state = start_or_resume(run, None)
-    sync_engine(run)
-    return run, state
 
 
 def markdown(report: dict) -> str:

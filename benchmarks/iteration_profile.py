@@ -166,7 +166,8 @@ def dataset_record(ds_dir: str, split: str) -> dict[str, Any]:
 
 
 def build_run(args):
-    """(TrainingRun, RunState) of a fresh run of the config from the warm start (module docstring)."""
+    """(config, TrainingRun, RunState) of a fresh run of the config from the warm start ``args.warm_start``
+    (module docstring), or from the fresh LoRA of train.seed when it is empty (benchmarks/heap_trim.py)."""
     from envace_core import EnvaceError
     from envace_core.config import load_config
     from envace_core.stages.dataset import load_dataset
@@ -179,16 +180,18 @@ def build_run(args):
 
     cfg = load_config(args.profile, args.overrides)
     dataset = dataset_record(args.dataset, cfg.data.train_split)
-    warm_dir = Path(args.warm_start).resolve()
-    meta = warm_dir / "warm_start.json"
-    if not meta.is_file():
-        raise EnvaceError(f"--warm-start {args.warm_start}: no warm_start.json (a warm start folder in the store)")
-    try:
-        warm = json.loads(meta.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise EnvaceError(f"{meta} is not readable JSON ({e})") from e
-    warm["adapter_uri"] = str(warm_dir / "adapter")
-    check_warm_start(cfg, dataset, warm)
+    warm = None
+    if args.warm_start:
+        warm_dir = Path(args.warm_start).resolve()
+        meta = warm_dir / "warm_start.json"
+        if not meta.is_file():
+            raise EnvaceError(f"--warm-start {args.warm_start}: no warm_start.json (a warm start folder in the store)")
+        try:
+            warm = json.loads(meta.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise EnvaceError(f"{meta} is not readable JSON ({e})") from e
+        warm["adapter_uri"] = str(warm_dir / "adapter")
+        check_warm_start(cfg, dataset, warm)
     tasks = load_dataset(dataset, "train")
     tmp = tempfile.mkdtemp(prefix="envace-iterprof-")
     model, tok, _ = load_policy(cfg)
