@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 import torch
@@ -480,8 +481,9 @@ def _rows_with_system(trainer, system_tokens=150, n=6):
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
 def test_a_system_message_shared_across_micro_batches_runs_once_with_the_same_gradient(tiny_model_dir, dtype, tol):
     grads, losses, root_calls = [], [], []
-    for share in (False, True):
-        trainer = make_trainer(tiny_model_dir, compute_dtype=dtype, micro_batch_rows=2)
+    for share, recompute in ((False, False), (True, False), (True, True)):
+        trainer = make_trainer(tiny_model_dir, compute_dtype=dtype, micro_batch_rows=2,
+                               recompute_shared_root=recompute)
         rows = _rows_with_system(trainer)
         if not share:
             trainer._root_clusters = lambda rows, mbs: [([k], 0) for k in range(len(mbs))]
@@ -490,11 +492,31 @@ def test_a_system_message_shared_across_micro_batches_runs_once_with_the_same_gr
         got = capture_grads(trainer)
         losses.append(trainer.step(rows)["loss"])
         grads.append(got[0])
-    assert root_calls == [[0, 0, 0], [150]]  # three micro-batches, one root of the 150 shared tokens
-    assert losses[1] == pytest.approx(losses[0], rel=tol)
-    for a, b in zip(*grads):
-        assert torch.allclose(a, b, rtol=tol, atol=tol * 1e-2), (a - b).abs().max()
-    assert sum(float(a.abs().sum()) for a in grads[1]) > 0
+    assert root_calls == [[0, 0, 0], [150], [150]]  # three micro-batches, one root of the 150 shared tokens
+    for k in (1, 2):  # held root graph, recomputed root: the gradient of the plain computation
+        assert losses[k] == pytest.approx(losses[0], rel=tol)
+        for a, b in zip(grads[0], grads[k]):
+            assert torch.allclose(a, b, rtol=tol, atol=tol * 1e-2), (a - b).abs().max()
+    assert sum(float(a.abs().sum()) for a in grads[2]) > 0
+
+
+def test_a_recomputed_root_holds_no_graph_until_its_backward(tiny_model_dir):
+    from envace_core.training.prefix_grad import SharedRoot
+
+    trainer = make_trainer(tiny_model_dir)
+    ids = torch.randint(1, 2000, (40,), generator=torch.Generator().manual_seed(0)).tolist()
+    args = (trainer._backbone, trainer._cache_kw, ids, trainer.device)
+    held, recomputed = SharedRoot(*args), SharedRoot(*args, recompute=True)
+    assert recomputed.recompute and not recomputed._kv  # only keys/values, no activations
+    assert all(t.grad_fn is not None for t in held._kv[2:])  # the held root keeps its graph
+    for a, b in zip(held.cache().layers, recomputed.cache().layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    recomputed.backward()  # no micro-batch ran: no gradient to push, nothing recomputed
+    assert not recomputed._kv
+    trainer._backbone.train()
+    assert SharedRoot(*args, recompute=True).recompute  # dropout rates 0: the forward is deterministic
+    trainer._backbone.config.attention_dropout = 0.1  # would draw other masks the second time
+    assert not SharedRoot(*args, recompute=True).recompute
 
 
 def test_root_clusters_group_consecutive_micro_batches_by_their_shared_prefix():
@@ -508,3 +530,45 @@ def test_root_clusters_group_consecutive_micro_batches_by_their_shared_prefix():
     assert root_clusters([[sys_a[:100] + [1]], [sys_a[:100] + [2]]]) == [([0], 0), ([1], 0)]
     with pytest.raises(ValueError, match="micro-batch 0 has no row"):
         root_clusters([[]])
+
+
+def test_grouped_key_value_heads_give_the_repeated_heads_gradient(tiny_model_dir, monkeypatch):
+    from envace_core.training.attention import FORCE_GQA
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    grads, sft, grouped = [], [], []
+
+    def spy(*a, **kw):
+        grouped.append(bool(kw.get("enable_gqa")))
+        return sdpa(*a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    for user_value in ("0", None):  # a user's "0" keeps transformers' repeated heads; unset: grouped on CPU
+        if user_value is None:
+            monkeypatch.delenv(FORCE_GQA, raising=False)
+        else:
+            monkeypatch.setenv(FORCE_GQA, user_value)
+        trainer = make_trainer(tiny_model_dir, micro_batch_rows=2)
+        rows = _rows_with_system(trainer)  # scored outside the training block
+        grouped.clear()
+        got = capture_grads(trainer)
+        trainer.step(rows)
+        grads.append(got[0])
+        sft.append(trainer.completion_ce_backward([(r.prompt_ids, r.completion_ids) for r in rows[:3]], 0.1))
+        # transformers groups heads itself only without a mask; the switch makes every training call group
+        assert grouped and all(grouped) == (user_value is None)
+        assert os.environ.get(FORCE_GQA) == user_value  # the switch is the block's only
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-6), (a - b).abs().max()
+    assert sft[0] == pytest.approx(sft[1], rel=1e-5)
+
+
+def test_grouped_key_value_heads_only_on_cpu(monkeypatch):
+    from envace_core.training.attention import FORCE_GQA, grouped_kv_attention
+
+    monkeypatch.delenv(FORCE_GQA, raising=False)
+    with grouped_kv_attention(torch.device("cpu")) as on:
+        assert on and os.environ[FORCE_GQA] == "1"
+    with grouped_kv_attention(torch.device("cuda", 0)) as on:  # CUDA's kernels need no mask for groups
+        assert not on and FORCE_GQA not in os.environ
+    assert FORCE_GQA not in os.environ

@@ -7,15 +7,13 @@
             step(M): one AdamW step on L(M), gradients accumulated over micro-batches
     lr <- schedule(iteration + 1)                     (once per rollout batch, as verl's actor does)
 
-`PolicyTrainer.step` reads top to bottom: cut rows into micro-batches of `micro_batch_rows` (the
-memory bound only: the accumulated gradient equals that of one big batch, so the optimization does
-not depend on it), forward (autocast bf16 when asked; LoRA master weights stay float32), per-token
-log-probs of exactly the generated ids, PPO-clip loss from `training.grpo`, backward, clip the
-global gradient norm to `max_grad_norm`, AdamW step.
+`PolicyTrainer.step` reads top to bottom: cut rows into micro-batches of `micro_batch_rows` (a memory
+bound only: the accumulated gradient equals one big batch's), forward (autocast bf16 when asked; LoRA
+master weights stay float32), per-token log-probs of exactly the generated ids, PPO-clip loss from
+`training.grpo`, backward, clip the global gradient norm to `max_grad_norm`, AdamW step.
 
-Adapter files and checkpoints (`save_adapter`, `load_adapter`, `save_checkpoint`,
-`load_checkpoint`) are written and read by `training.persistence.TrainerPersistence`, which
-`PolicyTrainer` inherits.
+Adapter files and checkpoints (`save_adapter`, `load_adapter`, `save_checkpoint`, `load_checkpoint`)
+are written and read by `training.persistence.TrainerPersistence`, which `PolicyTrainer` inherits.
 
 The options (`TrainConfig`) and their math, per generated token t of row i with advantage A_i:
   - importance ratio r_t = pi_theta(y_t | ...) / pi_old(y_t | ...), where pi_old is the *behaviour*
@@ -44,13 +42,15 @@ The options (`TrainConfig`) and their math, per generated token t of row i with 
 
 Speed (PERF_NOTES.md; 16 rows of ~300 prompt + 64 completion tokens, SmolLM2-135M, LoRA r=16 q/v,
 2 cores): ~5.6 s/step in bf16, ~9 s in float32, against ~40 s for TRL's loss forward+backward.
-  - Rows sharing a prompt (a GRPO group) or a prefix (a system message) are batched together and
-    the common prefix runs once at batch size 1; its KV cache, with grad, is repeated over the rows.
-    A prefix that consecutive micro-batches share (≥ 128 tokens: a role's system message) runs once
-    per step (`prefix_grad.SharedRoot`: its gradient is summed over the micro-batches, then one backward).
-  - The LM head runs only on completion tokens (a 300-token prompt costs no [300, V] logits),
-    `logprob_chunk_tokens` at a time (`training.logprobs`: no [B, T, V] tensor, forward or
-    backward), in float32: bf16 logits would add ~1.7x more noise to the importance ratio.
+  - Rows sharing a prompt (a GRPO group) or a prefix (a system message) are batched together and the
+    common prefix runs once at batch size 1; its KV cache, with grad, is repeated over the rows. A
+    prefix that consecutive micro-batches share (≥ 128 tokens: a role's system message) runs once per
+    step (`prefix_grad.SharedRoot`: gradient summed over the micro-batches, then one backward; with
+    `recompute_shared_root` its forward runs again there instead of holding its activations).
+  - On CPU, grouped key/value heads are not repeated per query head (`attention.grouped_kv_attention`).
+  - The LM head runs only on completion tokens (a 300-token prompt costs no [300, V] logits), in
+    float32 (bf16 logits add ~1.7x more noise to the importance ratio), `logprob_chunk_tokens` at a
+    time (`training.logprobs`: no [B, T, V] tensor, forward or backward).
   - The reference policy for KL is the same model with its adapters disabled, never a second copy.
 """
 
@@ -69,6 +69,7 @@ from transformers import DynamicCache
 from envace_core.config import TrainConfig
 from envace_core.engines.base import ROLE_ADAPTERS, resolve_compute_dtype
 from envace_core.models import check_lora_targets
+from envace_core.training.attention import grouped_kv_attention
 from envace_core.training.distributed import World, balanced_slices
 from envace_core.training.grpo import policy_loss, token_logprobs
 from envace_core.training.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
@@ -80,7 +81,6 @@ from envace_core.training.persistence import (
 )
 from envace_core.training.prefix_grad import SharedRoot, root_clusters, shared_prefix_ce_backward
 from envace_core.training.rows import TrainingRow, role_name, trainable_rows
-
 __all__ = ["CHECKPOINT_FORMAT", "AdapterLoadError", "CheckpointError", "PolicyTrainer"]
 
 
@@ -323,11 +323,11 @@ class PolicyTrainer(TrainerPersistence):
             unit_tok = sum(len(r.completion_ids) for r in unit)
             share = unit_tok / n_tok if cfg.loss_agg == "token-mean" else len(unit) / len(keep)
             mine = self._shard(unit)
-            with self._using(adapter):
+            with self._using(adapter), grouped_kv_attention(self.device):
                 mbs = self._micro_batches(mine)
                 for ks, r in self._root_clusters(mine, mbs):  # a system message shared across micro-batches
                     root = SharedRoot(self._backbone, self._cache_kw, mine[mbs[ks[0]][0]].prompt_ids[:r], self.device,
-                                      bf16=self.compute_dtype == "bfloat16") if r else None
+                                      self.compute_dtype == "bfloat16", cfg.recompute_shared_root) if r else None
                     for k in ks:
                         self._accumulate([mine[i] for i in mbs[k]], unit, unit_tok, n_tok, share, out, root)
                     if root is not None:
@@ -552,18 +552,18 @@ class PolicyTrainer(TrainerPersistence):
         (`prefix_grad.shared_prefix_ce_backward`: same values and gradients, less compute); a model
         whose logits are not lm_head(backbone(x)) runs each row whole. rows: (prompt ids, completion
         ids, ≥ 1 id)."""
-        bf16 = self.compute_dtype == "bfloat16"
-        if self._split_head:
-            return shared_prefix_ce_backward(self._backbone, self._head, self._cache_kw, rows, scale,
-                                             self.device, bf16, self.min_shared_prefix)
-        total = 0.0
-        for p, c in rows:
-            ids = torch.tensor([p + c], device=self.device)
-            with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
-                logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=len(c) + 1).logits[0, :-1]
-            loss = torch.nn.functional.cross_entropy(logits.float(), ids[0, -len(c):], reduction="sum") * scale
-            loss.backward()
-            total += loss.item()
+        bf16, total = self.compute_dtype == "bfloat16", 0.0
+        with grouped_kv_attention(self.device):
+            if self._split_head:
+                return shared_prefix_ce_backward(self._backbone, self._head, self._cache_kw, rows, scale,
+                                                 self.device, bf16, self.min_shared_prefix)
+            for p, c in rows:
+                ids = torch.tensor([p + c], device=self.device)
+                with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
+                    logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=len(c) + 1).logits[0, :-1]
+                loss = torch.nn.functional.cross_entropy(logits.float(), ids[0, -len(c):], reduction="sum") * scale
+                loss.backward()
+                total += loss.item()
         return total
 
     @staticmethod
