@@ -36,9 +36,10 @@ def test_common_prefix():
     assert common_prefix([[5], [6]]) == 0 and common_prefix([]) == 0
 
 
-@pytest.mark.parametrize("split_head", [True, False])
-def test_shared_prefix_loss_and_gradients_equal_row_by_row(tiny_model_dir, split_head):
+@pytest.mark.parametrize("split_head,recompute", [(True, True), (True, False), (False, True)])
+def test_shared_prefix_loss_and_gradients_equal_row_by_row(tiny_model_dir, split_head, recompute):
     tr = _trainer(tiny_model_dir)
+    tr.cfg.recompute_shared_root = recompute  # True: the prefix's forward runs again after the rows
     g = torch.Generator().manual_seed(1)
     head = torch.randint(5, 500, (80,), generator=g).tolist()  # a system message shared by the rows
     rows = [(head + torch.randint(5, 500, (k,), generator=g).tolist(),

@@ -11,7 +11,8 @@ copies* of the prefix keys/values, so a row's backward stops at the cache and ac
 ∂loss/∂(K, V) there; after the last row, one backward pushes the summed cache gradients through the
 prefix. Forward values and gradients equal the row-by-row computation's (up to float summation
 order): Σ_rows ∂L_r/∂θ = Σ_rows (∂L_r/∂θ|suffix + ∂L_r/∂KV · ∂KV/∂θ), and the prefix graph is
-traversed once with Σ_rows ∂L_r/∂KV. Memory: the prefix's activations plus one row's suffix.
+traversed once with Σ_rows ∂L_r/∂KV. Memory: the prefix's activations plus one row's suffix; with
+the prefix recomputed (`SharedRoot`), its keys/values plus one row's suffix, then the prefix's backward.
 """
 
 from __future__ import annotations
@@ -44,9 +45,13 @@ def _row_ce(backbone, head, cache_kw: str, ids: list[int], n_compl: int, cache, 
 
 
 def shared_prefix_ce_backward(backbone, head, cache_kw: str, rows: Sequence[tuple[list[int], list[int]]],
-                              scale: float, device, bf16: bool = False, min_shared: int = 16) -> float:
+                              scale: float, device, bf16: bool = False, min_shared: int = 16,
+                              recompute: bool = False) -> float:
     """Backward of ``scale · Σ_rows CE(completion | prompt)`` into the model's trainable weights;
     returns that scaled loss (a float).
+
+    The common prefix is a `SharedRoot` over the rows (module docstring); with `recompute` its
+    activations are not held while the rows run (its forward runs again, with grad, after them).
 
     Args:
         backbone, head: the causal LM's decoder (returns ``last_hidden_state``) and its LM head, with
@@ -56,32 +61,22 @@ def shared_prefix_ce_backward(backbone, head, cache_kw: str, rows: Sequence[tupl
         scale: multiplies every row's summed CE (e.g. 1 / total completion tokens: a token mean).
         bf16: run the backbone under bfloat16 autocast (the head stays float32).
         min_shared: a common prefix shorter than this is not run separately (rows run whole).
+        recompute: as `SharedRoot`'s.
     """
     if not rows:
         return 0.0
     n = min(common_prefix([p for p, _ in rows]), min(len(p) for p, _ in rows) - 1)
     total = 0.0
+    shared = len(rows) >= 2 and n >= min_shared
+    root = SharedRoot(backbone, cache_kw, rows[0][0][:n], device, bf16, recompute) if shared else None
     with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-        if len(rows) < 2 or n < min_shared:
-            for p, c in rows:
-                loss = _row_ce(backbone, head, cache_kw, p + c, len(c), None, device) * scale
-                loss.backward()
-                total += loss.item()
-            return total
-        prefix = DynamicCache(config=backbone.config)
-        backbone(input_ids=torch.tensor([rows[0][0][:n]], device=device), use_cache=True,
-                 **{cache_kw: prefix})
-        kv = [t for layer in prefix.layers for t in (layer.keys, layer.values)]
-        leaves = [t.detach().requires_grad_(t.requires_grad) for t in kv]
         for p, c in rows:
-            cache = DynamicCache([(leaves[2 * i], leaves[2 * i + 1]) for i in range(len(leaves) // 2)],
-                                 config=backbone.config)
-            loss = _row_ce(backbone, head, cache_kw, p[n:] + c, len(c), cache, device) * scale
+            ids, cache = (p[n:] + c, root.cache()) if root is not None else (p + c, None)
+            loss = _row_ce(backbone, head, cache_kw, ids, len(c), cache, device) * scale
             loss.backward()
             total += loss.item()
-    pairs = [(t, leaf.grad) for t, leaf in zip(kv, leaves) if t.requires_grad and leaf.grad is not None]
-    if pairs:
-        torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+    if root is not None:
+        root.backward()
     return total
 
 

@@ -555,8 +555,8 @@ class PolicyTrainer(TrainerPersistence):
         bf16, total = self.compute_dtype == "bfloat16", 0.0
         with grouped_kv_attention(self.device):
             if self._split_head:
-                return shared_prefix_ce_backward(self._backbone, self._head, self._cache_kw, rows, scale,
-                                                 self.device, bf16, self.min_shared_prefix)
+                return shared_prefix_ce_backward(self._backbone, self._head, self._cache_kw, rows, scale, self.device,
+                                                 bf16, self.min_shared_prefix, self.cfg.recompute_shared_root)
             for p, c in rows:
                 ids = torch.tensor([p + c], device=self.device)
                 with torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=bf16):
