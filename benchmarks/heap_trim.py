@@ -17,7 +17,8 @@ A thread reads the child's resident set (``/proc/self/statm``) every 0.2 s and k
 set when the rollouts start, each phase's peak, and the process's peak (``ru_maxrss``), all in GiB, plus the
 iteration's seconds. The parent never imports torch, so a child's ``ru_maxrss`` is its own (Linux carries
 an exec'd child's high-water mark over from its parent). Same seeds in both conditions, so the rollouts are
-the same up to float rounding; the JSON holds the load average at start and end of each child.
+the same up to float rounding; the JSON holds the load average at start and end of each child, and the child's
+``TRANSFORMERS_SDPA_FORCE_GQA`` (set, e.g. to 0, it overrides the trainer's grouped key/value heads).
 """
 
 from __future__ import annotations
@@ -99,7 +100,9 @@ def child(args) -> None:
         r["update_peak_gib"] = round(peaks.get(f"update-{i}", 0.0), 3)
     print(json.dumps({"condition": args.child, "iterations": records, "setup_peak_gib": round(peaks.get("setup", 0), 3),
                       "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3),
-                      "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)]}))
+                      "load_average": [round(load0, 2), round(os.getloadavg()[0], 2)],
+                      # a user's value of transformers' switch overrides the trainer's grouped heads (training.attention)
+                      "sdpa_force_gqa": os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA")}))
 
 
 def markdown(report: dict) -> str:
