@@ -382,10 +382,11 @@ class TrainConfig(_Strict):
         4, ge=1, description="rows per forward/backward, a memory bound only: gradients are accumulated "
         "over micro-batches, so the update does not depend on it")
     recompute_shared_root: bool = Field(
-        True, description="a prompt prefix shared by the rows of a step (a domain's system message; GRPO "
-        "micro-batches and warm-up SFT batches) runs without grad, then once more with grad after the rows' "
-        "backward, instead of holding its activations through them: less peak memory (about 1.3 MB per prefix "
-        "token for SmolLM2-135M in float32) for one more forward of the prefix per step; the gradient is the same")
+        True, description="a prompt prefix shared by the rows of a step (a domain's system message shared by "
+        "consecutive GRPO micro-batches, or by a warm-up SFT batch) runs without grad, then once more with grad "
+        "after the rows' backward, instead of holding its activations through them: less peak memory (about 1.3 MB "
+        "per prefix token for SmolLM2-135M in float32) for one more forward of the prefix per step; the gradient is "
+        "the same. Ignored (graph held) when the model's dropout is active")
     mini_batch_rows: int | None = Field(
         None, ge=1, description="rows per optimizer step (gradients accumulated over micro-batches; with "
         "data parallel, rows over all workers); None = all rows of an iteration in one step")

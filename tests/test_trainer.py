@@ -480,7 +480,15 @@ def _rows_with_system(trainer, system_tokens=150, n=6):
 
 @pytest.mark.parametrize("dtype,tol", [("float32", 1e-4), ("bfloat16", 3e-2)])
 def test_a_system_message_shared_across_micro_batches_runs_once_with_the_same_gradient(tiny_model_dir, dtype, tol):
-    grads, losses, root_calls = [], [], []
+    from envace_core.training.prefix_grad import SharedRoot
+
+    grads, losses, root_calls, root_forwards = [], [], [], []
+    forward = SharedRoot._forward
+
+    def counted(root):
+        root_forwards[-1] += 1
+        return forward(root)
+
     for share, recompute in ((False, False), (True, False), (True, True)):
         trainer = make_trainer(tiny_model_dir, compute_dtype=dtype, micro_batch_rows=2,
                                recompute_shared_root=recompute)
@@ -490,9 +498,15 @@ def test_a_system_message_shared_across_micro_batches_runs_once_with_the_same_gr
         clusters = trainer._root_clusters(rows, trainer._micro_batches(rows))
         root_calls.append([r for _, r in clusters])
         got = capture_grads(trainer)
-        losses.append(trainer.step(rows)["loss"])
+        root_forwards.append(0)
+        SharedRoot._forward = counted
+        try:
+            losses.append(trainer.step(rows)["loss"])
+        finally:
+            SharedRoot._forward = forward
         grads.append(got[0])
     assert root_calls == [[0, 0, 0], [150], [150]]  # three micro-batches, one root of the 150 shared tokens
+    assert root_forwards == [0, 1, 2]  # recomputed: the root's forward ran again before its backward
     for k in (1, 2):  # held root graph, recomputed root: the gradient of the plain computation
         assert losses[k] == pytest.approx(losses[0], rel=tol)
         for a, b in zip(grads[0], grads[k]):
@@ -511,8 +525,19 @@ def test_a_recomputed_root_holds_no_graph_until_its_backward(tiny_model_dir):
     assert all(t.grad_fn is not None for t in held._kv[2:])  # the held root keeps its graph
     for a, b in zip(held.cache().layers, recomputed.cache().layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
-    recomputed.backward()  # no micro-batch ran: no gradient to push, nothing recomputed
-    assert not recomputed._kv
+    params = [p for p in trainer.model.parameters() if p.requires_grad]
+    suffix = torch.tensor([ids[:7]])
+    grads = []
+    for root in (held, recomputed):  # one suffix on the root's cache, then the root's backward
+        trainer.model.zero_grad(set_to_none=True)
+        h = trainer._backbone(input_ids=suffix, use_cache=True, **{trainer._cache_kw: root.cache()})
+        h.last_hidden_state.pow(2).mean().backward()
+        root.backward()
+        grads.append([p.grad.clone() for p in params])
+    assert not recomputed._kv  # the recomputed graph is freed by its backward
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a - b).abs().max()
+    assert sum(float(g.abs().sum()) for g in grads[1]) > 0
     trainer._backbone.train()
     assert SharedRoot(*args, recompute=True).recompute  # dropout rates 0: the forward is deterministic
     trainer._backbone.config.attention_dropout = 0.1  # would draw other masks the second time

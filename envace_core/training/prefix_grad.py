@@ -5,7 +5,8 @@ and differ in a few hundred tokens of history; run row by row, every row pays th
 forward and backward, whose attention is quadratic in its length (measured on the 2-core AVX2 CPU,
 float32: ~50 s per 2.5k-token ACT row against ~4 s per 0.8k-token REHEARSE row).
 
-Here the common prefix of the rows (P₀ tokens) is run once, with grad, into a KV cache. Each row's
+Here the common prefix of the rows (P₀ tokens) is run once into a KV cache (with grad, or without and
+again with grad at the end when recomputed: `SharedRoot`). Each row's
 suffix (prompt[P₀:] + completion) then runs on that cache, one row at a time, against *detached leaf
 copies* of the prefix keys/values, so a row's backward stops at the cache and accumulates
 ∂loss/∂(K, V) there; after the last row, one backward pushes the summed cache gradients through the
@@ -141,8 +142,8 @@ class SharedRoot:
     micro-batch's own (measured: +1.85 GiB for a 1.4k-token root, SmolLM2-135M float32, LoRA q/v).
     With `recompute`, the root runs without grad here and again with grad in `backward`, after the
     micro-batches have freed theirs (activation recomputation as in `torch.utils.checkpoint`, at the
-    cost of one more forward of R tokens); only the R-token keys/values and their leaves are held
-    between. A backbone whose dropout is active (training mode, p > 0) keeps the graph instead: a
+    cost of one more forward of R tokens); only the leaves (float32 copies of the R-token keys/values)
+    and their gradients are held between. A backbone whose dropout is active (training mode, p > 0) keeps the graph instead: a
     second forward would draw other masks.
 
     Args:

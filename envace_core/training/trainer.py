@@ -73,14 +73,10 @@ from envace_core.training.attention import grouped_kv_attention
 from envace_core.training.distributed import World, balanced_slices
 from envace_core.training.grpo import policy_loss, token_logprobs
 from envace_core.training.logprobs import DEFAULT_CHUNK_TOKENS, chunked_token_logprobs
-from envace_core.training.persistence import (
-    CHECKPOINT_FORMAT,
-    AdapterLoadError,
-    CheckpointError,
-    TrainerPersistence,
-)
+from envace_core.training.persistence import CHECKPOINT_FORMAT, AdapterLoadError, CheckpointError, TrainerPersistence
 from envace_core.training.prefix_grad import SharedRoot, root_clusters, shared_prefix_ce_backward
 from envace_core.training.rows import TrainingRow, role_name, trainable_rows
+
 __all__ = ["CHECKPOINT_FORMAT", "AdapterLoadError", "CheckpointError", "PolicyTrainer"]
 
 
@@ -578,7 +574,7 @@ class PolicyTrainer(TrainerPersistence):
 
     def completion_logprobs(self, rows: Sequence[TrainingRow]) -> list[list[float]]:
         """The current policy's log-probs of each row's completion ids (no grad, same computation as
-        `step`: same micro-batching, dtype and temperature). Every row is scored whatever its role;
+        `step`: same micro-batching, dtype, attention and temperature). Every row is scored whatever its role;
         a row with an empty completion gets []. Returns lists in the order of `rows`."""
         out: list[list[float]] = [[] for _ in rows]
         for i, r in enumerate(rows):
@@ -588,7 +584,7 @@ class PolicyTrainer(TrainerPersistence):
         units: dict[str | None, list[int]] = {}
         for i in todo:  # a per-role policy scores each row with its role's adapter
             units.setdefault(self.adapter_for(rows[i].role), []).append(i)
-        with torch.no_grad():
+        with torch.no_grad(), grouped_kv_attention(self.device):
             for adapter, unit in units.items():
                 with self._using(adapter):
                     for idx in self._micro_batches([rows[i] for i in unit]):
