@@ -129,7 +129,7 @@ def _active_dropout(module: torch.nn.Module) -> bool:
 
 
 class SharedRoot:
-    """A prompt prefix common to several micro-batches of one optimizer step, run once with grad.
+    """A prompt prefix common to several micro-batches of one optimizer step, whose graph is built once.
 
     The technique of `shared_prefix_ce_backward`, across micro-batches instead of rows: the root's
     keys/values are computed once; every micro-batch runs on a fresh cache over float32 *detached leaf
@@ -143,8 +143,8 @@ class SharedRoot:
     With `recompute`, the root runs without grad here and again with grad in `backward`, after the
     micro-batches have freed theirs (activation recomputation as in `torch.utils.checkpoint`, at the
     cost of one more forward of R tokens); only the leaves (float32 copies of the R-token keys/values)
-    and their gradients are held between. A backbone whose dropout is active (training mode, p > 0) keeps the graph instead: a
-    second forward would draw other masks.
+    and their gradients are held between. A backbone whose dropout is active (training mode, p > 0)
+    keeps the graph instead: a second forward would draw other masks.
 
     Args:
         backbone, cache_kw: as `shared_prefix_ce_backward`.
