@@ -5,7 +5,8 @@ sdpa_attention``) copies every key/value head ``num_key_value_groups`` times (``
 attention mask is passed, since CUDA's fused kernels would otherwise fall back to the math kernel; with
 grad, autograd saves those copies for the backward. The trainer's forwards over a padded batch or a
 cached prefix pass a mask (a lone batch-1 prefix passes none, and transformers groups the heads there
-itself), so every such layer saves [B, 9, P + T, d] keys and values where [B, 3, P + T, d] would do. On CPU, torch's flash-attention kernel takes a mask and grouped heads together
+itself), so every such layer saves [B, 9, P + T, d] keys and values where [B, 3, P + T, d] would do.
+On CPU, torch's flash-attention kernel takes a mask and grouped heads together
 (``scaled_dot_product_attention(..., enable_gqa=True)``, torch ≥ 2.5), and transformers has a switch
 for it: the environment variable ``TRANSFORMERS_SDPA_FORCE_GQA=1``, read at every attention call.
 
