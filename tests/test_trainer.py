@@ -574,7 +574,7 @@ def test_grouped_key_value_heads_give_the_repeated_heads_gradient(tiny_model_dir
         else:
             monkeypatch.setenv(FORCE_GQA, user_value)
         trainer = make_trainer(tiny_model_dir, micro_batch_rows=2)
-        rows = _rows_with_system(trainer)  # scored outside the training block
+        rows = _rows_with_system(trainer)  # scoring them calls attention too: count only the step and SFT
         grouped.clear()
         got = capture_grads(trainer)
         trainer.step(rows)
