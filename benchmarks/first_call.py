@@ -108,7 +108,7 @@ def load_tasks_file(path: str) -> list:
     """The held-out tasks of `path` (a JSON list of dataset task records, as `rehearsal_effect.py --heldout`
     writes). Raises `BenchmarkError` naming the file for anything else: unreadable, not JSON, not a
     non-empty list of records, or a task without a gold first action of a known shape."""
-    from envace_core.stages.dataset import _task_from_record
+    from envace_core.stages.dataset import task_from_record
 
     f = Path(path)
     if not f.is_file():
@@ -122,7 +122,7 @@ def load_tasks_file(path: str) -> list:
     tasks = []
     for k, r in enumerate(records):
         try:
-            task = _task_from_record(r)
+            task = task_from_record(r)
         except Exception as e:  # noqa: BLE001 - any malformed record: name it
             raise BenchmarkError(f"--tasks {path}: record {k} is not a task record ({type(e).__name__}: {e})") from e
         if not task.gold_actions:

@@ -96,7 +96,7 @@ def load_dataset_dir(path: str | Path) -> dict[str, list]:
     it). Raises `BenchmarkError` when the file is missing."""
     import pandas as pd
 
-    from envace_core.stages.dataset import _task_from_record
+    from envace_core.stages.dataset import task_from_record
 
     f = Path(path) / "tasks.parquet"
     if not f.is_file():
@@ -104,7 +104,7 @@ def load_dataset_dir(path: str | Path) -> dict[str, list]:
                              ".envace/store/datasets/<version>)")
     out: dict[str, list] = {}
     for r in pd.read_parquet(f).to_dict("records"):
-        out.setdefault(r["split"], []).append(_task_from_record(r))
+        out.setdefault(r["split"], []).append(task_from_record(r))
     return out
 
 
@@ -174,14 +174,14 @@ def heldout_tasks(dataset_dir: str, per_domain: int, seed: int, levels: list[int
     read from ``<out>/heldout_tasks/<dataset version>-h<N>-s<seed>-L<levels>.json`` when built before, else
     built (`build_heldout`, minutes) and written there. Disjointness from the dataset's train split is
     checked either way (raises `BenchmarkError`)."""
-    from envace_core.stages.dataset import _task_from_record, task_record
+    from envace_core.stages.dataset import task_from_record, task_record
 
     splits = load_dataset_dir(dataset_dir)
     train = splits.get("train", [])
     name = f"{Path(dataset_dir).name}-h{per_domain}-s{seed}-L{''.join(map(str, levels))}.json"
     f = out / "heldout_tasks" / name
     if f.is_file():
-        tasks = [_task_from_record(r) for r in json.loads(f.read_text())]
+        tasks = [task_from_record(r) for r in json.loads(f.read_text())]
     else:
         log(f"[effect] synthesizing {per_domain} held-out tasks per domain (seed {seed}, levels {levels}) ...")
         tasks = build_heldout(train, per_domain, levels, seed)

@@ -124,8 +124,10 @@ def _rehearse(args) -> int:
         apply_setting(cfg, "model.ref", args.model, "--model")
     if args.adapter is not None and not args.adapter.strip():
         raise ConfigError("--adapter is empty: give a LoRA adapter folder, or leave --adapter out")
-    find_task(args.task)  # an unknown id fails before the model loads
-    res = rehearse_task(cfg, args.task, args.mode, args.n, adapter_dir=args.adapter,
+    if args.tasks is not None and not args.tasks.strip():
+        raise EnvaceError("--tasks is empty: give a curated dataset folder or a tasks file, or leave --tasks out")
+    find_task(args.task, args.tasks)  # an unknown id or a bad tasks file fails before the model loads
+    res = rehearse_task(cfg, args.task, args.mode, args.n, adapter_dir=args.adapter, tasks_file=args.tasks,
                                      reenter=True if args.reenter else None,
                                      verifier=False if args.no_verifier else None,
                                      max_turns=args.max_turns)
@@ -305,6 +307,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("ref", nargs="?", help="NAME@VERSION")
     h = sub.add_parser("rehearse", help="Private Rehearsal on one tau2 task: rehearsals, memory, real run")
     h.add_argument("--task", help="tau2 task id DOMAIN/ID, e.g. airline/3 (see --list)")
+    h.add_argument("--tasks", metavar="PATH",
+                   help="look --task up in this tasks file instead of tau2's splits: a curated dataset folder "
+                        "(<store>/datasets/<version>, synthesized train and held-out tasks included), its "
+                        "tasks.parquet, or a .json list of task records")
     h.add_argument("--list", nargs="?", const="", metavar="DOMAIN", help="list the task ids and exit")
     h.add_argument("--mode", choices=["none", "parallel", "sequential"],
                    help="rehearsal mode (default: the profile's rehearsal.mode)")

@@ -73,3 +73,64 @@ def test_rehearse_workflow_runs_locally(over, tmp_path, monkeypatch):
 
     html = render_html(out)
     assert "Committed execution" in html and "Isolation" in html
+
+
+def _records(tmp_path):
+    """Two task records as `stages.dataset.task_record` writes them: tau2's airline/2 under a held-out id."""
+    from envace_core.envs.tau2.tasks import load_tasks
+    from envace_core.stages.dataset import task_record
+
+    t = next(t for t in load_tasks("airline", "test") if t.id == "airline/2")
+    held = t.model_copy(update={"id": "airline/synth-L1-heldout0", "split": "heldout"})
+    return [task_record(t), task_record(held)]
+
+
+def test_rehearse_a_task_of_a_tasks_file(over, tmp_path, capsys):
+    """--tasks finds ids that no tau2 split holds (synthesized held-out tasks) and runs them as usual."""
+    f = tmp_path / "heldout.json"
+    f.write_text(json.dumps(_records(tmp_path)))
+    assert main(["--profile", "test", "--overrides", over, "rehearse", "--tasks", str(f),
+                 "--task", "airline/synth-L1-heldout0", "--mode", "parallel", "--n", "2", "--max-turns", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "Private Rehearsal on airline/synth-L1-heldout0 (heldout split)" in out
+    assert "Rehearsal memory" in out and "isolation: OK" in out
+
+
+def test_tasks_file_as_a_dataset_folder_or_parquet(tmp_path):
+    import pandas as pd
+
+    from envace_core.rehearsal.inspect import find_task
+
+    d = tmp_path / "datasets" / "abc"
+    d.mkdir(parents=True)
+    pd.DataFrame(_records(tmp_path)).to_parquet(d / "tasks.parquet")
+    for where in (d, d / "tasks.parquet"):
+        t = find_task("airline/synth-L1-heldout0", str(where))
+        assert t.split == "heldout" and t.domain == "airline" and t.gold_actions
+    assert find_task("airline/2", str(d)).split == "test"
+
+
+def test_bad_tasks_files_are_one_clear_line(tmp_path, capsys):
+    """Missing, unreadable, wrongly shaped files and ids not in the file: exit 2, one line naming the file."""
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(_records(tmp_path)))
+    broken = tmp_path / "broken.json"
+    broken.write_text("[{")
+    not_list = tmp_path / "obj.json"
+    not_list.write_text('{"id": "airline/2"}')
+    no_cols = tmp_path / "nocols.json"
+    no_cols.write_text('[{"id": "airline/2", "domain": "airline"}]')
+    other = tmp_path / "tasks.csv"
+    other.write_text("id\n")
+    cases = [(tmp_path / "nope.json", "airline/2", "does not exist"),
+             (broken, "airline/2", "cannot be read"),
+             (not_list, "airline/2", "expected a list of task records"),
+             (no_cols, "airline/2", "record 0 is not a task record"),
+             (other, "airline/2", "expected tasks.parquet or a .json list"),
+             (good, "airline/synth-nope", "do not hold it")]
+    for path, task, want in cases:
+        assert main(["--profile", "test", "rehearse", "--tasks", str(path), "--task", task]) == 2, path
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("envace: error:") and want in err and len(err.splitlines()) == 1, err
+    assert main(["--profile", "test", "rehearse", "--tasks", " ", "--task", "airline/2"]) == 2
+    assert "--tasks is empty" in capsys.readouterr().err

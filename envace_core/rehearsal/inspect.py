@@ -35,12 +35,26 @@ def task_ids(domain: str) -> dict[str, list[str]]:
     return {s: [t.id for t in load_tasks(domain, s)] for s in valid_splits(domain)}
 
 
-def find_task(task_id: str):
-    """The tau2 `Task` with id `domain/id`, searched over all splits of the domain (test first).
+def find_task(task_id: str, tasks_file: str | None = None):
+    """The tau2 `Task` with id `domain/id`, searched over all splits of the domain (test first); with
+    `tasks_file` (`stages.dataset.read_tasks_file`: a curated dataset folder, its tasks.parquet, or a .json
+    list of task records), searched there instead, so synthesized train and held-out tasks can be shown.
 
-    Raises UnknownTaskError (a one-line message saying how to list ids) if there is none.
+    Raises UnknownTaskError (a one-line message saying how to list ids) if there is none; EnvaceError from
+    `read_tasks_file` for a tasks file that is missing or cannot be read.
     """
     from envace_core.envs.tau2.tasks import DOMAINS, load_tasks, valid_splits
+
+    if tasks_file is not None:
+        from envace_core.stages.dataset import read_tasks_file
+
+        tasks = read_tasks_file(tasks_file)
+        for t in tasks:
+            if t.id == task_id:
+                return t
+        some = ", ".join(t.id for t in tasks[:3]) + (", ..." if len(tasks) > 3 else "")
+        raise UnknownTaskError(f"unknown task id {task_id!r}: the {len(tasks)} tasks of {tasks_file} do not hold it "
+                               f"(they are {some or 'none'})")
 
     domain, sep, _ = task_id.partition("/")
     if not sep or domain not in DOMAINS:
@@ -76,13 +90,14 @@ def _parse_errors(traj) -> list[str]:
 def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int | None = None, *,
                   adapter_dir: str | None = None, reenter: bool | None = None,
                   verifier: bool | None = None, max_turns: int | None = None,
-                  seed: int | None = None, engine=None) -> dict[str, Any]:
+                  seed: int | None = None, engine=None, tasks_file: str | None = None) -> dict[str, Any]:
     """Rehearse then commit on one task; the JSON-able result (module docstring).
 
     Unset options come from `cfg.rehearsal` (mode, n, reenter, verifier, memory budget, temperature)
     and `cfg.eval` (max_turns, committed-execution temperature); `seed` defaults to `cfg.train.seed`.
     `engine`: an already-built engine (benchmarks reuse one); default: `stages.load_policy` + HFEngine.
-    Raises EnvaceError for an unknown task id, an unknown mode or n < 1.
+    `tasks_file`: where the task is looked up (`find_task`); default: the tau2 domain's own splits.
+    Raises EnvaceError for an unknown task id, an unreadable tasks file, an unknown mode or n < 1.
     """
     from envace_core.envs.tau2.environment import Tau2Environment
     from envace_core.envs.tau2.tasks import task_context
@@ -101,7 +116,7 @@ def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int 
     verifier = cfg.rehearsal.verifier if verifier is None else verifier
     turns = max_turns or cfg.eval.max_turns
     seed = cfg.train.seed if seed is None else seed
-    task = find_task(task_id)
+    task = find_task(task_id, tasks_file)
     t_load = time.perf_counter()
     if engine is None:
         model, tok, _ = load_policy(cfg, adapter_dir)
@@ -144,6 +159,7 @@ def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int 
         "settings": {"mode": mode, "n": n if mode != "none" else 0, "reenter": reenter,
                      "verifier": verifier, "max_turns": turns, "seed": seed,
                      "model": cfg.model.ref, "adapter": adapter_dir, "profile": cfg.profile,
+                     "tasks_file": tasks_file,
                      "rehearsal_temperature": cfg.rehearsal.temperature,
                      "commit_temperature": cfg.eval.temperature},
         "rounds": rounds,

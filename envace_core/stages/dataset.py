@@ -37,13 +37,51 @@ def _json_column(r: dict[str, Any], key: str) -> list:
     return json.loads(v) if isinstance(v, str) and v else []  # absent, or NaN in a mixed frame
 
 
-def _task_from_record(r: dict[str, Any]) -> Task:
+def task_from_record(r: dict[str, Any]) -> Task:
+    """The `Task` of one record as `task_record` writes it (a row of tasks.parquet). Raises KeyError for a
+    missing column, ValueError (json, pydantic) for a column that does not decode."""
     return Task(id=r["id"], domain=r["domain"], split=r["split"],
                 first_user_message=r["first_user_message"], user_scenario=r["user_scenario"],
                 gold_actions=[ToolCall(**a) for a in json.loads(r["gold_actions"])],
                 source=json.loads(r["source"]),
                 tools_added=[ToolSpec(**s) for s in _json_column(r, "tools_added")],
                 tools_hidden=_json_column(r, "tools_hidden"))
+
+
+def read_tasks_file(path: str | Path) -> list[Task]:
+    """Every task of a tasks file, all splits: a curated dataset folder (its ``tasks.parquet``), a
+    ``tasks.parquet`` itself, or a ``.json`` list of `task_record` records (as
+    ``benchmarks/rehearsal_effect.py --heldout`` writes its held-out set).
+
+    Raises EnvaceError naming the path when it is missing, of another kind, unreadable, or holds a record
+    that is not a task record (the record's index and what is wrong)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "tasks.parquet"
+    if not p.is_file():
+        raise EnvaceError(f"tasks file {p} does not exist: give a curated dataset folder "
+                          "(<store>/datasets/<version>), its tasks.parquet, or a .json list of task records")
+    try:
+        if p.suffix == ".parquet":
+            records = pd.read_parquet(p).to_dict("records")
+        elif p.suffix == ".json":
+            records = json.loads(p.read_text())
+        else:
+            raise EnvaceError(f"tasks file {p}: expected tasks.parquet or a .json list of task records")
+    except (OSError, ValueError) as e:  # pyarrow's and json's decode errors are ValueErrors
+        raise EnvaceError(f"tasks file {p} cannot be read: {type(e).__name__}: {e}") from e
+    if not isinstance(records, list):
+        raise EnvaceError(f"tasks file {p}: expected a list of task records, got {type(records).__name__}")
+    tasks = []
+    for i, r in enumerate(records):
+        try:
+            if not isinstance(r, dict):
+                raise TypeError(f"a {type(r).__name__}, not an object")
+            tasks.append(task_from_record(r))
+        except (KeyError, TypeError, ValueError) as e:
+            raise EnvaceError(f"tasks file {p}: record {i} is not a task record "
+                              f"({type(e).__name__}: {e})") from e
+    return tasks
 
 
 def write_dataset(cfg: RunConfig, records: list[dict[str, Any]], gate: Any,
@@ -78,4 +116,4 @@ def load_dataset(dataset: dict[str, Any], split: str) -> list[Task]:
     if not path.is_file():
         raise EnvaceError(f"dataset file {path} is missing: re-run the curate stage")
     df = pd.read_parquet(path)
-    return [_task_from_record(r) for r in df[df["split"] == split].to_dict("records")]
+    return [task_from_record(r) for r in df[df["split"] == split].to_dict("records")]
