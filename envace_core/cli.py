@@ -101,8 +101,21 @@ def _rehearse(args) -> int:
         print_result,
         rehearse_task,
         task_ids,
+        tasks_in_file,
     )
 
+    if args.tasks is not None and not args.tasks.strip():
+        raise EnvaceError("--tasks is empty: give a curated dataset folder or a tasks file, or leave --tasks out")
+    if args.list is not None and args.tasks is not None:  # the file's ids, by domain and split
+        groups: dict[tuple[str, str], list[str]] = {}
+        for t in tasks_in_file(args.tasks):
+            if not args.list or t.domain == args.list:
+                groups.setdefault((t.domain, t.split), []).append(t.id)
+        if not groups:
+            raise EnvaceError(f"--tasks {args.tasks} holds no task" + (f" of domain {args.list!r}" if args.list else ""))
+        for (dom, split), ids in sorted(groups.items()):
+            print(f"{dom} {split} ({len(ids)}): {' '.join(ids)}")
+        return 0
     if args.list is not None:
         from envace_core.envs.tau2.tasks import DOMAINS
 
@@ -124,8 +137,6 @@ def _rehearse(args) -> int:
         apply_setting(cfg, "model.ref", args.model, "--model")
     if args.adapter is not None and not args.adapter.strip():
         raise ConfigError("--adapter is empty: give a LoRA adapter folder, or leave --adapter out")
-    if args.tasks is not None and not args.tasks.strip():
-        raise EnvaceError("--tasks is empty: give a curated dataset folder or a tasks file, or leave --tasks out")
     find_task(args.task, args.tasks)  # an unknown id or a bad tasks file fails before the model loads
     res = rehearse_task(cfg, args.task, args.mode, args.n, adapter_dir=args.adapter, tasks_file=args.tasks,
                                      reenter=True if args.reenter else None,
@@ -311,7 +322,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="look --task up in this tasks file instead of tau2's splits: a curated dataset folder "
                         "(<store>/datasets/<version>, synthesized train and held-out tasks included), its "
                         "tasks.parquet, or a .json list of task records")
-    h.add_argument("--list", nargs="?", const="", metavar="DOMAIN", help="list the task ids and exit")
+    h.add_argument("--list", nargs="?", const="", metavar="DOMAIN",
+                   help="list the task ids (of --tasks when given) and exit")
     h.add_argument("--mode", choices=["none", "parallel", "sequential"],
                    help="rehearsal mode (default: the profile's rehearsal.mode)")
     h.add_argument("--n", type=int, help="rehearsals N per round (default: the profile's rehearsal.n)")

@@ -128,9 +128,43 @@ def test_bad_tasks_files_are_one_clear_line(tmp_path, capsys):
              (no_cols, "airline/2", "record 0 is not a task record"),
              (other, "airline/2", "expected tasks.parquet or a .json list"),
              (good, "airline/synth-nope", "do not hold it")]
+    rec = _records(tmp_path)[1]
+
+    def write(name, records):
+        (tmp_path / name).write_text(json.dumps(records))
+        return tmp_path / name
+
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 200_000)
+    cases += [(write("dom.json", [dict(rec, domain="nodomain", id="nodomain/1")]), "nodomain/1", "not one of tau2's"),
+              (write("mismatch.json", [dict(rec, id="retail/zz")]), "retail/zz", "does not start with 'airline/'"),
+              (write("idint.json", [dict(rec, id=5)]), "airline/2", "record 0 is not a task record (ValidationError"),
+              (write("goldlist.json", [dict(rec, gold_actions=[])]), "airline/2", "column 'gold_actions' must be a JSON text"),
+              (write("goldobj.json", [dict(rec, gold_actions='{"name": "x"}')]), "airline/2",
+               "column 'gold_actions' must hold a JSON list"),
+              (write("srcobj.json", [dict(rec, source={})]), "airline/2", "column 'source' must be a JSON text"),
+              (deep, "airline/2", "cannot be read: RecursionError"),
+              ("~nosuchuser-envace/x.json", "airline/2", "cannot be opened"),
+              (tmp_path / ("a" * 300 + ".json"), "airline/2", "cannot be opened"),
+              ("/dev/null", "airline/2", "is not a regular file"),
+              (good, "airline/" + "x" * 100_000, "do not hold it")]
     for path, task, want in cases:
         assert main(["--profile", "test", "rehearse", "--tasks", str(path), "--task", task]) == 2, path
         err = capsys.readouterr().err.strip()
         assert err.startswith("envace: error:") and want in err and len(err.splitlines()) == 1, err
+        assert len(err) < 1000, err[:200]
     assert main(["--profile", "test", "rehearse", "--tasks", " ", "--task", "airline/2"]) == 2
     assert "--tasks is empty" in capsys.readouterr().err
+
+
+def test_list_the_ids_of_a_tasks_file(tmp_path, capsys):
+    """--list with --tasks lists the file's ids by domain and split (not tau2's own), upper-case suffix too."""
+    f = tmp_path / "HELD.JSON"
+    f.write_text(json.dumps(_records(tmp_path)))
+    assert main(["rehearse", "--tasks", str(f), "--list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == ["airline heldout (1): airline/synth-L1-heldout0", "airline test (1): airline/2"]
+    assert main(["rehearse", "--tasks", str(f), "--list", "retail"]) == 2
+    assert "holds no task of domain 'retail'" in capsys.readouterr().err
+    assert main(["rehearse", "--tasks", str(tmp_path / "nope.json"), "--list"]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -35,37 +35,54 @@ def task_ids(domain: str) -> dict[str, list[str]]:
     return {s: [t.id for t in load_tasks(domain, s)] for s in valid_splits(domain)}
 
 
+def tasks_in_file(tasks_file: str) -> list:
+    """The tasks of a tasks file (`stages.dataset.read_tasks_file`), each checked to be runnable here: its
+    domain one of tau2's `DOMAINS` and its id ``<domain>/...``. Raises EnvaceError naming the first task that
+    is not, or from `read_tasks_file`."""
+    from envace_core.envs.tau2.tasks import DOMAINS
+    from envace_core.stages.dataset import read_tasks_file
+
+    tasks = read_tasks_file(tasks_file)
+    for t in tasks:
+        if t.domain not in DOMAINS:
+            raise EnvaceError(f"tasks file {tasks_file}: task {t.id[:120]!r} has domain {t.domain[:60]!r}, not one of "
+                              f"tau2's {', '.join(DOMAINS)}")
+        if not t.id.startswith(t.domain + "/"):
+            raise EnvaceError(f"tasks file {tasks_file}: task {t.id[:120]!r} of domain {t.domain!r} has an id that "
+                              f"does not start with {t.domain + '/'!r}")
+    return tasks
+
+
 def find_task(task_id: str, tasks_file: str | None = None):
     """The tau2 `Task` with id `domain/id`, searched over all splits of the domain (test first); with
     `tasks_file` (`stages.dataset.read_tasks_file`: a curated dataset folder, its tasks.parquet, or a .json
     list of task records), searched there instead, so synthesized train and held-out tasks can be shown.
 
     Raises UnknownTaskError (a one-line message saying how to list ids) if there is none; EnvaceError from
-    `read_tasks_file` for a tasks file that is missing or cannot be read.
+    `tasks_in_file` for a tasks file that is missing, cannot be read, or holds a task of no tau2 domain.
     """
     from envace_core.envs.tau2.tasks import DOMAINS, load_tasks, valid_splits
 
+    shown = task_id if len(task_id) <= 120 else task_id[:119] + "…"
     if tasks_file is not None:
-        from envace_core.stages.dataset import read_tasks_file
-
-        tasks = read_tasks_file(tasks_file)
+        tasks = tasks_in_file(tasks_file)
         for t in tasks:
             if t.id == task_id:
                 return t
         some = ", ".join(t.id for t in tasks[:3]) + (", ..." if len(tasks) > 3 else "")
-        raise UnknownTaskError(f"unknown task id {task_id!r}: the {len(tasks)} tasks of {tasks_file} do not hold it "
-                               f"(they are {some or 'none'})")
+        raise UnknownTaskError(f"unknown task id {shown!r}: the {len(tasks)} tasks of {tasks_file} do not hold it "
+                               f"(they are {some or 'none'}; list them with --tasks PATH --list)")
 
     domain, sep, _ = task_id.partition("/")
     if not sep or domain not in DOMAINS:
-        raise UnknownTaskError(f"unknown task id {task_id!r}: give DOMAIN/ID with DOMAIN one of "
+        raise UnknownTaskError(f"unknown task id {shown!r}: give DOMAIN/ID with DOMAIN one of "
                                f"{', '.join(DOMAINS)} (e.g. airline/3); {LIST_HINT}")
     splits = sorted(valid_splits(domain), key=lambda s: (s != "test", s != "train", s))
     for split in splits:
         for t in load_tasks(domain, split):
             if t.id == task_id:
                 return t
-    raise UnknownTaskError(f"unknown task id {task_id!r}: no {domain} split ({', '.join(splits)}) has it; "
+    raise UnknownTaskError(f"unknown task id {shown!r}: no {domain} split ({', '.join(splits)}) has it; "
                            f"{LIST_HINT}")
 
 

@@ -37,15 +37,41 @@ def _json_column(r: dict[str, Any], key: str) -> list:
     return json.loads(v) if isinstance(v, str) and v else []  # absent, or NaN in a mixed frame
 
 
+def _json_field(r: dict[str, Any], key: str, kind: type) -> Any:
+    """Column `key` of record `r`: a JSON text decoding to a `kind`. Raises KeyError (missing), ValueError
+    naming the column (not a string, not JSON, another JSON type)."""
+    v = r[key]
+    if not isinstance(v, str):
+        raise ValueError(f"column {key!r} must be a JSON text, got {type(v).__name__}")
+    try:
+        out = json.loads(v)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"column {key!r} is not JSON: {e}") from None
+    if not isinstance(out, kind):
+        raise ValueError(f"column {key!r} must hold a JSON {'list' if kind is list else 'object'}, "
+                         f"got {type(out).__name__}")
+    return out
+
+
 def task_from_record(r: dict[str, Any]) -> Task:
     """The `Task` of one record as `task_record` writes it (a row of tasks.parquet). Raises KeyError for a
-    missing column, ValueError (json, pydantic) for a column that does not decode."""
+    missing column, ValueError naming the column for one that does not decode (pydantic's
+    ValidationError is a ValueError), TypeError for a gold action that is not an object."""
+    gold = _json_field(r, "gold_actions", list)
+    if not all(isinstance(a, dict) for a in gold):
+        raise ValueError("column 'gold_actions' must be a JSON list of objects")
     return Task(id=r["id"], domain=r["domain"], split=r["split"],
                 first_user_message=r["first_user_message"], user_scenario=r["user_scenario"],
-                gold_actions=[ToolCall(**a) for a in json.loads(r["gold_actions"])],
-                source=json.loads(r["source"]),
+                gold_actions=[ToolCall(**a) for a in gold],
+                source=_json_field(r, "source", dict),
                 tools_added=[ToolSpec(**s) for s in _json_column(r, "tools_added")],
                 tools_hidden=_json_column(r, "tools_hidden"))
+
+
+def _one_line(e: BaseException, limit: int = 300) -> str:
+    """`e` as ``Type: message`` on one line (pydantic's messages span lines), at most `limit` characters."""
+    text = " ".join(f"{type(e).__name__}: {e}".split())
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def read_tasks_file(path: str | Path) -> list[Task]:
@@ -53,23 +79,28 @@ def read_tasks_file(path: str | Path) -> list[Task]:
     ``tasks.parquet`` itself, or a ``.json`` list of `task_record` records (as
     ``benchmarks/rehearsal_effect.py --heldout`` writes its held-out set).
 
-    Raises EnvaceError naming the path when it is missing, of another kind, unreadable, or holds a record
-    that is not a task record (the record's index and what is wrong)."""
-    p = Path(path).expanduser()
-    if p.is_dir():
-        p = p / "tasks.parquet"
-    if not p.is_file():
+    Raises EnvaceError naming the path when it is missing, not a regular file, of another kind, unreadable
+    (including JSON nested too deep to decode), or holds a record that is not a task record (the record's
+    index, the column and what is wrong), all on one line."""
+    try:
+        p = Path(path).expanduser()
+        if p.is_dir():
+            p = p / "tasks.parquet"
+        exists, regular = p.exists(), p.is_file()
+    except (OSError, RuntimeError) as e:  # a name too long, ~user without a home, ...
+        raise EnvaceError(f"tasks file {str(path)[:200]!r} cannot be opened: {_one_line(e)}") from e
+    if not exists:
         raise EnvaceError(f"tasks file {p} does not exist: give a curated dataset folder "
                           "(<store>/datasets/<version>), its tasks.parquet, or a .json list of task records")
+    if not regular:
+        raise EnvaceError(f"tasks file {p} is not a regular file")
+    kind = p.suffix.lower()
+    if kind not in (".parquet", ".json"):
+        raise EnvaceError(f"tasks file {p}: expected tasks.parquet or a .json list of task records")
     try:
-        if p.suffix == ".parquet":
-            records = pd.read_parquet(p).to_dict("records")
-        elif p.suffix == ".json":
-            records = json.loads(p.read_text())
-        else:
-            raise EnvaceError(f"tasks file {p}: expected tasks.parquet or a .json list of task records")
-    except (OSError, ValueError) as e:  # pyarrow's and json's decode errors are ValueErrors
-        raise EnvaceError(f"tasks file {p} cannot be read: {type(e).__name__}: {e}") from e
+        records = pd.read_parquet(p).to_dict("records") if kind == ".parquet" else json.loads(p.read_text())
+    except (OSError, ValueError, RecursionError) as e:  # pyarrow's and json's decode errors are ValueErrors
+        raise EnvaceError(f"tasks file {p} cannot be read: {_one_line(e)}") from e
     if not isinstance(records, list):
         raise EnvaceError(f"tasks file {p}: expected a list of task records, got {type(records).__name__}")
     tasks = []
@@ -79,8 +110,7 @@ def read_tasks_file(path: str | Path) -> list[Task]:
                 raise TypeError(f"a {type(r).__name__}, not an object")
             tasks.append(task_from_record(r))
         except (KeyError, TypeError, ValueError) as e:
-            raise EnvaceError(f"tasks file {p}: record {i} is not a task record "
-                              f"({type(e).__name__}: {e})") from e
+            raise EnvaceError(f"tasks file {p}: record {i} is not a task record ({_one_line(e)})") from e
     return tasks
 
 
