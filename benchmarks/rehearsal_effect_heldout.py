@@ -312,9 +312,18 @@ def markdown(report: dict[str, Any]) -> str:
 def cache_dir(out: Path, cfg: Any, ref: str, resolved: Any, cond: dict[str, Any], protocol: str, seed: int,
               profile: str, overrides: str) -> Path:
     """``<out>/cache/<fingerprint>``: `options.fingerprint` of the model (weights included), the condition's
-    config (verifier flag included), protocol and seed, plus ``heldout`` (a separate cache from run_eval's)."""
+    config (verifier flag included), protocol and seed, plus ``heldout`` (a separate cache from run_eval's).
+    ``none`` rehearses nothing, so its fingerprint sees `overrides` as their parsed mapping without the
+    ``rehearsal`` settings (and `cfg`'s rehearsal section as the profile's): runs that differ only in
+    rehearsal settings, or in how the same overrides are written, share its episodes."""
+    from envace_core.config import load_config, parse_overrides
     from envace_core.evaluation.options import EvalOptions, fingerprint
 
+    if cond["mode"] == "none" and overrides:
+        over = parse_overrides(overrides)
+        over.pop("rehearsal", None)
+        overrides = json.dumps(over, sort_keys=True) if over else ""
+        cfg = load_config(profile, overrides)
     opts = EvalOptions(model=ref, benches="tau2:airline", out=str(out), rehearsal="none" if cond["mode"] == "none"
                        else f"{cond['mode']}:{cond['n']}", protocol=protocol, seed=seed, profile=profile,
                        overrides=overrides)

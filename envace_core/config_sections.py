@@ -482,8 +482,17 @@ class RehearsalConfig(_Strict):
     verifier: bool = Field(
         True, description="drop rehearsals the domain's code checks reject (tool-schema violations, "
         "unknown tools, non-JSON responses, code-checkable policy rules; METHOD.md §4)")
+    grounded_errors: bool = Field(
+        False, description="with verifier on, also drop rehearsals in which the imagined environment answers "
+        "with an error a call whose arguments all appear in the user's request or in a real tool result "
+        "(the rehearser has no database, so such an error is a guess that contradicts the user's own data; "
+        "envace_core/rehearsal/verifier.py, grounded_error_check)")
     reenter: bool = Field(False, description="rehearse again before every real step, from the real "
                           "history so far")
+    memory_content: Literal["episode", "calls"] = Field(
+        "episode", description="what a kept rehearsal puts in the memory m_x: 'episode' = the calls tried with "
+        "their imagined results, ACT's messages to the user and how the rehearsal ended; 'calls' = the calls "
+        "tried with their imagined results only (plans tried and pitfalls, not the imagined ending; METHOD.md §4)")
     memory_max_tokens: int = Field(
         256, ge=16, description="token budget of the rehearsal memory m_x, in the policy's tokens: the "
         "kept rehearsals' summaries, newest first, are added a whole line at a time while they fit "

@@ -59,6 +59,26 @@ def test_condition_config_turns_only_the_verifier_off():
     assert h.condition_config(cfg, none) is cfg
 
 
+def test_none_shares_its_cache_across_rehearsal_settings(tmp_path):
+    """``none`` rehearses nothing: ``rehearsal.*`` overrides do not split its cache; other overrides do,
+    and a rehearsing condition's cache follows every rehearsal setting."""
+    from envace_core.config import load_config
+    from envace_core.models import resolve_model_ref
+
+    none, par = h.parse_conditions("none,parallel:4")
+    model = resolve_model_ref("bundled:smollm2-135m-instruct", str(tmp_path / "reg"))
+
+    def cdir(cond, overrides):
+        cfg = load_config("test", overrides)
+        return h.cache_dir(tmp_path, cfg, "m", model, cond, "opening_request", 0, "test", overrides)
+
+    plain = cdir(none, "")
+    assert cdir(none, "rehearsal.memory_content=calls,rehearsal.grounded_errors=true") == plain
+    assert cdir(none, "rehearsal.n=3,eval.max_turns=2") == cdir(none, "eval.max_turns=2") != plain
+    assert len({cdir(par, ""), cdir(par, "rehearsal.memory_content=calls"),
+                cdir(par, "rehearsal.grounded_errors=true")}) == 3
+
+
 def test_disjointness_check_fails_on_any_overlap():
     train = [task("synth-L1-a", "Tell me my balance", (("get_user_details", {"user_id": "u1"}),)),
              task("synth-L2-b", "Cancel reservation X", (("cancel_reservation", {"reservation_id": "X"}),))]

@@ -234,6 +234,28 @@ def test_real_model_sequential_verifier_reentry_smoke(tiny_model_dir):
     assert all(sum(g.role == Role.SELF_EVAL for g in t.generations) == 1 for t in kept)
 
 
+def test_calls_memory_keeps_what_was_tried_not_how_the_rehearsal_ended(tok, write_task):
+    """memory_content="calls": the calls and their imagined results, no message to the user and no ending;
+    SELF-EVAL still reads the whole episode."""
+    task, write_text = write_task
+    ctx = task_context(task, 300)
+    write_name = json.loads(write_text[len("<tool_call>"):-len("</tool_call>")])["name"]
+    rounds = {}
+    for content in ("episode", "calls"):
+        engine = EvalEngine(tok, [write_text, "Done, your booking is cancelled."])
+        agent = RehearsalAgent(engine, "sequential", 2, 512, act=P, rehearse=P, seed=0, memory_content=content)
+        rounds[content] = (agent.rehearse_round(ctx), engine)
+    episode, calls = rounds["episode"][0].memory, rounds["calls"][0].memory
+    assert f"- called {write_name}(" in episode and "- told the user: Done" in episode and "- ended:" in episode
+    assert f"- called {write_name}(" in calls and "told the user" not in calls and "- ended:" not in calls
+    assert "- self-eval:" in calls  # the kept rehearsal's SELF-EVAL line stays with its calls
+    evals = [t for k, t in rounds["calls"][1].prompts if k == "self_eval"]
+    assert evals and all("- told the user: Done" in t for t in evals)
+    only_talk = RehearsalAgent(EvalEngine(tok, ["Done"]), "parallel", 2, 512, act=P, rehearse=P,
+                               memory_content="calls").rehearse_round(ctx)
+    assert only_talk.memory == ""  # no call tried: nothing to remember
+
+
 # ------------------------------------------------------------------------------------------ arguments
 def test_bad_arguments_are_rejected(tok):
     e = ScriptedEngine(tok, ["hi"])
@@ -243,4 +265,6 @@ def test_bad_arguments_are_rejected(tok):
         RehearsalAgent(e, "sequential", 0, 64, act=P, rehearse=P)
     with pytest.raises(EnvaceError, match="verifier"):
         RehearsalAgent(e, "parallel", 2, 64, act=P, rehearse=P, verifier=["schema"])
+    with pytest.raises(EnvaceError, match="unknown rehearsal memory content 'plans'"):
+        RehearsalAgent(e, "parallel", 2, 64, act=P, rehearse=P, memory_content="plans")
     assert RehearsalAgent(e, "none", 0, 64, act=P, rehearse=P).rehearse(None) == ([], "")

@@ -19,6 +19,7 @@ from envace_core.models import load_tokenizer
 from envace_core.rehearsal.verifier import (
     FORMAT_CHECKS,
     default_checks,
+    grounded_error_check,
     json_response_check,
     schema_check,
     unknown_tool_check,
@@ -140,3 +141,35 @@ def test_reasons_from_all_checks_are_listed(ctx):
     _, [(_, reasons)] = verify([bad], ctx, default_checks("airline"))
     text = json.dumps(reasons)
     assert "unknown tool" in text and "schema violation" in text and "not JSON" in text and "policy" in text
+
+
+# ------------------------------------------------------------------------------- grounded errors
+def test_imagined_error_on_the_users_own_data_is_rejected():
+    """An imagined "not found" for the id and name the user gave is rejected; an error for an id nobody
+    gave, an imagined success, a real error and a call with no argument values are not."""
+    from envace_core.types import TaskContext
+
+    ctx = TaskContext(task_id="t", domain="airline", policy="", tools=[],
+                      first_user_message="Hi, I'm Sofia Ito (zip 94125). Please cancel reservation LVNBYN.")
+    err = '{"error": "reservation not found"}'
+    grounded = step("get_reservation_details", {"reservation_id": "lvnbyn"}, err, error=True)
+    [reason] = grounded_error_check(traj(grounded, Step(message="Done.")), ctx)
+    assert reason.startswith("imagined error at step 0 for get_reservation_details") and "not found" in reason
+    nested = step("find_user_id_by_name_zip", {"name": {"first": "Sofia", "last": "Ito"}, "zip": 94125,
+                                                "exact": True}, err, error=True)
+    assert grounded_error_check(traj(nested), ctx)
+    invented = step("get_reservation_details", {"reservation_id": "ZZZ999"}, err, error=True)
+    success = step("get_reservation_details", {"reservation_id": "LVNBYN"}, '{"status": "active"}')
+    real = step("get_reservation_details", {"reservation_id": "LVNBYN"}, "Error: not found", error=True, real=True)
+    empty = step("list_all_airports", {}, err, error=True)
+    for t in (traj(invented), traj(success), traj(real), traj(empty)):
+        assert grounded_error_check(t, ctx) == []
+    # a value shown by a real result of the prefix (re-entry) grounds the call too
+    prefix = step("get_user_details", {"user_id": "sofia_ito_7804"}, '{"reservations": ["5U3JYB"]}', real=True)
+    later = step("get_reservation_details", {"reservation_id": "5U3JYB"}, err, error=True)
+    assert grounded_error_check(traj(later), ctx) == []
+    assert "step 1" in grounded_error_check(traj(prefix, later), ctx)[0]
+    assert grounded_error_check not in default_checks("airline")
+    assert default_checks("airline", grounded_errors=True)[-1] is grounded_error_check
+    kept, rejected = verify([traj(success), traj(grounded)], ctx, [grounded_error_check])
+    assert kept == [traj(success)] and len(rejected) == 1

@@ -60,16 +60,19 @@ def policy_agent(cfg: RunConfig, engine, mode: str = "none", n: int = 0, *, doma
     """The evaluated policy as a `RehearsalAgent`: committed ACT at ``eval.temperature`` for at most
     ``eval.max_turns`` turns (``rollout.max_new_tokens_act``, ``rollout.top_p``); rehearsals in `mode`
     ("none" | "parallel" | "sequential") with `n` per round at ``rehearsal.temperature``, the config's
-    memory budget, re-entry and (``rehearsal.verifier``) `domain`'s verifier checks."""
+    memory budget and content, re-entry and (``rehearsal.verifier``) `domain`'s verifier checks (with
+    ``rehearsal.grounded_errors``, `verifier.grounded_error_check` too)."""
     from envace_core.rehearsal.verifier import default_checks
     from envace_core.training.policy import rollout_params
 
     act = rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=cfg.eval.max_turns,
                          lenient=cfg.eval.lenient_tool_format)
     reh = rollout_params(cfg, temperature=cfg.rehearsal.temperature, max_turns=cfg.eval.max_turns)
-    checks = default_checks(domain) if cfg.rehearsal.verifier and mode != "none" else None
+    checks = (default_checks(domain, cfg.rehearsal.grounded_errors)
+              if cfg.rehearsal.verifier and mode != "none" else None)
     return RehearsalAgent(engine, mode, n, cfg.rehearsal.memory_max_tokens, act, reh, seed=seed,
-                          verifier=checks, reenter=cfg.rehearsal.reenter)
+                          verifier=checks, reenter=cfg.rehearsal.reenter,
+                          memory_content=cfg.rehearsal.memory_content)
 
 
 # ---------------------------------------------------------------------------- tau2_orchestrator

@@ -42,6 +42,7 @@ from envace_core.training.rollout import (
 from envace_core.types import Message, Role, Step, TaskContext, Trajectory
 
 MODES = ("none", "parallel", "sequential")
+MEMORY_CONTENTS = ("episode", "calls")  # what a kept rehearsal puts in the memory (`summarise`)
 _ROUND_SEED_STRIDE = 7919  # re-entry round r rehearses with seed + r * stride (round 0: `seed`)
 
 T = TypeVar("T")
@@ -81,13 +82,18 @@ class RehearsalResult:
 
 
 def summarise(traj: Trajectory, k: int, tokenizer=None,
-              max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS) -> str:
+              max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS, content: str = "episode") -> str:
     """One rehearsal as compact text: the calls tried, the imagined outcomes, how it ended.
 
     With `tokenizer`, each outcome is cut to `max_observation_tokens` tokens with the marker of
     `roles.bounds.bound_text` (the cut ACT's and REHEARSE's prompts use), so neither the SELF-EVAL
-    prompt nor a memory line holds a whole long tool result.
+    prompt nor a memory line holds a whole long tool result. `content` (one of `MEMORY_CONTENTS`):
+    "episode" = every step and the termination; "calls" = the calls and their imagined outcomes only,
+    no message to the user and no ending ("" when the rehearsal called no tool). Raises `EnvaceError`
+    for another `content`.
     """
+    if content not in MEMORY_CONTENTS:
+        raise EnvaceError(f"unknown rehearsal memory content {content!r}; choose one of {MEMORY_CONTENTS}")
     lines = [f"Rehearsal {k}:"]
     for s in traj.steps:
         if s.action is not None:
@@ -96,8 +102,10 @@ def summarise(traj: Trajectory, k: int, tokenizer=None,
                 obs = bound_text(obs, tokenizer, max_observation_tokens)
             lines.append(f"- called {s.action.name}({json.dumps(s.action.arguments, sort_keys=True)})"
                          f" -> {'ERROR ' if s.observation and s.observation.error else ''}{obs}")
-        elif s.message:
+        elif s.message and content == "episode":
             lines.append(f"- told the user: {s.message}")
+    if content == "calls":
+        return "\n".join(lines) if len(lines) > 1 else ""
     lines.append(f"- ended: {traj.termination}")
     return "\n".join(lines)
 
@@ -128,17 +136,22 @@ class RehearsalAgent:
         reenter: rehearse again before every real ACT step, from the real history so far.
         self_eval: run SELF-EVAL after each rehearsal; None means "only in sequential mode".
         self_eval_max_tokens, self_eval_temperature: SELF-EVAL generation settings (default greedy).
+        memory_content: what a kept rehearsal puts in the memory, one of `MEMORY_CONTENTS` (`summarise`);
+            SELF-EVAL always sees the whole episode.
     Raises:
-        EnvaceError: unknown mode; n < 1 with a rehearsing mode; a verifier entry that is not callable.
+        EnvaceError: unknown mode or memory content; n < 1 with a rehearsing mode; a verifier entry that
+            is not callable.
     """
 
     def __init__(self, engine: Engine, mode: str, n: int, memory_max_tokens: int,
                  act: RolloutParams, rehearse: RolloutParams, seed: int | None = 0, *,
                  verifier: Sequence[Check] | None = None, reenter: bool = False,
                  self_eval: bool | None = None, self_eval_max_tokens: int = 128,
-                 self_eval_temperature: float = 0.0):
+                 self_eval_temperature: float = 0.0, memory_content: str = "episode"):
         if mode not in MODES:
             raise EnvaceError(f"unknown rehearsal mode {mode!r}; choose one of {MODES}")
+        if memory_content not in MEMORY_CONTENTS:
+            raise EnvaceError(f"unknown rehearsal memory content {memory_content!r}; choose one of {MEMORY_CONTENTS}")
         if mode != "none" and n < 1:
             raise EnvaceError(f"rehearsal mode {mode!r} needs n >= 1 rehearsals, got {n}")
         if verifier is not None and not all(callable(c) for c in verifier):
@@ -146,7 +159,7 @@ class RehearsalAgent:
         self.engine, self.mode, self.n = engine, mode, n
         self.memory_max_tokens, self.act, self.rehearse_params, self.seed = memory_max_tokens, act, rehearse, seed
         self.verifier = list(verifier) if verifier is not None else None
-        self.reenter = reenter
+        self.reenter, self.memory_content = reenter, memory_content
         self.self_eval = (mode == "sequential") if self_eval is None else self_eval
         self.self_eval_max_tokens, self.self_eval_temperature = self_eval_max_tokens, self_eval_temperature
 
@@ -194,8 +207,8 @@ class RehearsalAgent:
                     rnd.rejected.append((t, rejected[id(views[i])]))
                     blocks.append("")
                 else:
-                    text = summarise(t, base + i + 1, tok, p.max_observation_tokens)
-                    if i in evals and evals[i].as_text():
+                    text = summarise(t, base + i + 1, tok, p.max_observation_tokens, self.memory_content)
+                    if text and i in evals and evals[i].as_text():
                         text += "\n" + evals[i].as_text()
                     blocks.append(text)
 

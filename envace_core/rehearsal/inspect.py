@@ -143,7 +143,8 @@ def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int 
                          lenient=cfg.eval.lenient_tool_format)
     reh = rollout_params(cfg, temperature=cfg.rehearsal.temperature, max_turns=turns)
     agent = RehearsalAgent(engine, mode, n, cfg.rehearsal.memory_max_tokens, act, reh, seed=seed,
-                           verifier=default_checks(task.domain) if verifier else None, reenter=reenter)
+                           verifier=default_checks(task.domain, cfg.rehearsal.grounded_errors) if verifier else None,
+                           reenter=reenter, memory_content=cfg.rehearsal.memory_content)
     env = Tau2Environment(task.domain)
     env.reset(task)
     hash_before, calls_before = env.snapshot(), env.calls_made

@@ -18,9 +18,10 @@ The domains' code-checkable policy rules live with the domain (`envs.tau2.rules`
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from envace_core import EnvaceError
-from envace_core.envs.base import Check
+from envace_core.envs.base import Check, call_text
 from envace_core.envs.tau2.rules import policy_rule_checks
 from envace_core.roles.errors import InvalidArguments
 from envace_core.roles.strict_json import strict_json
@@ -81,9 +82,52 @@ def json_response_check(traj: Trajectory, ctx: TaskContext) -> list[str]:
 FORMAT_CHECKS: tuple[Check, ...] = (unknown_tool_check, schema_check, json_response_check)
 
 
-def default_checks(domain: str) -> list[Check]:
-    """The format checks (`FORMAT_CHECKS`) plus `policy_rule_checks(domain)`."""
-    return [*FORMAT_CHECKS, *policy_rule_checks(domain)]
+# --------------------------------------------------------------------------------- grounding check
+def _leaves(value: Any) -> list[str]:
+    """The scalar values inside a tool call's arguments, as lower-case text (booleans, None and empty
+    strings are left out: they name nothing the user could have stated)."""
+    if isinstance(value, dict):
+        return [x for v in value.values() for x in _leaves(v)]
+    if isinstance(value, list):
+        return [x for v in value for x in _leaves(v)]
+    if isinstance(value, bool) or value is None:
+        return []
+    text = str(value).strip().lower()
+    return [text] if text else []
+
+
+def grounded_error_check(traj: Trajectory, ctx: TaskContext) -> list[str]:
+    """Imagined error responses to calls whose arguments all come from what the agent was told.
+
+    A call is grounded when it has at least one argument value and every scalar value in its arguments
+    (`_leaves`) occurs, case-insensitively, in the user's request (`ctx.first_user_message`) or in a real
+    tool result earlier in the trajectory (a re-entry rehearsal's real prefix). REHEARSE sees no database:
+    an imagined "not found" / "cannot be retrieved" for the user's own name, zip code or reservation id is
+    a guess that contradicts the task's own data, and a rehearsal continued from it shows the committed
+    ACT an episode of a different world (RESULTS.md, "Private Rehearsal with a per-role policy on
+    held-out tasks": the kept rehearsals that cost three solved tasks all start this way). Real
+    observations are not checked. Limit: a task whose user states a wrong identifier on purpose has
+    its true-error rehearsals dropped too.
+    """
+    grounding = ctx.first_user_message.lower()
+    out = []
+    for k, s in enumerate(traj.steps):
+        if s.action is None or s.observation is None:
+            continue
+        if not _is_imagined(s):
+            grounding += "\n" + s.observation.content.lower()
+            continue
+        leaves = _leaves(s.action.arguments)
+        if s.observation.error and leaves and all(v in grounding for v in leaves):
+            out.append(f"imagined error at step {k} for {call_text(s)}, whose arguments all come from the "
+                       f"request or a real result: {s.observation.content[:80]!r}")
+    return out
+
+
+def default_checks(domain: str, grounded_errors: bool = False) -> list[Check]:
+    """The format checks (`FORMAT_CHECKS`) plus `policy_rule_checks(domain)`, and `grounded_error_check`
+    when `grounded_errors` is true (config ``rehearsal.grounded_errors``)."""
+    return [*FORMAT_CHECKS, *policy_rule_checks(domain), *([grounded_error_check] if grounded_errors else [])]
 
 
 def verify(trajectories: Sequence[Trajectory], ctx: TaskContext, checks: Sequence[Check]
