@@ -157,10 +157,11 @@ def effective_act_final_steps(train: Any) -> int:
 
 def warn_unused_act_settings(train: Any) -> None:
     """Warn (`UnusedSettingWarning`) for train.sft_act_repeats ≠ 1 or train.sft_act_final_steps ≠ 0 where
-    they change nothing (`mixes_roles`), and for train.sft_act_recovery or train.sft_answer_repeats ≠ 1 without
+    they change nothing (`mixes_roles`), and for train.sft_act_recovery, train.sft_act_memory or train.sft_answer_repeats ≠ 1 without
     ACT warm-up examples."""
     no_act = 'nothing (sft_warmup_steps=0)' if train.sft_warmup_steps == 0 else 'no ACT'
     for name, value, default in (("sft_act_recovery", train.sft_act_recovery, False),
+                                 ("sft_act_memory", train.sft_act_memory, False),
                                  ("sft_answer_repeats", train.sft_answer_repeats, 1)):
         if value != default and (train.sft_warmup_steps == 0 or "act" not in train.sft_roles):
             warnings.warn(f"train.{name}={str(value).lower()} has no effect: it adds ACT warm-up examples, and this "

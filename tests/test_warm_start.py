@@ -59,11 +59,17 @@ def test_warm_start_trains_once_and_a_rerun_reuses_the_stored_adapter(setup, tin
                   _cfg(tiny_model_dir, root, {"seed": 1}),
                   _cfg(tiny_model_dir, root, {"sft_act_repeats": 2}),
                   _cfg(tiny_model_dir, root, {"sft_act_recovery": True}),
+                  _cfg(tiny_model_dir, root, {"sft_act_memory": True}),
                   _cfg(tiny_model_dir, root, {"sft_answer_repeats": 3})):
         assert warm_start_id(other, ds, sha) != first["warm_start_id"]
     # sft_act_repeats at its default leaves the id as it was before the setting existed; where it
     # changes nothing (one role, per-role adapters) it is left out of the id too, with a warning
-    assert not {"train.sft_act_repeats", "train.sft_act_recovery", "train.sft_answer_repeats"} & set(first["settings"])
+    assert not {"train.sft_act_repeats", "train.sft_act_recovery", "train.sft_answer_repeats", "train.sft_act_memory",
+                "rehearsal.memory_content"} & set(first["settings"])
+    # with ACT memory examples the memory's rendering decides the prompts, so it decides the id too
+    mem = _cfg(tiny_model_dir, root, {"sft_act_memory": True})
+    assert warm_start_id(mem, ds, sha) != warm_start_id(mem.model_copy(update={"rehearsal": mem.rehearsal.model_copy(
+        update={"memory_content": "calls"})}), ds, sha)
     from envace_core.config_checks import UnusedSettingWarning
     for extra in ({"sft_roles": ["act"]}, {"policy_per_role": True}):
         with pytest.warns(UnusedSettingWarning, match="sft_act_repeats=2 has no effect"):
@@ -213,6 +219,8 @@ def test_a_final_act_phase_starts_from_the_stored_mixed_warm_start(setup, tiny_m
         assert warm_start_id(unused, ds, sha) == warm_start_id(_cfg(tiny_model_dir, root, extra), ds, sha)
     with pytest.warns(UnusedSettingWarning, match="sft_act_recovery=true has no effect"):
         _cfg(tiny_model_dir, root, {"sft_roles": ["rehearse"], "sft_act_recovery": True})
+    with pytest.warns(UnusedSettingWarning, match="sft_act_memory=true has no effect"):
+        _cfg(tiny_model_dir, root, {"sft_roles": ["rehearse"], "sft_act_memory": True})
     with pytest.warns(UnusedSettingWarning, match="sft_answer_repeats=2 has no effect"):
         unused = _cfg(tiny_model_dir, root, {"sft_roles": ["rehearse"], "sft_answer_repeats": 2})
     assert warm_start_id(unused, ds, sha) == warm_start_id(_cfg(tiny_model_dir, root, {"sft_roles": ["rehearse"]}), ds, sha)

@@ -106,7 +106,8 @@ def grounded_error_check(traj: Trajectory, ctx: TaskContext) -> list[str]:
     a guess that contradicts the task's own data, and a rehearsal continued from it shows the committed
     ACT an episode of a different world (RESULTS.md, "Private Rehearsal with a per-role policy on
     held-out tasks": the kept rehearsals that cost three solved tasks all start this way). Real
-    observations are not checked. Limit: a task whose user states a wrong identifier on purpose has
+    observations and schema refusals (`Step.schema_error`: the tool list refused the call before any
+    rehearsal) are not checked. Limit: a task whose user states a wrong identifier on purpose has
     its true-error rehearsals dropped too.
     """
     grounding = ctx.first_user_message.lower()
@@ -118,7 +119,7 @@ def grounded_error_check(traj: Trajectory, ctx: TaskContext) -> list[str]:
             grounding += "\n" + s.observation.content.lower()
             continue
         leaves = _leaves(s.action.arguments)
-        if s.observation.error and leaves and all(v in grounding for v in leaves):
+        if s.schema_error is None and s.observation.error and leaves and all(v in grounding for v in leaves):
             out.append(f"imagined error at step {k} for {call_text(s)}, whose arguments all come from the "
                        f"request or a real result: {s.observation.content[:80]!r}")
     return out

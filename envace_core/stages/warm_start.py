@@ -90,6 +90,10 @@ def warm_start_settings(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, An
             out["train.sft_act_recovery"] = True
         if cfg.train.sft_answer_repeats != 1 and "act" in cfg.train.sft_roles:
             out["train.sft_answer_repeats"] = cfg.train.sft_answer_repeats
+        if cfg.train.sft_act_memory and "act" in cfg.train.sft_roles:
+            out["train.sft_act_memory"] = True
+            out["rehearsal.memory_content"] = cfg.rehearsal.memory_content
+            out["rehearsal.memory_max_tokens"] = cfg.rehearsal.memory_max_tokens
         out.update({f"{sec}.{f}": getattr(getattr(cfg, sec), f) for sec, f in PROMPT_FIELDS})
         out["sft.batching"] = SFT_BATCHING  # how steps draw their examples: same settings, other weights
     return out
@@ -125,7 +129,8 @@ def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutP
     """The warm-up examples of each role in train.sft_roles: "act" = `sft.act_examples` of the train
     `tasks` (first rollout.max_turns turns, tool results cut to rollout.max_observation_tokens as rollouts
     cut them; each final-answer example train.sft_answer_repeats times; with train.sft_act_recovery also
-    `sft.act_recovery_examples`, seed train.seed), "rehearse" =
+    `sft.act_recovery_examples`, seed train.seed; with train.sft_act_memory also
+    `rehearsal.memory_examples.act_memory_examples` under the rehearsal memory settings), "rehearse" =
     `sft.rehearse_examples` of `transitions`
     (`loop.real_train_transitions`; prompts as rollouts build them with `params`, grounding included;
     targets cut to the per-tool budgets), both within train.sft_max_tokens; REHEARSE errors capped at
@@ -140,6 +145,12 @@ def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutP
         out["act"] += [e for e in out["act"] if e.gold is None] * (cfg.train.sft_answer_repeats - 1)
         if cfg.train.sft_act_recovery:
             out["act"] += act_recovery_examples(tasks, tokenizer, cfg.data.policy_max_chars, seed=cfg.train.seed, **kw)
+        if cfg.train.sft_act_memory:
+            from envace_core.rehearsal.memory_examples import act_memory_examples
+
+            out["act"] += act_memory_examples(tasks, tokenizer, cfg.data.policy_max_chars, seed=cfg.train.seed,
+                                              memory_max_tokens=cfg.rehearsal.memory_max_tokens,
+                                              memory_content=cfg.rehearsal.memory_content, **kw)
     if "rehearse" in cfg.train.sft_roles:
         p = params
         out["rehearse"] = rehearse_examples(

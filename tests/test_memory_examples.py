@@ -1,0 +1,74 @@
+"""ACT warm-up examples with a rehearsal memory in the prompt (`rehearsal.memory_examples`): the memory is
+rendered as Private Rehearsal renders it, holds a faithful and/or misleading rehearsal of the task, and the
+target is the gold turn all the same."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+import envace_core  # noqa: F401  (offline environment before tau2)
+from envace_core.envs.tau2.synth import gold_answer, synthesize
+from envace_core.rehearsal.memory_examples import act_memory_examples
+from envace_core.training.sft import SFTError, act_examples
+from envace_core.training.transitions import TestSplitError
+
+
+@pytest.fixture(scope="module")
+def tasks():
+    return [t for d in ("airline", "retail") for t in synthesize(d, 2, levels=[1, 2], seed=0)]
+
+
+@pytest.fixture(scope="module")
+def tok(bundled_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(bundled_tokenizer_dir)
+
+
+def notes(tok, ids) -> str:
+    text = tok.decode(ids)
+    assert "# Notes from rehearsal" in text
+    return text.split("# Notes from rehearsal", 1)[1].split("<|im_end|>", 1)[0]
+
+
+def test_every_act_turn_comes_with_a_memory_and_the_same_target(tasks, tok):
+    plain = act_examples(tasks, tok, policy_max_chars=300)
+    ex = act_memory_examples(tasks, tok, policy_max_chars=300, memory_max_tokens=400)
+    assert [(e.task_id, e.completion_ids, e.gold) for e in ex] == [(e.task_id, e.completion_ids, e.gold) for e in plain]
+    by_task = {t.id: t for t in tasks}
+    kinds = set()
+    for e, p in zip(ex, plain):
+        assert len(e.prompt_ids) > len(p.prompt_ids) and "# Notes from rehearsal" not in tok.decode(p.prompt_ids)
+        m = notes(tok, e.prompt_ids)
+        assert "[rehearsal 2]" in m and "Rehearsal 1:" in m  # two rehearsals, newest first, as memory_text orders
+        first = by_task[e.task_id].gold_actions[0]
+        calls = re.findall(r"- called (\w+)\((\{.*?\})\) -> (ERROR )?", m)
+        assert calls and all(name == first.name for name, _, _ in calls[:1])
+        for name, args, err in calls:
+            same = json.loads(args) == first.arguments
+            kinds.add("faithful" if same and not err else "imagined_error" if same else "wrong_call")
+        if e.gold is None:
+            assert e.text == gold_answer(by_task[e.task_id])
+    assert kinds == {"faithful", "imagined_error", "wrong_call"}  # every kind occurs across the tasks
+    # the same memory at every turn of a task (no re-entry: one m_x for the whole committed run)
+    for tid in by_task:
+        assert len({notes(tok, e.prompt_ids) for e in ex if e.task_id == tid}) == 1
+    again = act_memory_examples(tasks, tok, policy_max_chars=300, memory_max_tokens=400)
+    assert [e.prompt_ids for e in again] == [e.prompt_ids for e in ex]
+    other = act_memory_examples(tasks, tok, policy_max_chars=300, memory_max_tokens=400, seed=5)
+    assert [e.prompt_ids for e in other] != [e.prompt_ids for e in ex]
+
+
+def test_calls_content_budget_and_bad_input(tasks, tok):
+    ex = act_memory_examples(tasks, tok, policy_max_chars=300, memory_max_tokens=400, memory_content="calls")
+    assert all("told the user" not in notes(tok, e.prompt_ids) and "- ended:" not in notes(tok, e.prompt_ids)
+               for e in ex)
+    small = act_memory_examples(tasks, tok, policy_max_chars=300, memory_max_tokens=40)
+    assert all(len(tok.encode(notes(tok, e.prompt_ids).strip(), add_special_tokens=False)) <= 40 for e in small)
+    with pytest.raises(SFTError, match="unknown rehearsal memory content 'plans'"):
+        act_memory_examples(tasks, tok, memory_content="plans")
+    with pytest.raises(TestSplitError):
+        act_memory_examples([tasks[0].model_copy(update={"split": "test"})], tok, policy_max_chars=300)
