@@ -178,6 +178,15 @@ def warn_unused_act_settings(train: Any) -> None:
                           f"shared policy, and this config warms {why}", UnusedSettingWarning, stacklevel=3)
 
 
+def warn_unused_rehearsal_settings(rehearsal: Any) -> Any:
+    """Warn (`UnusedSettingWarning`) for rehearsal.grounded_errors=true with the verifier off (it is one of the
+    verifier's checks); returns `rehearsal` (a pydantic after-validator)."""
+    if rehearsal.grounded_errors and not rehearsal.verifier:
+        warnings.warn("rehearsal.grounded_errors=true has no effect: it is a verifier check, and rehearsal.verifier "
+                      "is false", UnusedSettingWarning, stacklevel=3)
+    return rehearsal
+
+
 def check_rollout(engine: str, vllm_kwargs: Mapping[str, Any]) -> None:
     """Raises ValueError for rollout.vllm_kwargs with rollout.engine=hf, which never reads them."""
     if vllm_kwargs and engine != "vllm":

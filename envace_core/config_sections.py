@@ -25,6 +25,7 @@ from envace_core.config_checks import (
     plain_number,
     warn_unknown_budget_tools,
     warn_unused_act_settings,
+    warn_unused_rehearsal_settings,
 )
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
 
@@ -473,21 +474,20 @@ class RehearsalConfig(_Strict):
         "parallel", description="'parallel': N independent rehearsals from the current real state; "
         "'sequential': rehearsal n sees the memory and SELF-EVALs of rehearsals 1..n−1; 'none' = plain "
         "ACT (METHOD.md §4)")
-    n: int = Field(
-        2, ge=1, description="N: rehearsals per round (one round before the first real step, and before "
-        "every real step with reenter)")
+    n: int = Field(2, ge=1, description="N: rehearsals per round (one round before the first real step, and before "
+                   "every real step with reenter)")
     verifier: bool = Field(True, description="drop rehearsals the domain's code checks reject (tool-schema violations, "
                            "unknown tools, non-JSON responses, code-checkable policy rules; METHOD.md §4)")
     grounded_errors: bool = Field(False, description="verifier: also drop rehearsals with an imagined error for a call whose "
                                   "arguments all come from the request or a real result (verifier.grounded_error_check)")
-    reenter: bool = Field(False, description="rehearse again before every real step, from the real "
-                          "history so far")
+    reenter: bool = Field(False, description="rehearse again before every real step, from the real history so far")
     memory_content: Literal["episode", "calls"] = Field("episode", description="a kept rehearsal in m_x: 'episode' = calls, "
                                                         "imagined results, messages, ending; 'calls' = calls and results only")
     memory_max_tokens: int = Field(
         256, ge=16, description="token budget of the rehearsal memory m_x, in the policy's tokens: the "
         "kept rehearsals' summaries, newest first, are added a whole line at a time while they fit "
         "(METHOD.md §4; envace_core/roles/memory.py)")
+    _unused = model_validator(mode="after")(warn_unused_rehearsal_settings)
     temperature: float = Field(
         1.0, gt=0, description="T of the rehearsals (ACT and REHEARSE inside them): tokens drawn from "
         "softmax(logits / T); > 0 so the N rehearsals differ")

@@ -166,6 +166,14 @@ def test_imagined_error_on_the_users_own_data_is_rejected():
     refused.schema_error = "InvalidArguments: ..."  # the tool list refused it: nothing was imagined
     for t in (traj(invented), traj(success), traj(real), traj(empty), traj(refused)):
         assert grounded_error_check(t, ctx) == []
+    # whole words and numbers only: a cut id, a number inside another, a real error's echo ground nothing
+    for args in ({"reservation_id": "LVNBY"}, {"zip": 9412}, {"amount": 1}):
+        assert grounded_error_check(traj(step("get_reservation_details", args, err, error=True)), ctx) == []
+    assert grounded_error_check(traj(step("find_user_id_by_name_zip", {"zip": 94125.0}, err, error=True)), ctx)
+    assert grounded_error_check(traj(step("find_user_id_by_name_zip", {"first_name": "SOFIA"}, err, error=True)), ctx)
+    real_err = step("get_reservation_details", {"reservation_id": "ZZZ999"}, "Error: Reservation ZZZ999 not found",
+                    error=True, real=True)
+    assert grounded_error_check(traj(real_err, invented), ctx) == []
     # a value shown by a real result of the prefix (re-entry) grounds the call too
     prefix = step("get_user_details", {"user_id": "sofia_ito_7804"}, '{"reservations": ["5U3JYB"]}', real=True)
     later = step("get_reservation_details", {"reservation_id": "5U3JYB"}, err, error=True)
@@ -175,3 +183,19 @@ def test_imagined_error_on_the_users_own_data_is_rejected():
     assert default_checks("airline", grounded_errors=True)[-1] is grounded_error_check
     kept, rejected = verify([traj(success), traj(grounded)], ctx, [grounded_error_check])
     assert kept == [traj(success)] and len(rejected) == 1
+
+
+def test_grounded_errors_without_the_verifier_warns():
+    from envace_core.config import load_config
+    from envace_core.config_checks import UnusedSettingWarning
+
+    with pytest.warns(UnusedSettingWarning, match="grounded_errors=true has no effect"):
+        load_config("test", "rehearsal.grounded_errors=true,rehearsal.verifier=false")
+
+
+def test_memory_lines_keep_non_ascii_arguments_as_written():
+    from envace_core.rehearsal.agent import summarise
+
+    t = traj(step("find_user_id_by_name_zip", {"first_name": "José", "city": "東京"}, '{"user_id": "jose_1"}'))
+    for content in ("episode", "calls"):
+        assert '"first_name": "José"' in summarise(t, 1, content=content) and "東京" in summarise(t, 1, content=content)

@@ -100,7 +100,7 @@ def summarise(traj: Trajectory, k: int, tokenizer=None,
             obs = s.observation.content if s.observation else "(no response)"
             if tokenizer is not None and s.observation:
                 obs = bound_text(obs, tokenizer, max_observation_tokens)
-            lines.append(f"- called {s.action.name}({json.dumps(s.action.arguments, sort_keys=True)})"
+            lines.append(f"- called {s.action.name}({json.dumps(s.action.arguments, sort_keys=True, ensure_ascii=False)})"
                          f" -> {'ERROR ' if s.observation and s.observation.error else ''}{obs}")
         elif s.message and content == "episode":
             lines.append(f"- told the user: {s.message}")

@@ -17,6 +17,7 @@ The domains' code-checkable policy rules live with the domain (`envs.tau2.rules`
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -84,24 +85,34 @@ FORMAT_CHECKS: tuple[Check, ...] = (unknown_tool_check, schema_check, json_respo
 
 # --------------------------------------------------------------------------------- grounding check
 def _leaves(value: Any) -> list[str]:
-    """The scalar values inside a tool call's arguments, as lower-case text (booleans, None and empty
-    strings are left out: they name nothing the user could have stated)."""
+    """The scalar values inside a tool call's arguments, as case-folded text (booleans, None and empty
+    strings are left out: they name nothing the user could have stated; an integral float is written as
+    an integer, 2.0 as "2", the way a person writes it)."""
     if isinstance(value, dict):
         return [x for v in value.values() for x in _leaves(v)]
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return [x for v in value for x in _leaves(v)]
     if isinstance(value, bool) or value is None:
         return []
-    text = str(value).strip().lower()
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    text = str(value).strip().casefold()
     return [text] if text else []
+
+
+def _stated(value: str, text: str) -> bool:
+    """`value` occurs in `text` as a whole: not inside a longer word or number ("ABC12" is not in
+    "ABC123", "100" is not in "$1000"). Both are case-folded already."""
+    return re.search(rf"(?<!\w){re.escape(value)}(?!\w)", text) is not None
 
 
 def grounded_error_check(traj: Trajectory, ctx: TaskContext) -> list[str]:
     """Imagined error responses to calls whose arguments all come from what the agent was told.
 
     A call is grounded when it has at least one argument value and every scalar value in its arguments
-    (`_leaves`) occurs, case-insensitively, in the user's request (`ctx.first_user_message`) or in a real
-    tool result earlier in the trajectory (a re-entry rehearsal's real prefix). REHEARSE sees no database:
+    (`_leaves`) occurs as a whole word or number (`_stated`, case-folded) in the user's request
+    (`ctx.first_user_message`) or in a successful real tool result earlier in the trajectory (a re-entry
+    rehearsal's real prefix; only the opening request counts among the user's messages). REHEARSE sees no database:
     an imagined "not found" / "cannot be retrieved" for the user's own name, zip code or reservation id is
     a guess that contradicts the task's own data, and a rehearsal continued from it shows the committed
     ACT an episode of a different world (RESULTS.md, "Private Rehearsal with a per-role policy on
@@ -110,16 +121,17 @@ def grounded_error_check(traj: Trajectory, ctx: TaskContext) -> list[str]:
     rehearsal) are not checked. Limit: a task whose user states a wrong identifier on purpose has
     its true-error rehearsals dropped too.
     """
-    grounding = ctx.first_user_message.lower()
+    grounding = ctx.first_user_message.casefold()
     out = []
     for k, s in enumerate(traj.steps):
         if s.action is None or s.observation is None:
             continue
         if not _is_imagined(s):
-            grounding += "\n" + s.observation.content.lower()
+            if not s.observation.error:  # a real error repeats the refused value: that grounds nothing
+                grounding += "\n" + s.observation.content.casefold()
             continue
         leaves = _leaves(s.action.arguments)
-        if s.schema_error is None and s.observation.error and leaves and all(v in grounding for v in leaves):
+        if s.schema_error is None and s.observation.error and leaves and all(_stated(v, grounding) for v in leaves):
             out.append(f"imagined error at step {k} for {call_text(s)}, whose arguments all come from the "
                        f"request or a real result: {s.observation.content[:80]!r}")
     return out
