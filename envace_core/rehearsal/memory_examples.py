@@ -28,12 +28,10 @@ from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
 from envace_core.rehearsal.agent import MEMORY_CONTENTS, summarise
-from envace_core.roles.act import act_prompt_ids
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
 from envace_core.roles.memory import memory_text
-from envace_core.roles.tools import format_tool_call
-from envace_core.training.sft import SFTError, SFTExample, completion_ids
-from envace_core.types import Message, Observation, Step, Task, ToolCall, Trajectory
+from envace_core.training.sft import SFTError, SFTExample, act_examples
+from envace_core.types import Observation, Step, Task, TaskContext, ToolCall, Trajectory
 
 if TYPE_CHECKING:
     from envace_core.envs.base import ToolEnvironment
@@ -95,41 +93,18 @@ def act_memory_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int 
     `memory_content`.
     """
     from envace_core.envs.tau2.environment import Tau2Environment
-    from envace_core.envs.tau2.synth import gold_answer
-    from envace_core.envs.tau2.tasks import task_context
-    from envace_core.training.transitions import check_splits
 
     if memory_content not in MEMORY_CONTENTS:
         raise SFTError(f"unknown rehearsal memory content {memory_content!r}; choose one of {MEMORY_CONTENTS}")
-    check_splits(tasks, forbid_splits)
-    out: list[SFTExample] = []
-    for task in tasks:
-        if not task.gold_actions:
-            continue
-        ctx = task_context(task, policy_max_chars)
+
+    def memory(task: Task, ctx: TaskContext) -> str | None:
         rng = random.Random(f"memory:{seed}:{task.id}")
         env = (env_factory or Tau2Environment)(task.domain)
         kinds = rehearsal_kinds(task, env, {t.name: t.parameters for t in ctx.tools}, rng)
         drawn = rng.sample(sorted(kinds), min(2, len(kinds)))
         blocks = [summarise(kinds[k], i + 1, tokenizer, max_observation_tokens, memory_content)
                   for i, k in enumerate(drawn)]
-        memory = memory_text(blocks, memory_max_tokens, tokenizer)
-        env.reset(task)
-        history = [Message(role="user", content=ctx.first_user_message)]
-        turns = task.gold_actions[:max_turns] if max_turns is not None else task.gold_actions
-        for k, gold in enumerate(turns):
-            call = ToolCall(name=gold.name, arguments=gold.arguments, id=f"call_{k}")
-            text = format_tool_call(call)
-            prompt = act_prompt_ids(tokenizer, ctx, history, memory or None, max_observation_tokens)
-            out.append(SFTExample(task.id, prompt, completion_ids(tokenizer, text), text, call))
-            obs = env.step(call)
-            history += [Message(role="assistant", tool_call=call),
-                        Message(role="tool", content=obs.content, error=obs.error)]
-        if len(turns) == len(task.gold_actions) and (max_turns is None or len(turns) < max_turns):
-            text = gold_answer(task)
-            out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, history, memory or None,
-                                                          max_observation_tokens),
-                                  completion_ids(tokenizer, text), text, None))
-    if max_tokens is not None:
-        out = [e for e in out if len(e.prompt_ids) + len(e.completion_ids) <= max_tokens]
-    return out
+        return memory_text(blocks, memory_max_tokens, tokenizer) or None
+
+    return act_examples(tasks, tokenizer, policy_max_chars, env_factory, max_turns=max_turns, max_tokens=max_tokens,
+                        forbid_splits=forbid_splits, max_observation_tokens=max_observation_tokens, memory=memory)

@@ -47,7 +47,7 @@ from envace_core import EnvaceError
 from envace_core.roles.act import act_prompt_ids
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
 from envace_core.roles.tools import format_tool_call
-from envace_core.types import Message, Task, ToolCall
+from envace_core.types import Message, Task, TaskContext, ToolCall
 
 if TYPE_CHECKING:
     from envace_core.envs.base import ToolEnvironment
@@ -90,7 +90,8 @@ def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None 
                  include_answer: bool = True, max_turns: int | None = None,
                  max_tokens: int | None = None,
                  forbid_splits: Collection[str] = ("test",),
-                 max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS) -> list[SFTExample]:
+                 max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS,
+                 memory: Callable[[Task, TaskContext], str | None] | None = None) -> list[SFTExample]:
     """The supervised ACT turns of every task in `tasks` that has gold actions (others are skipped).
 
     `env_factory(domain)` makes the private environment the gold calls run in (default
@@ -102,7 +103,8 @@ def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None 
     `transitions.real_transitions` does: warm-start data never holds a test task); pass ``()`` to
     build examples of held-out tasks on purpose, e.g. for measurement. `max_observation_tokens`: each
     tool result in a prompt is cut to this many tokens, as ``rollout.max_observation_tokens`` cuts it
-    in a rollout (`roles.act.act_prompt_ids`; None = uncut).
+    in a rollout (`roles.act.act_prompt_ids`; None = uncut). `memory(task, ctx)`: the rehearsal memory
+    every prompt of that task shows (Committed Execution without re-entry keeps one; None = none).
 
     Raises:
         TestSplitError: a task's `split` is in `forbid_splits` (the first such task is named),
@@ -121,13 +123,14 @@ def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None 
             continue
         ctx = task_context(task, policy_max_chars)
         env = (env_factory or Tau2Environment)(task.domain)
+        m = memory(task, ctx) if memory is not None else None
         env.reset(task)
         history = [Message(role="user", content=ctx.first_user_message)]
         turns = task.gold_actions[:max_turns] if max_turns is not None else task.gold_actions
         for k, gold in enumerate(turns):
             call = ToolCall(name=gold.name, arguments=gold.arguments, id=f"call_{k}")
             text = format_tool_call(call)
-            out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, history, None, max_observation_tokens),
+            out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, history, m, max_observation_tokens),
                                   completion_ids(tokenizer, text), text, call))
             obs = env.step(call)  # a tool error stays in the history, as the gold replay sees it
             history += [Message(role="assistant", tool_call=call),
@@ -135,7 +138,7 @@ def act_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int | None 
         if include_answer and len(turns) == len(task.gold_actions) \
                 and (max_turns is None or len(turns) < max_turns):
             text = gold_answer(task)
-            out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, history, None, max_observation_tokens),
+            out.append(SFTExample(task.id, act_prompt_ids(tokenizer, ctx, history, m, max_observation_tokens),
                                   completion_ids(tokenizer, text), text, None))
     if max_tokens is not None:
         out = [e for e in out if len(e.prompt_ids) + len(e.completion_ids) <= max_tokens]
