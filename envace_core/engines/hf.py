@@ -21,7 +21,7 @@ from contextlib import nullcontext
 
 import torch
 
-from envace_core.engines import shared_prefix
+from envace_core.engines import packed_linear, shared_prefix
 from envace_core.engines.base import Completion, SamplingParams, check_prompt_seeds, resolve_compute_dtype, role_adapter
 from envace_core.engines.prefix_cache import (
     PrefixPool,
@@ -111,8 +111,12 @@ class HFEngine:
             layers are all full-attention (`DynamicLayer`), otherwise ignored.
         shared_prefix_decode: True (default) decodes through `engines.shared_prefix`: each prompt's KV is
             kept once and attended once by all of its samples, and each sample appends only its own tokens
-            (no per-step copy of the cache), in float32 on CPU. Same tokens and log-probs as the plain
-            path up to summation order; used only for the model families `shared_prefix.supports` lists.
+            (no per-step copy of the cache), in float32 on CPU unless packed weights are in use (then in
+            bf16, softmax in float32). Same tokens and log-probs as the plain path up to summation order
+            and rounding; used only for the model families `shared_prefix.supports` lists.
+        packed_weights: True (default) runs the ``nn.Linear`` layers on oneDNN-packed bf16 copies of their
+            weights for bf16 compute on CPU where `packed_linear.available` (kept across calls, re-packed
+            when a weight changes in place), instead of a bf16 copy per call; ignored elsewhere.
 
     Attributes:
         stats: cumulative counters over all calls: ``prompt_tokens`` (tokens prefilled, each distinct prompt
@@ -125,7 +129,7 @@ class HFEngine:
     """
 
     def __init__(self, model, tokenizer, compute_dtype: str = "bfloat16", max_batch_size: int = 8,
-                 prefix_cache_tokens: int = 0, shared_prefix_decode: bool = True):
+                 prefix_cache_tokens: int = 0, shared_prefix_decode: bool = True, packed_weights: bool = True):
         if compute_dtype == "auto":
             compute_dtype = resolve_compute_dtype("auto", next(model.parameters()).device.type)
         if isinstance(compute_dtype, torch.dtype):
@@ -144,6 +148,7 @@ class HFEngine:
             raise ValueError(f"prefix_cache_tokens must be >= 0, got {prefix_cache_tokens}")
         self.prefix_pool: PrefixPool | None = PrefixPool(prefix_cache_tokens) if prefix_cache_tokens else None
         self._shared_prefix = bool(shared_prefix_decode)
+        self._packed_weights = bool(packed_weights)
         self._unpadded = True  # `_prefill_unpadded` until a model's cache proves it cannot be padded
         self.stats: dict = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "seconds": 0.0,
                             "calls": 0}
@@ -176,6 +181,13 @@ class HFEngine:
             return None
         cfg._attn_implementation = _F32_DECODE_ATTN
         return "sdpa"
+
+    def _packed(self, device: torch.device):
+        """A context running the model's linears on packed weights (`packed_linear`), yielding the cache,
+        or a null context yielding None where packing is off or unavailable."""
+        if not (self._packed_weights and packed_linear.available(self.compute_dtype, device)):
+            return nullcontext(None)
+        return packed_linear.cache_for(self.model, self.compute_dtype, self.max_batch_size).installed(self.model)
 
     def _lowp_weights(self) -> dict | None:
         """Low-precision copies of every float32 ``nn.Linear`` weight/bias, keyed by parameter name.
@@ -312,10 +324,12 @@ class HFEngine:
             torch.clear_autocast_cache()  # never reuse bf16 casts of weights updated since an earlier call
             if self.prefix_pool is not None:
                 self.prefix_pool.validate(weights_fingerprint(model, self.compute_dtype))
-            with torch.inference_mode(), self._autocast(device):
-                weights = self._lowp_weights()
+            with torch.inference_mode(), self._autocast(device), self._packed(device) as packed:
+                weights = None if packed is not None else self._lowp_weights()
+                attn_dt = self.compute_dtype if device.type != "cpu" or packed is not None else torch.float32
                 for group, chunks in self._plan(prompts, n):
-                    self._run_unit(prompts, group, chunks, n, params, stop, base_seed, device, weights, results)
+                    self._run_unit(prompts, group, chunks, n, params, stop, base_seed, device, weights, results,
+                                   attn_dt)
                 del weights
         finally:
             torch.clear_autocast_cache()
@@ -329,9 +343,10 @@ class HFEngine:
         return results  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ the loop
-    def _run_unit(self, prompts, group, chunks, n, params, stop, base_seed, device, weights, results) -> None:
+    def _run_unit(self, prompts, group, chunks, n, params, stop, base_seed, device, weights, results,
+                  attn_dt: torch.dtype) -> None:
         """Prefill `group` once (`_prefill_unpadded`, else `_prefill_padded`), then decode each chunk of
-        rows from that cache."""
+        rows from that cache (shared-prefix attention in `attn_dt`)."""
         lens = torch.tensor([len(prompts[i]) for i in group])
         pool = self.prefix_pool
         hits = [pool.lookup(prompts[i]) for i in group] if pool is not None else [(0, None)] * len(group)
@@ -350,7 +365,6 @@ class HFEngine:
         for c, rows in enumerate(chunks):
             sel = torch.tensor([r // n for r in rows], device=device)  # prefill row of each decode row
             if shared:  # the prompts' KV once, read by every chunk; rows hold only their own tokens
-                attn_dt = torch.float32 if device.type == "cpu" else self.compute_dtype
                 chunk_cache = shared_prefix.SharedPrefixCache(cache, mask, sel, params.max_new_tokens, attn_dt)
             else:
                 chunk_cache = cache if c == len(chunks) - 1 else copy.deepcopy(cache)

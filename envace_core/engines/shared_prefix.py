@@ -10,8 +10,9 @@ it generated (a buffer grown in place, no concatenation). One decode step of one
 
     softmax([q K_prefix[owner(s)]^T, q K_own(s)^T] * scale) [V_prefix[owner(s)]; V_own(s)]
 
-with the padding of the prompt masked out: exactly the attention over the row's full sequence, in float32,
-only the order of the sums differs. The G rows of one prompt attend to its prefix in one matmul that reads
+with the padding of the prompt masked out: exactly the attention over the row's full sequence, only the
+order of the sums differs. Scores and products run in the cache's dtype (float32, or bf16 where `HFEngine`
+packs bf16 weights: half the bytes read per step), the softmax in float32. The G rows of one prompt attend to its prefix in one matmul that reads
 the prefix once (cascade attention, as in FlashInfer / vLLM's cascade kernels; here in plain torch).
 
 Only models whose attention is plain scaled-dot-product softmax attention over every layer
@@ -56,7 +57,7 @@ class SharedPrefixLayer(DynamicLayer):
         prefix_mask: (P, L_p) bool, False on padding.
         owner: (S,) long, the prompt row of each decode row.
         capacity: initial room for generated tokens per row (grows by doubling).
-        dtype: storage/compute dtype of the attention (float32 on CPU).
+        dtype: storage/compute dtype of the attention (float32, or bf16 with packed bf16 weights on CPU).
     """
 
     def __init__(self, prefix_keys, prefix_values, prefix_mask, owner, capacity: int, dtype: torch.dtype):
@@ -64,6 +65,7 @@ class SharedPrefixLayer(DynamicLayer):
         self.prefix_keys = prefix_keys.to(dtype)
         self.prefix_values = prefix_values.to(dtype)
         self.prefix_mask = prefix_mask
+        self.padded = not bool(prefix_mask.all())  # left padding to mask out in the scores
         self.source_dtype = prefix_keys.dtype
         self.owner = owner
         s, (_, h, _, d) = owner.numel(), prefix_keys.shape
@@ -135,6 +137,8 @@ def _grouped(q: torch.Tensor, keys: torch.Tensor, owner: torch.Tensor) -> torch.
     """Scores of queries against their own prompt's prefix. q: (S, H_kv, g, D); keys: (P, H_kv, L, D);
     returns (S, H_kv, g, L). Rows sharing a prompt use one matmul that reads its keys once."""
     s, h, g, d = q.shape
+    if keys.shape[0] == 1:  # one prompt (a GRPO group): all rows' queries in one matmul
+        return (q.transpose(0, 1).reshape(h, s * g, d) @ keys[0].transpose(-1, -2)).view(h, s, g, -1).transpose(0, 1)
     if keys.shape[0] == s and bool((owner == torch.arange(s, device=owner.device)).all()):
         return q @ keys.transpose(-1, -2)
     out = q.new_empty((s, h, g, keys.shape[2]))
@@ -148,6 +152,8 @@ def _grouped(q: torch.Tensor, keys: torch.Tensor, owner: torch.Tensor) -> torch.
 def _grouped_out(probs: torch.Tensor, values: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
     """probs (S, H_kv, g, L) @ each row's prompt values (P, H_kv, L, D) -> (S, H_kv, g, D)."""
     s, h, g, _ = probs.shape
+    if values.shape[0] == 1:
+        return (probs.transpose(0, 1).reshape(h, s * g, -1) @ values[0]).view(h, s, g, -1).transpose(0, 1)
     if values.shape[0] == s and bool((owner == torch.arange(s, device=owner.device)).all()):
         return probs @ values
     out = probs.new_empty((s, h, g, values.shape[-1]))
@@ -175,9 +181,10 @@ def shared_prefix_attention(module, query, key, value, attention_mask, scaling=N
         q = query.to(dt).view(s, h_kv, g, d)
         scale = module.scaling if scaling is None else scaling
         sp = _grouped(q, layer.prefix_keys, layer.owner)  # (S, H_kv, g, L_p)
-        sp.masked_fill_(~layer.prefix_mask.index_select(0, layer.owner)[:, None, None, :], float("-inf"))
+        if layer.padded:
+            sp.masked_fill_(~layer.prefix_mask.index_select(0, layer.owner)[:, None, None, :], float("-inf"))
         so = q @ key.to(dt).transpose(-1, -2)  # (S, H_kv, g, T)
-        probs = torch.softmax(torch.cat([sp, so], -1) * scale, dim=-1)
+        probs = torch.softmax(torch.cat([sp, so], -1).float() * scale, dim=-1).to(dt)
         lp = sp.shape[-1]
         out = _grouped_out(probs[..., :lp], layer.prefix_values, layer.owner) + probs[..., lp:] @ value.to(dt)
     return out.reshape(s, heads, 1, d).transpose(1, 2).contiguous().to(query.dtype), None

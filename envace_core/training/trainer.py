@@ -12,8 +12,7 @@ bound only: the accumulated gradient equals one big batch's), forward (autocast 
 master weights stay float32), per-token log-probs of exactly the generated ids, PPO-clip loss from
 `training.grpo`, backward, clip the global gradient norm to `max_grad_norm`, AdamW step.
 
-Adapter files and checkpoints (`save_adapter`, `load_adapter`, `save_checkpoint`, `load_checkpoint`)
-are written and read by `training.persistence.TrainerPersistence`, which `PolicyTrainer` inherits.
+Adapter files and checkpoints: `training.persistence.TrainerPersistence`, which `PolicyTrainer` inherits.
 
 The options (`TrainConfig`) and their math, per generated token t of row i with advantage A_i:
   - importance ratio r_t = pi_theta(y_t | ...) / pi_old(y_t | ...), where pi_old is the *behaviour*
@@ -40,17 +39,16 @@ The options (`TrainConfig`) and their math, per generated token t of row i with 
     normaliser and the LoRA gradients are summed over ranks before clipping, so each optimizer step
     equals the one-process step over all rows; `mini_batch_rows` counts global rows.
 
-Speed (PERF_NOTES.md; 16 rows of ~300 prompt + 64 completion tokens, SmolLM2-135M, LoRA r=16 q/v,
-2 cores): ~5.6 s/step in bf16, ~9 s in float32, against ~40 s for TRL's loss forward+backward.
+Speed levers (measured in benchmarks/RESULTS.md, "Speed" and "Where an iteration's time goes"):
   - Rows sharing a prompt (a GRPO group) or a prefix (a system message) are batched together and the
     common prefix runs once at batch size 1; its KV cache, with grad, is repeated over the rows. A
     prefix that consecutive micro-batches share (≥ 128 tokens: a role's system message) runs once per
     step (`prefix_grad.SharedRoot`: gradient summed over the micro-batches, then one backward; with
     `recompute_shared_root` its forward runs again there instead of holding its activations).
-  - On CPU, grouped key/value heads are not repeated per query head (`attention.grouped_kv_attention`).
-  - The LM head runs only on completion tokens (a 300-token prompt costs no [300, V] logits), in
-    float32 (bf16 logits add ~1.7x more noise to the importance ratio), `logprob_chunk_tokens` at a
-    time (`training.logprobs`: no [B, T, V] tensor, forward or backward).
+  - On CPU, grouped key/value heads are not repeated per query head (`attention.grouped_kv_attention`);
+    in bf16 the frozen linears run on oneDNN-packed bf16 weights shared with the engines (`_frozen_packed`).
+  - The LM head runs only on completion tokens, in float32 (bf16 logits add ~1.7x more noise to the
+    importance ratio), `logprob_chunk_tokens` at a time (`training.logprobs`: no [B, T, V] tensor).
   - The reference policy for KL is the same model with its adapters disabled, never a second copy.
 """
 
@@ -60,13 +58,14 @@ import inspect
 import time
 import warnings
 from collections.abc import Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from envace_core.config import TrainConfig
+from envace_core.engines import packed_linear
 from envace_core.engines.base import ROLE_ADAPTERS, resolve_compute_dtype
 from envace_core.models import check_lora_targets
 from envace_core.training.attention import grouped_kv_attention
@@ -125,11 +124,12 @@ class PolicyTrainer(TrainerPersistence):
     # completion tokens whose logits exist at a time (`_token_logprobs`); None: the full [B, T, V]
     # float32 logits of `_logits` (also the path of a head that is not a plain linear).
     logprob_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
-    # tokens; rows whose prompt lengths differ by more share no micro-batch: the full-logits path
-    # (`_logits`) computes [B, L - min prompt, V] float32 logits, so a turn-1 row next to a turn-3
-    # row of the same trajectory (adjacent in prompt order) would make every row pay the whole later
-    # history (measured: 4 such rows with ~2k-token tool histories took > 15 GB on the 135M model).
+    # tokens; rows whose prompt lengths differ by more share no micro-batch: the full-logits path (`_logits`)
+    # computes [B, L - min prompt, V] float32 logits, so a turn-1 row next to a turn-3 row of the same
+    # trajectory would make every row pay the later history (measured: 4 rows with ~2k-token tool histories
+    # took > 15 GB on the 135M model).
     max_prompt_spread: int = 256
+    packed_frozen: bool = True  # frozen linears on oneDNN-packed bf16 weights (`_frozen_packed`)
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, compute_dtype: str = "bfloat16"):
         from peft import LoraConfig, PeftModel, get_peft_model
@@ -209,6 +209,10 @@ class PolicyTrainer(TrainerPersistence):
             yield
         finally:
             self.model.set_adapter(prev)
+
+    def _frozen_packed(self):  # frozen linears (LoRA bases; not the LM head) on packed bf16 copies
+        return packed_linear.frozen_packed(self.model, self.compute_dtype, self.device) if self.packed_frozen \
+            else nullcontext()
 
     def _units(self, rows: Sequence[TrainingRow]) -> list[tuple[str | None, list[TrainingRow]]]:
         """(adapter, its rows): one unit of all rows for a shared policy, one per adapter otherwise."""
@@ -319,7 +323,7 @@ class PolicyTrainer(TrainerPersistence):
             unit_tok = sum(len(r.completion_ids) for r in unit)
             share = unit_tok / n_tok if cfg.loss_agg == "token-mean" else len(unit) / len(keep)
             mine = self._shard(unit)
-            with self._using(adapter), grouped_kv_attention(self.device):
+            with self._using(adapter), grouped_kv_attention(self.device), self._frozen_packed():
                 mbs = self._micro_batches(mine)
                 for ks, r in self._root_clusters(mine, mbs):  # a system message shared across micro-batches
                     root = SharedRoot(self._backbone, self._cache_kw, mine[mbs[ks[0]][0]].prompt_ids[:r], self.device,
@@ -549,7 +553,7 @@ class PolicyTrainer(TrainerPersistence):
         whose logits are not lm_head(backbone(x)) runs each row whole. rows: (prompt ids, completion
         ids, ≥ 1 id)."""
         bf16, total = self.compute_dtype == "bfloat16", 0.0
-        with grouped_kv_attention(self.device):
+        with grouped_kv_attention(self.device), self._frozen_packed():
             if self._split_head:
                 return shared_prefix_ce_backward(self._backbone, self._head, self._cache_kw, rows, scale, self.device,
                                                  bf16, self.min_shared_prefix, self.cfg.recompute_shared_root)
@@ -584,7 +588,7 @@ class PolicyTrainer(TrainerPersistence):
         units: dict[str | None, list[int]] = {}
         for i in todo:  # a per-role policy scores each row with its role's adapter
             units.setdefault(self.adapter_for(rows[i].role), []).append(i)
-        with torch.no_grad(), grouped_kv_attention(self.device):
+        with torch.no_grad(), grouped_kv_attention(self.device), self._frozen_packed():
             for adapter, unit in units.items():
                 with self._using(adapter):
                     for idx in self._micro_batches([rows[i] for i in unit]):

@@ -1,0 +1,204 @@
+"""Linear layers on pre-packed bf16 weights for `HFEngine` on CPU (oneDNN).
+
+torch's bf16 ``F.linear`` on CPU hands oneDNN a plain row-major weight on every call, and oneDNN reorders it
+into its blocked layout each time. Reordering once and calling oneDNN's inner product on the packed weight
+(``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the ops inductor's CPU weight
+prepacking emits) computes the same products without that copy. Measured on 2 AVX-512 BF16 cores with
+SmolLM2-135M's 210 body matrices (`benchmarks/speed.py` workload shapes): one pass at 1 row 20.0 -> 14.0 ms,
+at 1 500 rows (a prompt's prefill) 293 -> 152 ms; the outputs were bit-identical to ``F.linear``.
+
+`PackedLinears.installed(model)` swaps the ``forward`` of every ``nn.Linear`` with a float32 weight (a LoRA
+base layer, its adapters, the LM head) for one on a packed bf16 copy and restores them on exit. Inputs are
+cast to bf16, outputs are bf16, as under ``torch.autocast``. Packed copies are cached per module and
+rebuilt only when the weight or bias changed (a new tensor, new storage, or a bumped ``_version``: every
+in-place update, e.g. an optimizer step, bumps it), so a LoRA policy re-packs its small adapters after
+each update and its frozen base once. One cache serves every engine on the same model (`cache_for`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+_CACHES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_PROBE: dict[torch.dtype, bool] = {}
+
+
+def available(dtype: torch.dtype, device: torch.device | str) -> bool:
+    """Whether packed linears can run: bf16 compute on CPU, oneDNN with bf16 support in this torch build
+    and CPU, and a probe inner product that equals ``F.linear`` (checked once per process)."""
+    if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+        return False
+    if dtype not in _PROBE:
+        _PROBE[dtype] = _probe(dtype)
+    return _PROBE[dtype]
+
+
+def _probe(dtype: torch.dtype) -> bool:
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    try:
+        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            return False
+        g = torch.Generator().manual_seed(0)
+        w = torch.randn(24, 16, generator=g).to(dtype)
+        x = torch.randn(2, 3, 16, generator=g).to(dtype)
+        b = torch.randn(24, generator=g).to(dtype)
+        got = mkldnn._linear_pointwise(x, mkldnn._reorder_linear_weight(w, 8), b, "none", [], "")
+        want = torch.nn.functional.linear(x, w, b)
+        return got.shape == want.shape and bool(torch.allclose(got.float(), want.float(), atol=0.05, rtol=0.02))
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return False
+
+
+def _key(t: torch.Tensor | None):
+    return None if t is None else (id(t), t.data_ptr(), t._version)
+
+
+class _Entry:
+    __slots__ = ("_packed_t", "bias", "bkey", "hint", "module", "packed", "wkey")
+
+    def __init__(self, module, wkey, bkey, packed, bias, hint):
+        self.module, self.wkey, self.bkey, self.packed, self.bias = weakref.ref(module), wkey, bkey, packed, bias
+        self._packed_t, self.hint = None, hint
+
+    def packed_t(self) -> torch.Tensor:
+        """The packed transpose (in_features x out_features rows), made on first use: dx = dy W."""
+        if self._packed_t is None:
+            w = self.module().weight.detach().to(self.packed.dtype).t().contiguous()
+            self._packed_t = torch.ops.mkldnn._reorder_linear_weight(w, self.hint)
+        return self._packed_t
+
+
+class _FrozenPackedLinear(torch.autograd.Function):
+    """y = x W^T + b on the packed W of a frozen layer; the backward gives only x a gradient,
+    dx = dy W, on the packed W^T (the weight and bias get none)."""
+
+    @staticmethod
+    def forward(ctx, x, entry):
+        ctx.entry, ctx.x_dtype = entry, x.dtype
+        dtype = entry.packed.dtype
+        return torch.ops.mkldnn._linear_pointwise(x if x.dtype == dtype else x.to(dtype), entry.packed, entry.bias,
+                                                  "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        e = ctx.entry
+        gx = torch.ops.mkldnn._linear_pointwise(grad_y.to(e.packed.dtype).contiguous(), e.packed_t(), None,
+                                                "none", [], "")
+        return gx.to(ctx.x_dtype), None
+
+
+class PackedLinears:
+    """Packed bf16 copies of a model's float32 ``nn.Linear`` weights, rebuilt when a weight changes.
+
+    Args:
+        dtype: the compute dtype (bfloat16; see `available`).
+        batch_hint: the row count oneDNN's blocked layout is chosen for (the decode batch); any row count
+            runs on it.
+
+    Attributes:
+        stats: ``packed`` (modules packed, cumulative), ``reused`` (modules taken from the cache), ``bytes``
+            (bytes held by the packed copies now, transposes included).
+    """
+
+    def __init__(self, dtype: torch.dtype = torch.bfloat16, batch_hint: int = 8):
+        self.dtype, self.batch_hint = dtype, int(batch_hint)
+        self._entries: dict[int, _Entry] = {}
+        self.stats = {"packed": 0, "reused": 0, "bytes": 0}
+
+    def _entry(self, mod: torch.nn.Linear) -> _Entry:
+        wkey, bkey = _key(mod.weight), _key(mod.bias)
+        e = self._entries.get(id(mod))
+        if e is not None and e.module() is mod and e.wkey == wkey and e.bkey == bkey:
+            self.stats["reused"] += 1
+            return e
+        w = mod.weight.detach().to(self.dtype)
+        packed = torch.ops.mkldnn._reorder_linear_weight(w, self.batch_hint)
+        bias = None if mod.bias is None else mod.bias.detach().to(self.dtype)
+        e = self._entries[id(mod)] = _Entry(mod, wkey, bkey, packed, bias, self.batch_hint)
+        self.stats["packed"] += 1
+        return e
+
+    def _prune(self) -> None:
+        for k in [k for k, e in self._entries.items() if e.module() is None]:
+            del self._entries[k]
+
+    @contextmanager
+    def installed(self, model: torch.nn.Module, frozen_only: bool = False, skip: tuple = ()):
+        """Run every float32 ``nn.Linear`` of `model` on its packed copy inside the block (see the module
+        docstring); the original forwards come back on exit, also on error. Weights must be on the CPU.
+
+        frozen_only: for training forwards: only layers whose weight and bias need no gradient (a LoRA
+        base) are swapped, and they pass gradients to their input (`_FrozenPackedLinear`);
+        the trainable ones (the adapters) stay as they are, under the caller's autocast.
+        skip: modules left as they are."""
+        self._prune()
+        swapped = []
+        dtype = self.dtype
+        memo: list = [None, None]  # the last input cast and its cast: q/k/v (gate/up) share one input
+        try:
+            with torch.no_grad():
+                for mod in model.modules():
+                    if type(mod) is not torch.nn.Linear or mod.weight.dtype != torch.float32 \
+                            or mod.weight.device.type != "cpu" or any(mod is m for m in skip):
+                        continue
+                    if frozen_only and any(p.requires_grad for p in mod.parameters(recurse=False)):
+                        continue
+                    e = self._entry(mod)
+                    swapped.append((mod, mod.__dict__.get("forward")))
+                    mod.forward = _frozen_forward(e) if frozen_only else _packed_forward(e.packed, e.bias, dtype, memo)
+            self.stats["bytes"] = sum(t.numel() * t.element_size() for e in self._entries.values()
+                                      for t in (e.packed, e._packed_t) if t is not None)
+            yield self
+        finally:
+            memo.clear()
+            for mod, prev in swapped:
+                if prev is None:
+                    del mod.forward
+                else:
+                    mod.forward = prev
+
+
+def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, memo: list):
+    """(..., in_features) -> (..., out_features) in `dtype`, on the packed weight. An input of another dtype
+    is cast once: `memo` holds the last input object and its cast, and the layers that read the same
+    input object next (a block's q/k/v or gate/up projections) reuse it (inference only: no grad)."""
+    op = torch.ops.mkldnn._linear_pointwise
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != dtype:
+            if memo[0] is not x:
+                memo[0], memo[1] = x, x.to(dtype)
+            x = memo[1]
+        return op(x, packed, bias, "none", [], "")
+
+    return forward
+
+
+def _frozen_forward(entry: _Entry):
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        return _FrozenPackedLinear.apply(x, entry)
+
+    return forward
+
+
+def cache_for(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, batch_hint: int = 8) -> PackedLinears:
+    """The `PackedLinears` shared by every engine on `model` (kept as long as the model lives)."""
+    cache = _CACHES.get(model)
+    if cache is None or cache.dtype != dtype:
+        cache = _CACHES[model] = PackedLinears(dtype, batch_hint)
+    return cache
+
+
+def frozen_packed(model: torch.nn.Module, compute_dtype: str | torch.dtype, device: torch.device | str):
+    """For a training forward + backward: `model`'s frozen linears on their packed copies (shared with
+    the engines on `model`; `PackedLinears.installed(frozen_only=True)`) when compute is bf16 on a CPU
+    where `available`; a null context otherwise. The LM head (``get_output_embeddings``) is left as it
+    is: the trainer computes log-probs with it in float32."""
+    dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}.get(compute_dtype, compute_dtype)
+    if not available(dtype, device):
+        return nullcontext()
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return cache_for(model, dtype).installed(model, frozen_only=True, skip=(head,) if head is not None else ())
