@@ -159,8 +159,10 @@ def _train_cfg(micro: int, kl_beta: float = 0.0):
                        trained_roles=["act"], micro_batch_rows=micro, kl_beta=kl_beta)
 
 
-def our_step(model_dir, tok, prompts, args, dtype: str, kl_beta: float = 0.0) -> dict:
-    """One GRPO step of ours: G samples per prompt (HFEngine), group-relative advantages, one update."""
+def our_step(model_dir, tok, prompts, args, dtype: str, kl_beta: float = 0.0, warmup: list | None = None) -> dict:
+    """One GRPO step of ours: G samples per prompt (HFEngine), group-relative advantages, one update.
+    `warmup` (prompts): one untimed step on them first, with the same trainer and engine, so that one-time
+    costs of this model (weight packing, allocator growth) fall outside the measured step."""
     from envace_core.engines.base import SamplingParams
     from envace_core.engines.hf import HFEngine
     from envace_core.models import load_model
@@ -169,6 +171,10 @@ def our_step(model_dir, tok, prompts, args, dtype: str, kl_beta: float = 0.0) ->
 
     trainer = PolicyTrainer(load_model(model_dir), tok, _train_cfg(4, kl_beta), compute_dtype=dtype)
     eng = HFEngine(trainer.model, tok, compute_dtype=dtype, max_batch_size=16)
+    if warmup:
+        outs = eng.generate(warmup, SamplingParams(max_new_tokens=4, n=2, temperature=1.0, seed=1))
+        trainer.update([TrainingRow("act", p, c.token_ids, c.logprobs, 1.0 - 2 * k)
+                        for p, group in zip(warmup, outs) for k, c in enumerate(group)])
     t0 = time.perf_counter()
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=args.max_new, n=args.G, temperature=1.0, seed=0))
     t_gen = time.perf_counter() - t0

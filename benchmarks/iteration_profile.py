@@ -49,7 +49,8 @@ HERE = Path(__file__).resolve().parent
 # (category, substrings of aten op names); first match wins, in this order
 CATEGORIES: list[tuple[str, tuple[str, ...]]] = [
     ("attention", ("scaled_dot_product", "flash_attention")),
-    ("matmul", ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul", "aten::linear")),
+    ("matmul", ("aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::matmul", "aten::linear",
+                "_linear_pointwise")),
     ("softmax / log-softmax", ("softmax", "logsumexp")),
     ("sampling", ("cumsum", "searchsorted", "aten::rand", "aten::sort", "multinomial", "argmax", "topk")),
     ("copy and cast", ("aten::copy_", "aten::_to_copy", "aten::to", "aten::clone", "aten::contiguous",

@@ -35,10 +35,13 @@ benchmarks/vllm_cpu_venv.sh, the same setup benchmarks/vllm_cpu_check.sh uses; a
    warm-up call on a prompt not measured, then --repeats timed calls per case.
      tokens/s = generated tokens / wall seconds of one generate call (median over --repeats); engine start
                 and warm-up are excluded and reported separately.
+     prefill_s = the median of --repeats more calls of the case with max_new_tokens = 1 (prefill + one
+                sampled token); decode_ms_per_step = (seconds - prefill_s) / (--max-new - 1), one decode step
+                of the case's whole batch.
      gen_tokens_per_s_ratio_vs_vllm_cpu[case] = ours tokens/s / vLLM tokens/s  (> 1: ours is faster).
 2. The GRPO step (`--sections` step), in a fresh process (`--step-worker`): engine_bench.our_step, the step
    engine_bench's trl section measures (--step-prompts prompts of ~--step-prompt-tokens tokens × G=--step-G,
-   <= --step-max-new new tokens, LoRA r=16 q/v, one optimizer update), after one tiny warm-up step, in bf16
+   <= --step-max-new new tokens, LoRA r=16 q/v, one optimizer update), after one tiny untimed step of the same trainer and engine (one-time costs such as weight packing fall outside), in bf16
    (float32 where the CPU has no native bf16). Its floor, as engine_bench's floor section documents it:
      floor seconds = engine_bench.step_flops(...)["total"] / engine_bench.matmul_rate(--matmul, dtype)
    (forward 2 FLOP per matmul weight per token + 4*layers*d_model*context for attention, Kaplan et al. 2020
@@ -97,13 +100,20 @@ def ratio(num: float | None, den: float | None) -> float | None:
     return num / den
 
 
-def case_summary(runs: list[dict], expected_tokens: int) -> dict:
+def case_summary(runs: list[dict], expected_tokens: int, first_token: list[dict] | None = None,
+                 max_new: int | None = None) -> dict:
     """One case of one engine from its timed runs ({"seconds", "tokens"} each): median tokens/s and seconds,
-    and whether every run generated exactly the expected number of tokens."""
+    and whether every run generated exactly the expected number of tokens. With `first_token` (runs of the
+    same call with max_new_tokens = 1: the prefill and one sampled token) also `prefill_s` (their median) and
+    `decode_ms_per_step` = (seconds - prefill_s) / (max_new - 1) * 1000, one decode step of the whole batch."""
     rates = [r["tokens"] / r["seconds"] for r in runs]
-    return {"tokens_per_s": statistics.median(rates), "seconds": statistics.median(r["seconds"] for r in runs),
-            "tokens": runs[0]["tokens"], "expected_tokens": expected_tokens,
-            "exact_length": all(r["tokens"] == expected_tokens for r in runs), "runs": runs}
+    out = {"tokens_per_s": statistics.median(rates), "seconds": statistics.median(r["seconds"] for r in runs),
+           "tokens": runs[0]["tokens"], "expected_tokens": expected_tokens,
+           "exact_length": all(r["tokens"] == expected_tokens for r in runs), "runs": runs}
+    if first_token and max_new and max_new > 1:
+        out["prefill_s"] = statistics.median(r["seconds"] for r in first_token)
+        out["decode_ms_per_step"] = (out["seconds"] - out["prefill_s"]) / (max_new - 1) * 1000
+    return out
 
 
 def build_report(*, ours: dict | None, vllm: dict | None, vllm_reason: str | None, ours_reason: str | None = None,
@@ -192,6 +202,12 @@ def format_table(report: dict) -> str:
                      f"{_fmt(report['gen_tokens_per_s_ratio_vs_vllm_cpu'][c], '10.2f')}")
     lat = g["g1_latency_s"]
     lines.append(f"{'g1 latency s':<24} {_fmt(lat['ours'], '10.2f')} {_fmt(lat['vllm'], '10.2f')}")
+    for c in ("g8", "distinct8", "g1"):
+        split = [((g.get(side) or {}).get("cases") or {}).get(c, {}) for side in ("ours", "vllm")]
+        lines.append(f"{c + ' prefill s':<24} {_fmt(split[0].get('prefill_s'), '10.2f')} "
+                     f"{_fmt(split[1].get('prefill_s'), '10.2f')}")
+        lines.append(f"{c + ' decode ms/step':<24} {_fmt(split[0].get('decode_ms_per_step'), '10.1f')} "
+                     f"{_fmt(split[1].get('decode_ms_per_step'), '10.1f')}")
     st = g["engine_start_s"]
     lines.append(f"{'engine start s':<24} {_fmt(st['ours'], '10.2f')} {_fmt(st['vllm'], '10.2f')}")
     s = d["grpo_step"]
@@ -311,7 +327,8 @@ def run_ours(model_dir, tok, w: dict) -> dict:
     cases = {}
     for c in w["cases"]:
         runs = [gen(c["prompts"], c["n"], w["max_new"]) for _ in range(w["repeats"])]
-        cases[c["name"]] = case_summary(runs, len(c["prompts"]) * c["n"] * w["max_new"])
+        first = [gen(c["prompts"], c["n"], 1) for _ in range(w["repeats"])]
+        cases[c["name"]] = case_summary(runs, len(c["prompts"]) * c["n"] * w["max_new"], first, w["max_new"])
         print(f"ours {c['name']}: {cases[c['name']]['tokens_per_s']:.1f} tok/s, {cases[c['name']]['seconds']:.2f} s",
               flush=True)
     return {"engine": "envace_core.engines.hf.HFEngine", "compute_dtype": dtype, "max_batch_size": batch,
@@ -352,7 +369,8 @@ def vllm_worker(spec_path: str) -> int:
     cases = {}
     for c in w["cases"]:
         runs = [gen(c["prompts"], c["n"], w["max_new"]) for _ in range(w["repeats"])]
-        cases[c["name"]] = case_summary(runs, len(c["prompts"]) * c["n"] * w["max_new"])
+        first = [gen(c["prompts"], c["n"], 1) for _ in range(w["repeats"])]
+        cases[c["name"]] = case_summary(runs, len(c["prompts"]) * c["n"] * w["max_new"], first, w["max_new"])
     res = {"engine": "vllm.LLM", "vllm_version": vllm.__version__, "torch_version": torch.__version__,
            "llm_kwargs": {"dtype": "bfloat16", "enforce_eager": True, "enable_prefix_caching": True,
                           "skip_tokenizer_init": True},
@@ -452,8 +470,8 @@ def step_worker(spec_path: str) -> int:
     tok = load_tokenizer(s["model_dir"])
     prompts = [make_prompt(tok, s["step_prompt_tokens"], v) for v in range(s["step_prompts"])]
     dtype = resolve_compute_dtype("auto", "cpu")
-    our_step(s["model_dir"], tok, [prompts[0][:32]], types.SimpleNamespace(max_new=2, G=2), dtype)  # warm-up
-    r = our_step(s["model_dir"], tok, prompts, types.SimpleNamespace(max_new=s["step_max_new"], G=s["step_G"]), dtype)
+    r = our_step(s["model_dir"], tok, prompts, types.SimpleNamespace(max_new=s["step_max_new"], G=s["step_G"]), dtype,
+                 warmup=[prompts[0][:32]])  # one untimed tiny step first, same trainer and engine
     peak = peak_rss_gib()
     f32, bf16 = matmul_rate(s["matmul"], torch.float32), matmul_rate(s["matmul"], torch.bfloat16)
     fl = step_flops(meta_model(s["model_dir"]), [len(p) for p in prompts], s["step_G"], r["gen_tokens"])

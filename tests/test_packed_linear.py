@@ -46,7 +46,7 @@ def test_forwards_restored_on_error_and_an_existing_instance_forward_kept():
     net = _net()
     own = net[2].forward
     net[2].forward = own  # an instance attribute, as accelerate's hooks set
-    with pytest.raises(RuntimeError, match="boom"), packed_linear.PackedLinears().installed(net):
+    with pytest.raises(RuntimeError, match="boom"), torch.no_grad(), packed_linear.PackedLinears().installed(net):
         raise RuntimeError("boom")
     assert "forward" not in net[0].__dict__ and net[2].__dict__["forward"] is own
 
@@ -72,7 +72,7 @@ def test_repacked_only_when_a_weight_changes_in_place():
 @needs_packing
 def test_float32_layers_are_left_alone():
     net = _net().to(torch.bfloat16)
-    with packed_linear.PackedLinears().installed(net) as cache:
+    with torch.no_grad(), packed_linear.PackedLinears().installed(net) as cache:
         assert not any("forward" in m.__dict__ for m in net)
     assert cache.stats["packed"] == 0
 
@@ -145,3 +145,51 @@ def test_trainer_gradients_with_packed_frozen_layers_match_autocast(tiny_model_d
     assert float(torch.cosine_similarity(g0, g1, dim=0)) > 0.99
     assert float((g1 - g0).norm() / g0.norm()) < 0.1
     assert not any("forward" in m.__dict__ for m in trainer.model.modules())
+
+
+@needs_packing
+def test_inference_tensor_weights_are_repacked_every_time():
+    with torch.inference_mode():
+        net = _net()  # parameters made in inference mode have no version counter
+        cache = packed_linear.PackedLinears()
+        for _ in range(2):
+            with cache.installed(net):
+                net(torch.randn(3, 16))
+    assert cache.stats["packed"] == 4 and cache.stats["reused"] == 0
+
+
+@needs_packing
+def test_refuses_to_run_where_autograd_records():
+    net = _net()
+    with pytest.raises(RuntimeError, match="inference_mode"), packed_linear.PackedLinears().installed(net):
+        pass
+    assert not any("forward" in m.__dict__ for m in net)
+
+
+@needs_packing
+def test_data_writes_need_clear_and_lora_layers_are_repacked_every_time():
+    class WithAdapter(torch.nn.Module):  # peft's naming: a frozen base and a small lora_A adapter
+        def __init__(self):
+            super().__init__()
+            self.base_layer, self.lora_A = torch.nn.Linear(16, 16, bias=False), torch.nn.Linear(16, 4, bias=False)
+
+        def forward(self, x):
+            return self.lora_A(self.base_layer(x))
+
+    torch.manual_seed(0)
+    net, x = WithAdapter(), torch.randn(3, 16)
+    cache = packed_linear.PackedLinears()
+
+    def run():
+        with torch.inference_mode(), cache.installed(net):
+            return net(x).float()
+
+    before = run()
+    with torch.no_grad():
+        net.base_layer.weight.data.mul_(-1.0)  # `.data`: no version bump, as peft's merge_adapter writes
+        net.lora_A.weight.data.mul_(2.0)
+    stale = run()
+    assert cache.stats["packed"] == 3 and cache.stats["reused"] == 1  # lora_A re-packed, the base reused
+    torch.testing.assert_close(stale, 2 * before, atol=0.05, rtol=0.02)  # the base's change is not seen
+    cache.clear()
+    torch.testing.assert_close(run(), -2 * before, atol=0.05, rtol=0.02)

@@ -104,3 +104,14 @@ def test_cpu_flags_reads_bf16(tmp_path):
     f.write_text("model name\t: Test CPU\nflags\t\t: fpu avx2 avx512f avx512_bf16\n")
     flags = sp.cpu_flags(str(f))
     assert flags["model"] == "Test CPU" and flags["avx512_bf16"] == "yes" and flags["amx_bf16"] == "no"
+
+
+def test_prefill_split_and_its_table_rows():
+    runs, first = [{"seconds": 4.0, "tokens": 64}], [{"seconds": 0.85, "tokens": 1}, {"seconds": 1.15, "tokens": 1}]
+    c = sp.case_summary(runs, 64, first, 64)
+    assert c["prefill_s"] == pytest.approx(1.0) and c["decode_ms_per_step"] == pytest.approx(3000 / 63)
+    assert "prefill_s" not in sp.case_summary(runs, 64)  # no max_new_tokens = 1 runs: no split
+    ours = {"engine_start_s": 1.0, "warmup_s": 0.5, "cases": {"g8": c}}
+    rep = sp.build_report(ours=ours, vllm=None, vllm_reason="absent", step=None, step_reason="skipped")
+    table = sp.format_table(rep)
+    assert "g8 prefill s" in table and "1.00" in table and "47.6" in table

@@ -159,9 +159,11 @@ class HFEngine:
         self._logits_kw = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in fwd_params), None)
 
     def reset_prefix_cache(self) -> None:
-        """Drop every cached prefix (needed only after weight changes that bypass in-place ops)."""
+        """Drop every cached prefix and the model's packed weight copies (needed only after weight changes
+        that bump no version counter: writes through ``.data``, e.g. peft's ``merge_adapter``)."""
         if self.prefix_pool is not None:
             self.prefix_pool.clear()
+        packed_linear.clear(self.model)
 
     # ------------------------------------------------------------------ helpers
     def _device(self) -> torch.device:

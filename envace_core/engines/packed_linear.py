@@ -3,16 +3,22 @@
 torch's bf16 ``F.linear`` on CPU hands oneDNN a plain row-major weight on every call, and oneDNN reorders it
 into its blocked layout each time. Reordering once and calling oneDNN's inner product on the packed weight
 (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the ops inductor's CPU weight
-prepacking emits) computes the same products without that copy. Measured on 2 AVX-512 BF16 cores with
-SmolLM2-135M's 210 body matrices (`benchmarks/speed.py` workload shapes): one pass at 1 row 20.0 -> 14.0 ms,
-at 1 500 rows (a prompt's prefill) 293 -> 152 ms; the outputs were bit-identical to ``F.linear``.
+prepacking emits) computes the same products without that copy. Measured on 2 cores of an Intel Xeon with
+AMX-BF16 over SmolLM2-135M's 210 body matrices: one pass at 1 row 20.0 -> 14.0 ms, at 1 500 rows (a prompt's
+prefill) 293 -> 152 ms; the outputs were bit-identical to ``F.linear`` (benchmarks/RESULTS.md, "Packed bf16
+weights").
 
 `PackedLinears.installed(model)` swaps the ``forward`` of every ``nn.Linear`` with a float32 weight (a LoRA
 base layer, its adapters, the LM head) for one on a packed bf16 copy and restores them on exit. Inputs are
-cast to bf16, outputs are bf16, as under ``torch.autocast``. Packed copies are cached per module and
+cast to bf16, outputs are bf16, as under ``torch.autocast``. With ``frozen_only`` (the trainer's forward and
+backward: `frozen_packed`) only frozen layers are swapped, and their backward gives the input its gradient
+on a packed transpose. Packed copies are cached per module and
 rebuilt only when the weight or bias changed (a new tensor, new storage, or a bumped ``_version``: every
-in-place update, e.g. an optimizer step, bumps it), so a LoRA policy re-packs its small adapters after
-each update and its frozen base once. One cache serves every engine on the same model (`cache_for`).
+in-place update, e.g. an optimizer step, bumps it); peft's LoRA adapter layers (``lora_A`` / ``lora_B``:
+small) are re-packed at every install, so a LoRA policy keeps only its frozen base packed across calls. A write through
+``.data`` bumps no version (peft's ``merge_adapter`` / ``unmerge_adapter`` write the base weights that way):
+call `PackedLinears.clear` (``HFEngine.reset_prefix_cache``) after one. One cache serves every engine on
+the same model (`cache_for`).
 """
 
 from __future__ import annotations
@@ -53,7 +59,11 @@ def _probe(dtype: torch.dtype) -> bool:
 
 
 def _key(t: torch.Tensor | None):
-    return None if t is None else (id(t), t.data_ptr(), t._version)
+    """What identifies a weight's current values: the tensor, its storage and its version counter. An
+    inference tensor has no version counter, so its key never matches (re-packed on every install)."""
+    if t is None:
+        return None
+    return (id(t), t.data_ptr(), object() if t.is_inference() else t._version)
 
 
 class _Entry:
@@ -108,10 +118,15 @@ class PackedLinears:
         self._entries: dict[int, _Entry] = {}
         self.stats = {"packed": 0, "reused": 0, "bytes": 0}
 
-    def _entry(self, mod: torch.nn.Linear) -> _Entry:
+    def clear(self) -> None:
+        """Drop every packed copy (the next install re-packs): after weights were written through ``.data``."""
+        self._entries.clear()
+        self.stats["bytes"] = 0
+
+    def _entry(self, mod: torch.nn.Linear, always: bool = False) -> _Entry:
         wkey, bkey = _key(mod.weight), _key(mod.bias)
         e = self._entries.get(id(mod))
-        if e is not None and e.module() is mod and e.wkey == wkey and e.bkey == bkey:
+        if e is not None and not always and e.module() is mod and e.wkey == wkey and e.bkey == bkey:
             self.stats["reused"] += 1
             return e
         w = mod.weight.detach().to(self.dtype)
@@ -133,20 +148,29 @@ class PackedLinears:
         frozen_only: for training forwards: only layers whose weight and bias need no gradient (a LoRA
         base) are swapped, and they pass gradients to their input (`_FrozenPackedLinear`);
         the trainable ones (the adapters) stay as they are, under the caller's autocast.
-        skip: modules left as they are."""
+        skip: modules left as they are.
+
+        Raises:
+            RuntimeError: without ``frozen_only`` while autograd records (the packed inner product has no
+                backward: run inside ``torch.inference_mode()`` or ``torch.no_grad()``).
+        """
+        if not frozen_only and torch.is_grad_enabled():
+            raise RuntimeError("packed linears are for inference here: install them under torch.inference_mode() "
+                               "or torch.no_grad(), or pass frozen_only=True for a training forward")
         self._prune()
         swapped = []
         dtype = self.dtype
         memo: list = [None, None]  # the last input cast and its cast: q/k/v (gate/up) share one input
         try:
             with torch.no_grad():
-                for mod in model.modules():
+                for name, mod in model.named_modules():
                     if type(mod) is not torch.nn.Linear or mod.weight.dtype != torch.float32 \
-                            or mod.weight.device.type != "cpu" or any(mod is m for m in skip):
+                            or mod.weight.device.type != "cpu" or mod.weight.numel() == 0 \
+                            or any(mod is m for m in skip):
                         continue
                     if frozen_only and any(p.requires_grad for p in mod.parameters(recurse=False)):
                         continue
-                    e = self._entry(mod)
+                    e = self._entry(mod, always=".lora_" in f".{name}")
                     swapped.append((mod, mod.__dict__.get("forward")))
                     mod.forward = _frozen_forward(e) if frozen_only else _packed_forward(e.packed, e.bias, dtype, memo)
             self.stats["bytes"] = sum(t.numel() * t.element_size() for e in self._entries.values()
@@ -164,7 +188,8 @@ class PackedLinears:
 def _packed_forward(packed: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype, memo: list):
     """(..., in_features) -> (..., out_features) in `dtype`, on the packed weight. An input of another dtype
     is cast once: `memo` holds the last input object and its cast, and the layers that read the same
-    input object next (a block's q/k/v or gate/up projections) reuse it (inference only: no grad)."""
+    input object next (a block's q/k/v or gate/up projections) reuse it. So an input must not be changed
+    in place between two layers that read it, as none of the supported transformers families does."""
     op = torch.ops.mkldnn._linear_pointwise
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -190,6 +215,13 @@ def cache_for(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16, batch
     if cache is None or cache.dtype != dtype:
         cache = _CACHES[model] = PackedLinears(dtype, batch_hint)
     return cache
+
+
+def clear(model: torch.nn.Module) -> None:
+    """Drop `model`'s packed copies, if it has any (`PackedLinears.clear`)."""
+    cache = _CACHES.get(model)
+    if cache is not None:
+        cache.clear()
 
 
 def frozen_packed(model: torch.nn.Module, compute_dtype: str | torch.dtype, device: torch.device | str):
