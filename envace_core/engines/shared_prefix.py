@@ -12,8 +12,9 @@ it generated (a buffer grown in place, no concatenation). One decode step of one
 
 with the padding of the prompt masked out: exactly the attention over the row's full sequence, only the
 order of the sums differs. Scores and products run in the cache's dtype (float32, or bf16 where `HFEngine`
-packs bf16 weights: half the bytes read per step), the softmax in float32. The G rows of one prompt attend to its prefix in one matmul that reads
-the prefix once (cascade attention, as in FlashInfer / vLLM's cascade kernels; here in plain torch).
+packs bf16 weights: half the bytes read per step), the softmax in float32. The G rows of one prompt attend
+to its prefix in one matmul that reads the prefix once (cascade attention, as in FlashInfer / vLLM's cascade
+kernels; here in plain torch).
 
 Only models whose attention is plain scaled-dot-product softmax attention over every layer
 (`supports` lists the model types) use it; others keep transformers' own path.
