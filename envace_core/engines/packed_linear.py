@@ -43,9 +43,9 @@ def available(dtype: torch.dtype, device: torch.device | str) -> bool:
 
 
 def _probe(dtype: torch.dtype) -> bool:
-    mkldnn = getattr(torch.ops, "mkldnn", None)
     try:
-        if not (torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+        mkldnn = torch.ops.mkldnn
+        if not (torch.backends.mkldnn.is_available() and mkldnn._is_mkldnn_bf16_supported()):
             return False
         g = torch.Generator().manual_seed(0)
         w = torch.randn(24, 16, generator=g).to(dtype)
@@ -224,13 +224,12 @@ def clear(model: torch.nn.Module) -> None:
         cache.clear()
 
 
-def frozen_packed(model: torch.nn.Module, compute_dtype: str | torch.dtype, device: torch.device | str):
+def frozen_packed(model: torch.nn.Module, bf16: bool, device: torch.device | str):
     """For a training forward + backward: `model`'s frozen linears on their packed copies (shared with
-    the engines on `model`; `PackedLinears.installed(frozen_only=True)`) when compute is bf16 on a CPU
+    the engines on `model`; `PackedLinears.installed(frozen_only=True)`) when `bf16` compute runs on a CPU
     where `available`; a null context otherwise. The LM head (``get_output_embeddings``) is left as it
     is: the trainer computes log-probs with it in float32."""
-    dtype = {"bfloat16": torch.bfloat16, "bf16": torch.bfloat16}.get(compute_dtype, compute_dtype)
-    if not available(dtype, device):
+    if not (bf16 and available(torch.bfloat16, device)):
         return nullcontext()
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    return cache_for(model, dtype).installed(model, frozen_only=True, skip=(head,) if head is not None else ())
+    return cache_for(model).installed(model, frozen_only=True, skip=(head,) if head is not None else ())

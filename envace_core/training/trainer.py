@@ -58,7 +58,7 @@ import inspect
 import time
 import warnings
 from collections.abc import Sequence
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -211,8 +211,7 @@ class PolicyTrainer(TrainerPersistence):
             self.model.set_adapter(prev)
 
     def _frozen_packed(self):  # frozen linears (LoRA bases; not the LM head) on packed bf16 copies
-        return packed_linear.frozen_packed(self.model, self.compute_dtype, self.device) if self.packed_frozen \
-            else nullcontext()
+        return packed_linear.frozen_packed(self.model, self.packed_frozen and self.compute_dtype == "bfloat16", self.device)
 
     def _units(self, rows: Sequence[TrainingRow]) -> list[tuple[str | None, list[TrainingRow]]]:
         """(adapter, its rows): one unit of all rows for a shared policy, one per adapter otherwise."""
