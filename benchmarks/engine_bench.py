@@ -159,6 +159,19 @@ def _train_cfg(micro: int, kl_beta: float = 0.0):
                        trained_roles=["act"], micro_batch_rows=micro, kl_beta=kl_beta)
 
 
+def group_rows(tok, prompts, outs, offset: float = 0.0) -> list:
+    """ACT TrainingRows of each prompt's sampled group (`outs[i]`: its Completions), advantage = `reward` minus
+    the group's mean reward (GRPO's group baseline, METHOD.md §3) plus `offset`."""
+    from envace_core.training.rows import TrainingRow
+
+    rows = []
+    for p, group in zip(prompts, outs):
+        rs = [reward(tok.decode(c.token_ids, skip_special_tokens=True)) for c in group]
+        mean = sum(rs) / len(rs)
+        rows += [TrainingRow("act", p, c.token_ids, c.logprobs, r - mean + offset) for c, r in zip(group, rs)]
+    return rows
+
+
 def our_step(model_dir, tok, prompts, args, dtype: str, kl_beta: float = 0.0, warmup: list | None = None) -> dict:
     """One GRPO step of ours: G samples per prompt (HFEngine), group-relative advantages, one update.
     `warmup` (prompts): one untimed step on them first, with the same trainer and engine, so that one-time
@@ -178,12 +191,7 @@ def our_step(model_dir, tok, prompts, args, dtype: str, kl_beta: float = 0.0, wa
     t0 = time.perf_counter()
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=args.max_new, n=args.G, temperature=1.0, seed=0))
     t_gen = time.perf_counter() - t0
-    rows = []
-    for p, group in zip(prompts, outs):
-        rs = [reward(tok.decode(c.token_ids, skip_special_tokens=True)) for c in group]
-        mean = sum(rs) / len(rs)
-        rows += [TrainingRow("act", p, c.token_ids, c.logprobs, r - mean) for c, r in zip(group, rs)]
-    m = trainer.update(rows)
+    m = trainer.update(group_rows(tok, prompts, outs))
     total = time.perf_counter() - t0
     gen_tokens = sum(len(c.token_ids) for g in outs for c in g)
     # Weight copies alive while the trainer (and its KL reference) exist: all parameter storages in the

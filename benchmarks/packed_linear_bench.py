@@ -102,23 +102,18 @@ def bench_generate(model, tok) -> dict:
 
 
 def bench_update(model_dir, tok) -> dict:
-    from engine_bench import _train_cfg, make_prompt, reward
+    from engine_bench import _train_cfg, group_rows, make_prompt
 
     from envace_core.engines.base import SamplingParams
     from envace_core.engines.hf import HFEngine
     from envace_core.models import load_model
-    from envace_core.training.rows import TrainingRow
     from envace_core.training.trainer import PolicyTrainer
 
     prompts = [make_prompt(tok, 300, v) for v in range(4)]
     trainer = PolicyTrainer(load_model(model_dir), tok, _train_cfg(4), compute_dtype="bfloat16")
     eng = HFEngine(trainer.model, tok, compute_dtype="bfloat16", max_batch_size=16)
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=64, n=4, temperature=1.0, seed=0))
-    rows = []
-    for p, group in zip(prompts, outs):
-        rs = [reward(tok.decode(c.token_ids, skip_special_tokens=True)) for c in group]
-        mean = sum(rs) / len(rs)
-        rows += [TrainingRow("act", p, c.token_ids, c.logprobs, r - mean + 0.1) for c, r in zip(group, rs)]
+    rows = group_rows(tok, prompts, outs, offset=0.1)  # + 0.1: no group with equal rewards gives a zero gradient
     runs: dict[str, list[float]] = {"plain": [], "packed": []}
     for packed in (False, True) * 3:
         trainer.packed_frozen = packed
