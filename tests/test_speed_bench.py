@@ -115,3 +115,18 @@ def test_prefill_split_and_its_table_rows():
     rep = sp.build_report(ours=ours, vllm=None, vllm_reason="absent", step=None, step_reason="skipped")
     table = sp.format_table(rep)
     assert "g8 prefill s" in table and "1.00" in table and "47.6" in table
+
+
+def test_measure_cases_times_each_case_whole_and_with_one_token():
+    calls = []
+
+    def gen(prompts, n, max_new):
+        calls.append(max_new)
+        return {"seconds": 0.5 + 0.1 * (max_new - 1), "tokens": len(prompts) * n * max_new}
+
+    w = {"max_new": 11, "repeats": 2, "cases": [{"name": "g8", "prompts": [[1, 2]], "n": 8},
+                                               {"name": "g1", "prompts": [[1, 2]], "n": 1}]}
+    cases = sp.measure_cases(gen, w)
+    assert calls == [11, 11, 1, 1, 11, 11, 1, 1]
+    assert cases["g8"]["tokens"] == 88 and cases["g8"]["exact_length"]
+    assert cases["g1"]["prefill_s"] == pytest.approx(0.5) and cases["g1"]["decode_ms_per_step"] == pytest.approx(100)
