@@ -131,22 +131,27 @@ def test_shared_prefix_decode_matches_the_plain_cache(model, tok, prompts, n, ma
                 assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-4)
 
 
-def test_shared_prefix_decode_is_used_and_feeds_the_prefix_pool(model, tok, prompts):
-    from envace_core.engines import shared_prefix
+@pytest.mark.parametrize("fused", [False, True])
+def test_shared_prefix_decode_is_used_and_feeds_the_prefix_pool(model, tok, prompts, fused, monkeypatch):
+    from envace_core.engines import fused_decode, shared_prefix
 
-    seen = []
+    seen, fused_steps = [], []
     orig = shared_prefix.shared_prefix_attention
-    assert shared_prefix.supports(model)
-    eng = engine(model, tok, prefix_cache_tokens=4096)
+    assert shared_prefix.supports(model) and fused_decode.supports(model)
+    eng = engine(model, tok, prefix_cache_tokens=4096, fused_decode=fused)
     shared_prefix.register()
     from transformers import AttentionInterface
 
+    step = fused_decode.step
+    monkeypatch.setattr(fused_decode, "step", lambda *a: (fused_steps.append(1), step(*a))[1])
     AttentionInterface.register(shared_prefix.NAME, lambda *a, **k: (seen.append(1), orig(*a, **k))[1])
     try:
         [[c]] = eng.generate([prompts[2]], SamplingParams(max_new_tokens=5, temperature=0))
     finally:
         AttentionInterface.register(shared_prefix.NAME, orig)
-    assert seen  # decode went through the cascade attention
+    # decode went through the cascade attention: transformers' forward calls it through the attention
+    # interface, the fused step calls it directly
+    assert (len(fused_steps), bool(seen)) == ((4, False) if fused else (0, True))
     # the pooled entry (built from prefix + own tokens) lets the next turn prefill only its new tokens,
     # and gives what re-encoding gives
     nxt = prompts[2] + c.token_ids + tok.encode(" ok", add_special_tokens=False)

@@ -21,7 +21,7 @@ from contextlib import nullcontext
 
 import torch
 
-from envace_core.engines import packed_linear, shared_prefix
+from envace_core.engines import fused_decode, packed_linear, shared_prefix
 from envace_core.engines.base import Completion, SamplingParams, check_prompt_seeds, resolve_compute_dtype, role_adapter
 from envace_core.engines.prefix_cache import (
     PrefixPool,
@@ -117,6 +117,10 @@ class HFEngine:
         packed_weights: True (default) runs the ``nn.Linear`` layers on oneDNN-packed bf16 copies of their
             weights for bf16 compute on CPU where `packed_linear.available` (kept across calls, re-packed
             when a weight changes in place), instead of a bf16 copy per call; ignored elsewhere.
+        fused_decode: True (default) runs each shared-prefix decode step through `engines.fused_decode.step`
+            (the model's own modules in one loop over the layers: the same logits as the transformers forward
+            with less Python per token) for the families `fused_decode.supports` lists, when no per-call
+            weight copies are in use; False keeps the transformers forward.
 
     Attributes:
         stats: cumulative counters over all calls: ``prompt_tokens`` (tokens prefilled, each distinct prompt
@@ -129,7 +133,8 @@ class HFEngine:
     """
 
     def __init__(self, model, tokenizer, compute_dtype: str = "bfloat16", max_batch_size: int = 8,
-                 prefix_cache_tokens: int = 0, shared_prefix_decode: bool = True, packed_weights: bool = True):
+                 prefix_cache_tokens: int = 0, shared_prefix_decode: bool = True, packed_weights: bool = True,
+                 fused_decode: bool = True):
         if compute_dtype == "auto":
             compute_dtype = resolve_compute_dtype("auto", next(model.parameters()).device.type)
         if isinstance(compute_dtype, torch.dtype):
@@ -149,6 +154,7 @@ class HFEngine:
         self.prefix_pool: PrefixPool | None = PrefixPool(prefix_cache_tokens) if prefix_cache_tokens else None
         self._shared_prefix = bool(shared_prefix_decode)
         self._packed_weights = bool(packed_weights)
+        self._fused_decode = bool(fused_decode)
         self._unpadded = True  # `_prefill_unpadded` until a model's cache proves it cannot be padded
         self.stats: dict = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "seconds": 0.0,
                             "calls": 0}
@@ -453,6 +459,8 @@ class HFEngine:
         toks: list[list[int]] = [[] for _ in owners]
         lps: list[list[float]] = [[] for _ in owners]
         active = list(range(len(owners)))  # original row index of each current batch row
+        fused = self._fused_decode and weights is None and isinstance(cache, shared_prefix.SharedPrefixCache) \
+            and fused_decode.supports(self.model)
 
         for step in range(params.max_new_tokens):
             scaled = logits if temp == 1.0 else logits / temp
@@ -492,7 +500,9 @@ class HFEngine:
                 cache.batch_select_indices(idx)
                 mask, next_pos, chosen = mask[idx], next_pos[idx], chosen[idx]
                 active = [active[b] for b in keep]
-            if isinstance(cache, shared_prefix.SharedPrefixCache):  # its attention masks the prompt padding
+            if fused:
+                logits = fused_decode.step(self.model, chosen[:, None], next_pos[:, None], cache)
+            elif isinstance(cache, shared_prefix.SharedPrefixCache):  # its attention masks the prompt padding
                 with shared_prefix.active(self.model, cache):
                     logits = self._forward(chosen[:, None], None, next_pos[:, None], cache, weights)
             else:

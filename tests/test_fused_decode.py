@@ -1,0 +1,121 @@
+"""engines.fused_decode: one decode step in one loop over the layers gives the transformers forward's logits."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+from envace_core.engines import fused_decode, packed_linear, shared_prefix
+from envace_core.engines.base import SamplingParams
+from envace_core.engines.hf import HFEngine
+
+SIZES = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+             num_key_value_heads=2, max_position_embeddings=256)
+FAMILIES = {
+    "llama": lambda: LlamaConfig(**SIZES, head_dim=8),
+    "mistral": lambda: MistralConfig(**SIZES, head_dim=8, sliding_window=None),
+    "qwen2": lambda: Qwen2Config(**SIZES, use_sliding_window=False),  # q/k/v biases
+    "qwen3": lambda: Qwen3Config(**SIZES, head_dim=8, use_sliding_window=False),  # q/k norms
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class _Tok:
+    eos_token_id = 0
+    pad_token_id = 0
+
+
+def _model(family: str, lora: bool = False):
+    torch.manual_seed(0)
+    cfg = FAMILIES[family]()
+    cfg.bos_token_id = cfg.eos_token_id = cfg.pad_token_id = 0
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 init_lora_weights=False))  # B != 0: the adapter counts
+        model.eval()
+    return model
+
+
+PROMPTS = [[5, 17, 33, 2, 41, 9, 60], [7, 3], [12, 88, 45, 21, 19]]
+
+
+def _prefill(model, prompts):
+    """Left-padded prefill of `prompts`: the DynamicCache, its (P, L) mask, the last logits, next positions."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.inference_mode():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True)
+    return out.past_key_values, mask, out.logits[:, -1].float(), mask.sum(-1)
+
+
+@pytest.mark.parametrize("family,lora", [(f, False) for f in FAMILIES] + [("llama", True), ("qwen3", True)])
+def test_step_equals_the_transformers_forward_exactly(family, lora):
+    model = _model(family, lora)
+    assert fused_decode.supports(model)
+    shared_prefix.register()
+    prefill, mask, logits, nxt = _prefill(model, PROMPTS)
+    owner = torch.tensor([0, 0, 1, 2, 2])  # two samples of prompt 0 and 2, one of prompt 1
+    ref_cache = shared_prefix.SharedPrefixCache(prefill, mask, owner, 2, torch.float32)
+    got_cache = shared_prefix.SharedPrefixCache(prefill, mask, owner, 2, torch.float32)  # grows past 2
+    tokens = logits.argmax(-1).index_select(0, owner)[:, None]
+    pos = nxt.index_select(0, owner)[:, None]
+    lm = model.get_base_model() if lora else model
+    kw = "cache" if "cache" in inspect.signature(lm.forward).parameters else "past_key_values"
+    with torch.inference_mode():
+        for _ in range(4):
+            with shared_prefix.active(model, ref_cache):
+                ref = model(input_ids=tokens, position_ids=pos, use_cache=True, **{kw: ref_cache}).logits[:, -1].float()
+            got = fused_decode.step(model, tokens, pos, got_cache)
+            assert got.shape == ref.shape == (5, 97) and got.dtype == torch.float32
+            assert torch.equal(got, ref)
+            tokens, pos = got.argmax(-1)[:, None], pos + 1
+    assert all(torch.equal(a.own_keys, b.own_keys) for a, b in zip(got_cache.layers, ref_cache.layers))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_engine_generates_the_same_with_and_without_the_fused_step(family, dtype):
+    if dtype == "bfloat16" and not packed_linear.available(torch.bfloat16, "cpu"):
+        pytest.skip("no oneDNN bf16 on this CPU: the fused step runs only without per-call weight copies")
+    model = _model(family, lora=True)
+    out = {}
+    for fused in (False, True):
+        eng = HFEngine(model, _Tok(), compute_dtype=dtype, max_batch_size=4, fused_decode=fused)
+        out[fused] = [eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)),
+                      eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=6, n=3, seed=3, ignore_eos=True))]
+    for plain, fused in zip(out[False], out[True]):
+        for a_row, b_row in zip(plain, fused):
+            for a, b in zip(a_row, b_row):
+                assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason
+                assert a.logprobs == b.logprobs  # the same ops on the same values: bit for bit
+
+
+def test_unsupported_models_and_bad_input():
+    gpt2 = AutoModelForCausalLM.from_config(GPT2Config(vocab_size=97, n_embd=48, n_layer=1, n_head=4))
+    assert not fused_decode.supports(gpt2)
+    windowed = AutoModelForCausalLM.from_config(MistralConfig(**SIZES, head_dim=8, sliding_window=4),
+                                                attn_implementation="sdpa")
+    assert not fused_decode.supports(windowed)  # a sliding window is not full attention
+    model = _model("llama")
+    prefill, mask, _, _ = _prefill(model, PROMPTS[:1])
+    cache = shared_prefix.SharedPrefixCache(prefill, mask, torch.tensor([0]), 2, torch.float32)
+    with pytest.raises(ValueError, match=r"\(S, 1\)"):
+        fused_decode.step(model, torch.tensor([[1, 2]]), torch.tensor([[7, 8]]), cache)
+    cache.layers = cache.layers[:1]
+    with pytest.raises(ValueError, match="1 layers, the model 2"):
+        fused_decode.step(model, torch.tensor([[1]]), torch.tensor([[7]]), cache)
