@@ -58,7 +58,10 @@ class SharedPrefixLayer(DynamicLayer):
         prefix_mask: (P, L_p) bool, False on padding.
         owner: (S,) long, the prompt row of each decode row.
         capacity: initial room for generated tokens per row (grows by doubling).
-        dtype: storage/compute dtype of the attention (float32, or bf16 with packed bf16 weights on CPU).
+        dtype: storage/compute dtype of the prompts' keys and values (float32, or bf16 with packed bf16
+            weights on CPU). The rows' own keys and values are kept in float32 whatever `dtype`: they are
+            few, and on a CPU a float32 product over them costs about a third of a bf16 one (whose fixed
+            cost per call dominates at these sizes).
     """
 
     def __init__(self, prefix_keys, prefix_values, prefix_mask, owner, capacity: int, dtype: torch.dtype):
@@ -69,8 +72,11 @@ class SharedPrefixLayer(DynamicLayer):
         self.padded = not bool(prefix_mask.all())  # left padding to mask out in the scores
         self.source_dtype = prefix_keys.dtype
         self.owner = owner
+        self._masked: torch.Tensor | None = None  # (S, 1, 1, L_p) True on each row's prompt padding
+        self._diagonal: bool | None = None  # row i is prompt i's only row
         s, (_, h, _, d) = owner.numel(), prefix_keys.shape
-        self._k = prefix_keys.new_empty((s, h, max(capacity, 1), d), dtype=dtype)
+        own_dtype = torch.promote_types(prefix_keys.dtype, torch.float32)
+        self._k = prefix_keys.new_empty((s, h, max(capacity, 1), d), dtype=own_dtype)
         self._v = torch.empty_like(self._k)
         self.length = 0
         self.is_initialized, self.device = True, prefix_keys.device
@@ -89,12 +95,26 @@ class SharedPrefixLayer(DynamicLayer):
 
     @property
     def own_keys(self) -> torch.Tensor:
-        """(S, H_kv, T, D): the keys of the tokens each row generated so far."""
+        """(S, H_kv, T, D): the keys of the tokens each row generated so far (float32)."""
         return self._k[:, :, :self.length]
 
     @property
     def own_values(self) -> torch.Tensor:
         return self._v[:, :, :self.length]
+
+    def masked(self) -> torch.Tensor | None:
+        """(S, 1, 1, L_p) bool, True on each row's prompt padding (None without padding); made once per batch."""
+        if self.padded and self._masked is None:
+            self._masked = ~self.prefix_mask.index_select(0, self.owner)[:, None, None, :]
+        return self._masked if self.padded else None
+
+    def one_row_per_prompt(self) -> bool:
+        """Whether decode row i is prompt i's only row (8 distinct prompts, one sample each); once per batch."""
+        if self._diagonal is None:
+            s = self.owner.numel()
+            self._diagonal = self.prefix_keys.shape[0] == s and bool(
+                (self.owner == torch.arange(s, device=self.owner.device)).all())
+        return self._diagonal
 
     def get_seq_length(self) -> int:
         return self.prefix_keys.shape[2] + self.length
@@ -104,13 +124,15 @@ class SharedPrefixLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._k, self._v, self.owner = self._k[indices], self._v[indices], self.owner[indices]
+        self._masked = self._diagonal = None
 
     def row_kv(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s full (keys, values), padding dropped, each (H_kv, L, D) in the prefill's dtype."""
         p = int(self.owner[row])
         keep = self.prefix_mask[p]
-        k = torch.cat([self.prefix_keys[p][:, keep], self.own_keys[row]], 1).to(self.source_dtype)
-        v = torch.cat([self.prefix_values[p][:, keep], self.own_values[row]], 1).to(self.source_dtype)
+        k = torch.cat([self.prefix_keys[p][:, keep].to(self.source_dtype), self.own_keys[row].to(self.source_dtype)], 1)
+        v = torch.cat([self.prefix_values[p][:, keep].to(self.source_dtype),
+                       self.own_values[row].to(self.source_dtype)], 1)
         return k, v
 
 
@@ -134,9 +156,9 @@ class SharedPrefixCache(DynamicCache):
             layer.batch_select_indices(indices)
 
 
-def _grouped(q: torch.Tensor, keys: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+def _grouped(q: torch.Tensor, keys: torch.Tensor, owner: torch.Tensor, diagonal: bool = False) -> torch.Tensor:
     """Scores of queries against their own prompt's prefix. q: (S, H_kv, g, D); keys: (P, H_kv, L, D);
-    returns (S, H_kv, g, L), a transposed view. Rows sharing a prompt use one matmul that reads its keys once.
+    diagonal: row i is prompt i's only row (owner = arange(S), P = S). Returns (S, H_kv, g, L), a transposed view. Rows sharing a prompt use one matmul that reads its keys once.
 
     Each product is computed as ``K q^T`` (L x rows), not ``q K^T``: the keys are read in their stored
     row-major order, which on a CPU is 1.3x (8 prompts) to 5x (one prompt, one row) faster for these
@@ -145,7 +167,7 @@ def _grouped(q: torch.Tensor, keys: torch.Tensor, owner: torch.Tensor) -> torch.
     if keys.shape[0] == 1:  # one prompt (a GRPO group): all rows' queries in one matmul
         st = keys[0] @ q.transpose(0, 1).reshape(h, s * g, d).transpose(-1, -2)  # (H_kv, L, S*g)
         return st.view(h, -1, s, g).permute(2, 0, 3, 1)
-    if keys.shape[0] == s and bool((owner == torch.arange(s, device=owner.device)).all()):
+    if diagonal:
         return (keys @ q.transpose(-1, -2)).transpose(-1, -2)
     out = q.new_empty((s, h, g, keys.shape[2]))
     for p in owner.unique().tolist():
@@ -155,12 +177,13 @@ def _grouped(q: torch.Tensor, keys: torch.Tensor, owner: torch.Tensor) -> torch.
     return out
 
 
-def _grouped_out(probs: torch.Tensor, values: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
-    """probs (S, H_kv, g, L) @ each row's prompt values (P, H_kv, L, D) -> (S, H_kv, g, D)."""
+def _grouped_out(probs: torch.Tensor, values: torch.Tensor, owner: torch.Tensor, diagonal: bool = False) -> torch.Tensor:
+    """probs (S, H_kv, g, L) @ each row's prompt values (P, H_kv, L, D) -> (S, H_kv, g, D); `diagonal` as in
+    `_grouped`."""
     s, h, g, _ = probs.shape
     if values.shape[0] == 1:
         return (probs.transpose(0, 1).reshape(h, s * g, -1) @ values[0]).view(h, s, g, -1).transpose(0, 1)
-    if values.shape[0] == s and bool((owner == torch.arange(s, device=owner.device)).all()):
+    if diagonal:
         return probs @ values
     out = probs.new_empty((s, h, g, values.shape[-1]))
     for p in owner.unique().tolist():
@@ -188,6 +211,7 @@ def attend(layer: SharedPrefixLayer, query: torch.Tensor, key: torch.Tensor, val
 
     query: (S, H, 1, D); key/value: (S, H_kv, T, D), the rows' own generated tokens (as
     `SharedPrefixLayer.update` returns them); scale: the score scale (1/sqrt(D) for the supported families).
+    The prompt part runs in the layer's dtype, the rows' own part and the softmax in float32.
     Returns (S, 1, H, D) in query's dtype.
     """
     s, heads, _, d = query.shape
@@ -195,14 +219,17 @@ def attend(layer: SharedPrefixLayer, query: torch.Tensor, key: torch.Tensor, val
     g = heads // h_kv
     dt = layer.prefix_keys.dtype
     with torch.autocast(query.device.type, enabled=False):
-        q = query.to(dt).view(s, h_kv, g, d)
-        sp = _grouped(q, layer.prefix_keys, layer.owner)  # (S, H_kv, g, L_p)
-        if layer.padded:
-            sp.masked_fill_(~layer.prefix_mask.index_select(0, layer.owner)[:, None, None, :], float("-inf"))
-        so = q @ key.to(dt).transpose(-1, -2)  # (S, H_kv, g, T)
-        probs = torch.softmax(torch.cat([sp, so], -1).float() * scale, dim=-1).to(dt)
+        q32 = query.float().reshape(s, h_kv, g, d)
+        sp = _grouped(q32.to(dt), layer.prefix_keys, layer.owner, layer.one_row_per_prompt())  # (S, H_kv, g, L_p)
+        so = q32 @ key.float().transpose(-1, -2)  # (S, H_kv, g, T)
+        scores = torch.cat([sp, so], -1)  # float32, contiguous
         lp = sp.shape[-1]
-        out = _grouped_out(probs[..., :lp], layer.prefix_values, layer.owner) + probs[..., lp:] @ value.to(dt)
+        masked = layer.masked()
+        if masked is not None:
+            scores[..., :lp].masked_fill_(masked, float("-inf"))
+        probs = torch.softmax(scores.mul_(scale), dim=-1)
+        out = _grouped_out(probs[..., :lp].to(dt), layer.prefix_values, layer.owner, layer.one_row_per_prompt()) \
+            + probs[..., lp:] @ value.float()
     return out.reshape(s, heads, 1, d).transpose(1, 2).contiguous().to(query.dtype)
 
 
