@@ -1,0 +1,199 @@
+"""Our engine's generation, before vs after a change, from one run: the speed.py workload (g8, distinct8, g1)
+on `HFEngine` from two source trees, and with the fused decode step on and off in the current one.
+
+    .venv/bin/python benchmarks/decode_ab.py --before 6b7f807 [--rounds 3] [--repeats 2]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/decode_ab.py --before HEAD --quick   # smoke run
+
+Run it alone on an idle machine (no other torch process: they stall each other on 2 cores).
+
+Variants (each in a fresh process, the order rotated every round so drift and warm caches spread evenly):
+  before      envace_core of git revision --before (a detached worktree under --worktree, made and removed
+              here), engine defaults;
+  after       this checkout's envace_core, engine defaults (fused decode on where supported);
+  unfused     this checkout with ``HFEngine(fused_decode=False)``: the transformers forward per decode step.
+Every variant gets the same token ids (speed.build_workload on the bundled tokenizer: a ~--prompt-tokens
+prompt sampled --group ways, --distinct different prompts one sample each, the first prompt once), decodes
+exactly --max-new tokens per sample (ignore_eos, temperature 1, top-p 1, seed 1) after one warm-up call, in
+the compute dtype speed.py uses (``resolve_compute_dtype("auto", "cpu")``). Per case and variant, as speed.py
+(`speed.case_summary`): seconds (median of --repeats calls), prefill_s (median of --repeats calls with one new
+token), decode_ms_per_step = (seconds - prefill_s) / (max_new - 1) * 1000.
+
+Reported per case: each variant's median over rounds, and the ratios after / before and after / unfused of
+decode ms per step and of seconds (< 1: faster). Writes --json (default benchmarks/results/decode_ab.json)
+with every raw figure, the command line, the load average at start and end, the CPU's bf16 flags and the date.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+DEFAULT_JSON = os.path.join(HERE, "results", "decode_ab.json")
+QUICK = {"prompt_tokens": 96, "max_new": 8, "group": 2, "distinct": 2, "repeats": 1, "rounds": 1}
+
+
+def worker(src: str, spec_path: str) -> int:
+    """One variant: the workload on HFEngine from the envace_core under `src`; prints one JSON line."""
+    sys.path.insert(0, src)
+    sys.path.insert(1, HERE)
+    spec = json.load(open(spec_path))
+    import torch
+
+    import envace_core
+    from envace_core.engines.base import SamplingParams, resolve_compute_dtype
+    from envace_core.engines.hf import HFEngine
+    from envace_core.models import load_model, load_tokenizer, resolve_model
+    from speed import build_workload, measure_cases
+
+    if os.path.dirname(os.path.abspath(envace_core.__file__)) != os.path.join(os.path.abspath(src), "envace_core"):
+        raise RuntimeError(f"envace_core came from {envace_core.__file__}, not {src}")
+    model_dir = resolve_model(spec["model"])
+    tok = load_tokenizer(model_dir)
+    w = build_workload(tok, argparse.Namespace(**spec["workload"]))
+    dtype = resolve_compute_dtype("auto", "cpu")
+    eng = HFEngine(load_model(model_dir), tok, compute_dtype=dtype,
+                   max_batch_size=max(8, *(len(c["prompts"]) * c["n"] for c in w["cases"])), **spec["engine_kwargs"])
+
+    def gen(prompts, n, max_new):
+        sp = SamplingParams(max_new_tokens=max_new, n=n, temperature=1.0, top_p=1.0, seed=1, ignore_eos=True)
+        t0 = time.perf_counter()
+        outs = eng.generate(prompts, sp)
+        return {"seconds": time.perf_counter() - t0, "tokens": sum(len(c.token_ids) for g in outs for c in g)}
+
+    wu = w["warmup"]
+    gen(wu["prompts"], wu["n"], wu["max_new"])
+    cases = measure_cases(gen, w)
+    print(json.dumps({"compute_dtype": str(dtype), "threads": torch.get_num_threads(),
+                      "cases": {k: {f: v[f] for f in ("seconds", "prefill_s", "decode_ms_per_step", "exact_length")}
+                                for k, v in cases.items()}}))
+    return 0
+
+
+def summarise(runs: dict[str, list[dict]]) -> dict:
+    """variant -> rounds of worker output  ->  case -> {variant medians, ratios}."""
+    cases = sorted(next(iter(runs.values()))[0]["cases"])
+    out = {}
+    for case in cases:
+        row = {}
+        for variant, rounds in runs.items():
+            row[variant] = {f: statistics.median(r["cases"][case][f] for r in rounds)
+                            for f in ("seconds", "prefill_s", "decode_ms_per_step")}
+            row[variant]["decode_ms_per_step_rounds"] = [round(r["cases"][case]["decode_ms_per_step"], 2)
+                                                        for r in rounds]
+            row[variant]["exact_length"] = all(r["cases"][case]["exact_length"] for r in rounds)
+        for num, den in (("after", "before"), ("after", "unfused")):
+            if num in row and den in row:
+                row[f"{num}_over_{den}"] = {f: row[num][f] / row[den][f] for f in ("decode_ms_per_step", "seconds")}
+        out[case] = row
+    return out
+
+
+def table(summary: dict) -> str:
+    lines = ["| case | before ms/step | after ms/step | unfused ms/step | after / before | after / unfused |",
+             "|---|---|---|---|---|---|"]
+    for case, row in summary.items():
+        def ms(v):
+            return f"{row[v]['decode_ms_per_step']:.1f}" if v in row else "—"
+
+        def r(k):
+            return f"{row[k]['decode_ms_per_step']:.2f}" if k in row else "—"
+
+        lines.append(f"| {case} | {ms('before')} | {ms('after')} | {ms('unfused')} | {r('after_over_before')} | "
+                     f"{r('after_over_unfused')} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--before", required=False, help="git revision of the 'before' variant (omit: no before)")
+    ap.add_argument("--model", default="bundled:smollm2-135m-instruct")
+    ap.add_argument("--prompt-tokens", type=int, default=1500)
+    ap.add_argument("--max-new", type=int, default=64)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--distinct", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--worktree", default=None, help="where the before worktree goes (default: a temp dir)")
+    ap.add_argument("--json", default=None, help=f"default {os.path.relpath(DEFAULT_JSON, ROOT)}")
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run: " + json.dumps(QUICK))
+    ap.add_argument("--worker", nargs=2, metavar=("SRC", "SPEC"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker(*args.worker)
+    if args.quick:
+        for k, v in QUICK.items():
+            setattr(args, k, v)
+    for name in ("prompt_tokens", "max_new", "group", "distinct", "repeats", "rounds"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.max_new < 2:
+        ap.error("--max-new must be >= 2 (decode ms per step needs a step after the first token)")
+    out_json = args.json or ("/tmp/envace-decode-ab-quick.json" if args.quick else DEFAULT_JSON)
+
+    tmp = tempfile.mkdtemp(prefix="envace-decode-ab-")
+    trees = {"after": ROOT}
+    worktree = None
+    try:
+        if args.before:
+            rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", f"{args.before}^{{commit}}"],
+                                 capture_output=True, text=True)
+            if rev.returncode != 0:
+                ap.error(f"--before: not a git revision of {ROOT}: {args.before!r} ({rev.stderr.strip()})")
+            worktree = args.worktree or os.path.join(tmp, "before")
+            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", worktree, rev.stdout.strip()],
+                           check=True, capture_output=True)
+            trees["before"] = worktree
+        variants = {"before": {}, "after": {}, "unfused": {"fused_decode": False}}
+        variants = {k: v for k, v in variants.items() if k in trees or k == "unfused"}
+        workload = {k: getattr(args, k) for k in ("prompt_tokens", "max_new", "group", "distinct", "repeats")}
+        load_start = os.getloadavg()
+        runs: dict[str, list[dict]] = {v: [] for v in variants}
+        order = list(variants)
+        for rnd in range(args.rounds):
+            for variant in order[rnd % len(order):] + order[:rnd % len(order)]:
+                spec = os.path.join(tmp, f"{variant}.json")
+                json.dump({"model": args.model, "workload": workload, "engine_kwargs": variants[variant]},
+                          open(spec, "w"))
+                src = trees.get(variant, ROOT)
+                t0 = time.perf_counter()
+                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", src, spec],
+                                      capture_output=True, text=True, cwd=ROOT)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"{variant} worker failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+                res = json.loads(proc.stdout.strip().splitlines()[-1])
+                runs[variant].append(res)
+                steps = ", ".join(f"{c} {v['decode_ms_per_step']:.1f}" for c, v in sorted(res["cases"].items()))
+                print(f"round {rnd + 1} {variant}: decode ms/step {steps} ({time.perf_counter() - t0:.0f} s)",
+                      flush=True)
+        summary = summarise(runs)
+        report = {"summary": summary, "runs": runs,
+                  "details": {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+                              "before": args.before, "workload": workload, "model": args.model,
+                              "load_average_start": load_start, "load_average_end": os.getloadavg(),
+                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                              "cpu_bf16_flags": sorted(f for f in ("avx512_bf16", "amx_bf16")
+                                                       if f in open("/proc/cpuinfo").read())}}
+        os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
+        with open(out_json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(table(summary))
+        print(f"wrote {out_json}")
+        return 0
+    finally:
+        if worktree:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", worktree], capture_output=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

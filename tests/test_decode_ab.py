@@ -1,0 +1,47 @@
+"""benchmarks/decode_ab.py end to end on the tiny random Llama with --quick sizes (plumbing and JSON, not
+speed): three variants in their own processes, the before tree from a git worktree that is removed after."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_SPEC = importlib.util.spec_from_file_location("decode_ab", ROOT / "benchmarks" / "decode_ab.py")
+
+
+def _bench():
+    bench = importlib.util.module_from_spec(_SPEC)
+    _SPEC.loader.exec_module(bench)
+    return bench
+
+
+def _worktrees() -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
+
+
+def test_quick_run_writes_every_variant_and_removes_its_worktree(tiny_model_dir, tmp_path):
+    before = _worktrees()
+    out = tmp_path / "ab.json"
+    assert _bench().main(["--before", "HEAD", "--quick", "--model", str(tiny_model_dir), "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert set(rep["summary"]) == {"g8", "distinct8", "g1"}
+    for row in rep["summary"].values():
+        assert set(row) >= {"before", "after", "unfused", "after_over_before", "after_over_unfused"}
+        assert all(row[v]["exact_length"] and row[v]["seconds"] > 0 for v in ("before", "after", "unfused"))
+        assert row["after_over_before"]["seconds"] == pytest.approx(row["after"]["seconds"] / row["before"]["seconds"])
+    assert rep["details"]["before"] == "HEAD" and len(rep["runs"]["after"]) == 1
+    assert _worktrees() == before
+
+
+def test_bad_arguments_stop_before_any_work(tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        _bench().main(["--before", "no-such-revision-xyz", "--json", str(tmp_path / "x.json")])
+    assert "not a git revision" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        _bench().main(["--max-new", "1"])
+    assert not (tmp_path / "x.json").exists()
