@@ -111,8 +111,8 @@ class HFEngine:
             layers are all full-attention (`DynamicLayer`), otherwise ignored.
         shared_prefix_decode: True (default) decodes through `engines.shared_prefix`: each prompt's KV is
             kept once and attended once by all of its samples, and each sample appends only its own tokens
-            (no per-step copy of the cache), in float32 on CPU unless packed weights are in use (then in
-            bf16, softmax in float32). Same tokens and log-probs as the plain path up to summation order
+            (no per-step copy of the cache), in float32 on CPU unless packed weights are in use (then the
+            prompts' part in bf16; the samples' own tokens and the softmax in float32). Same tokens and log-probs as the plain path up to summation order
             and rounding; used only for the model families `shared_prefix.supports` lists.
         packed_weights: True (default) runs the ``nn.Linear`` layers on oneDNN-packed bf16 copies of their
             weights for bf16 compute on CPU where `packed_linear.available` (kept across calls, re-packed

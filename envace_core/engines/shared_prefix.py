@@ -11,8 +11,8 @@ it generated (a buffer grown in place, no concatenation). One decode step of one
     softmax([q K_prefix[owner(s)]^T, q K_own(s)^T] * scale) [V_prefix[owner(s)]; V_own(s)]
 
 with the padding of the prompt masked out: exactly the attention over the row's full sequence, only the
-order of the sums differs. Scores and products run in the cache's dtype (float32, or bf16 where `HFEngine`
-packs bf16 weights: half the bytes read per step), the softmax in float32. The G rows of one prompt attend
+order of the sums differs. The prompts' part runs in the cache's dtype (float32, or bf16 where `HFEngine`
+packs bf16 weights: half the bytes read per step); the rows' own tokens and the softmax in float32. The G rows of one prompt attend
 to its prefix in one matmul that reads the prefix once (cascade attention, as in FlashInfer / vLLM's cascade
 kernels; here in plain torch).
 
