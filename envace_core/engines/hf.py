@@ -71,6 +71,22 @@ def _full_attention(cache) -> bool:
     return all(type(layer).__name__ == "DynamicLayer" for layer in cache.layers)
 
 
+# Distinct prompts that begin with at least this many common tokens decode with that root's KV read once
+# for all of them (`shared_prefix.SharedPrefixCache(root=...)`): below it the extra products cost more
+# than the reads they save.
+_MIN_SHARED_ROOT = 64
+
+
+def _common_prefix_len(prompts: list[list[int]]) -> int:
+    """Length of the longest token prefix common to every prompt."""
+    first, n = prompts[0], min(len(p) for p in prompts)
+    for i in range(n):
+        t = first[i]
+        if any(p[i] != t for p in prompts):
+            return i
+    return n
+
+
 def _row_seed(base: int, prompt_idx: int, sample_idx: int) -> int:
     """A 63-bit seed for sample `sample_idx` of prompt `prompt_idx`, derived from the call's seed."""
     digest = hashlib.blake2b(f"{base}:{prompt_idx}:{sample_idx}".encode(), digest_size=8).digest()
@@ -370,10 +386,13 @@ class HFEngine:
 
         shared = self._shared_prefix and shared_prefix.supports(self.model) and shared_prefix.register() \
             and _full_attention(cache)
+        root = _common_prefix_len([prompts[i] for i in group]) if shared and len(group) > 1 else 0
+        root = root if root >= _MIN_SHARED_ROOT else 0
         for c, rows in enumerate(chunks):
             sel = torch.tensor([r // n for r in rows], device=device)  # prefill row of each decode row
             if shared:  # the prompts' KV once, read by every chunk; rows hold only their own tokens
-                chunk_cache = shared_prefix.SharedPrefixCache(cache, mask, sel, params.max_new_tokens, attn_dt)
+                chunk_cache = shared_prefix.SharedPrefixCache(cache, mask, sel, params.max_new_tokens, attn_dt,
+                                                              root=root)
             else:
                 chunk_cache = cache if c == len(chunks) - 1 else copy.deepcopy(cache)
                 chunk_cache.batch_select_indices(sel)

@@ -23,6 +23,7 @@ Only models whose attention is plain scaled-dot-product softmax attention over e
 from __future__ import annotations
 
 import contextvars
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
@@ -64,8 +65,15 @@ class SharedPrefixLayer(DynamicLayer):
             cost per call dominates at these sizes).
     """
 
-    def __init__(self, prefix_keys, prefix_values, prefix_mask, owner, capacity: int, dtype: torch.dtype):
+    def __init__(self, prefix_keys, prefix_values, prefix_mask, owner, capacity: int, dtype: torch.dtype,
+                 root: RootSplit | None = None):
         super().__init__()
+        self.root_keys = self.root_values = None  # (1, H_kv, L_r, D): the prompts' common first tokens, once
+        if root is not None:
+            self.root_keys = prefix_keys[root.row:root.row + 1, :, root.lo:root.hi].to(dtype)
+            self.root_values = prefix_values[root.row:root.row + 1, :, root.lo:root.hi].to(dtype)
+            prefix_keys, prefix_values = prefix_keys[:, :, root.start:], prefix_values[:, :, root.start:]
+            prefix_mask = root.suffix_mask
         self.prefix_keys = prefix_keys.to(dtype)
         self.prefix_values = prefix_values.to(dtype)
         self.prefix_mask = prefix_mask
@@ -117,7 +125,8 @@ class SharedPrefixLayer(DynamicLayer):
         return self._diagonal
 
     def get_seq_length(self) -> int:
-        return self.prefix_keys.shape[2] + self.length
+        root = 0 if self.root_keys is None else self.root_keys.shape[2]
+        return root + self.prefix_keys.shape[2] + self.length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.get_seq_length() + query_length, 0
@@ -130,10 +139,46 @@ class SharedPrefixLayer(DynamicLayer):
         """Row `row`'s full (keys, values), padding dropped, each (H_kv, L, D) in the prefill's dtype."""
         p = int(self.owner[row])
         keep = self.prefix_mask[p]
-        k = torch.cat([self.prefix_keys[p][:, keep].to(self.source_dtype), self.own_keys[row].to(self.source_dtype)], 1)
-        v = torch.cat([self.prefix_values[p][:, keep].to(self.source_dtype),
-                       self.own_values[row].to(self.source_dtype)], 1)
-        return k, v
+        parts_k = [self.prefix_keys[p][:, keep], self.own_keys[row]]
+        parts_v = [self.prefix_values[p][:, keep], self.own_values[row]]
+        if self.root_keys is not None:
+            parts_k.insert(0, self.root_keys[0])
+            parts_v.insert(0, self.root_values[0])
+        return (torch.cat([t.to(self.source_dtype) for t in parts_k], 1),
+                torch.cat([t.to(self.source_dtype) for t in parts_v], 1))
+
+
+class RootSplit(NamedTuple):
+    """Where P left-padded prompts' common first tokens (the root) sit in their prefill: row `row` holds
+    them at columns [lo, hi); every column before `start` is padding or root in every row; `suffix_mask`
+    (P, W - start) is True on each row's tokens after its root."""
+
+    row: int
+    lo: int
+    hi: int
+    start: int
+    suffix_mask: torch.Tensor
+
+
+def root_split(prefix_mask: torch.Tensor, root: int) -> RootSplit | None:
+    """The `RootSplit` of prompts (their (P, W) bool mask) whose first `root` tokens are the same, or None
+    when no row holds its root in consecutive columns (padding inside it) or `root` < 1."""
+    if root < 1:
+        return None
+    mask = prefix_mask.bool()
+    count = mask.long().cumsum(-1)
+    in_root = mask & (count <= root)
+    if not bool((in_root.sum(-1) == root).all()):
+        raise ValueError(f"a prompt has fewer than root={root} tokens")
+    width = mask.shape[1]
+    lo = in_root.int().argmax(-1)  # first root column per row
+    hi = width - in_root.flip(-1).int().argmax(-1)  # one past the last
+    whole = ((hi - lo) == root).nonzero()
+    if whole.numel() == 0:
+        return None
+    row = int(whole[0, 0])
+    start = int(hi.min())
+    return RootSplit(row, int(lo[row]), int(hi[row]), start, (mask & (count > root))[:, start:])
 
 
 class SharedPrefixCache(DynamicCache):
@@ -141,14 +186,18 @@ class SharedPrefixCache(DynamicCache):
 
     Built from a prefilled `DynamicCache` of P prompt rows and its (P, L_p) attention mask; `owner` (S,)
     gives each decode row's prompt row. The prefill cache is only read, so one prefill serves any number
-    of decode chunks.
+    of decode chunks. `root` > 0: the P prompts begin with the same `root` tokens (a GRPO group's
+    trajectories after their first turn share the system prompt, tools and request); their keys and
+    values are taken from one row and attended by every row in one product, and each row reads its own
+    tokens after them only (`root_split`; not used when no row holds its root unpadded).
     """
 
     def __init__(self, prefill: DynamicCache, prefix_mask: torch.Tensor, owner: torch.Tensor, capacity: int,
-                 dtype: torch.dtype = torch.float32):
+                 dtype: torch.dtype = torch.float32, root: int = 0):
         super().__init__()
         keep = prefix_mask.bool()
-        self.layers = [SharedPrefixLayer(layer.keys, layer.values, keep, owner, capacity, dtype)
+        split = root_split(keep, root) if keep.shape[0] > 1 else None
+        self.layers = [SharedPrefixLayer(layer.keys, layer.values, keep, owner, capacity, dtype, split)
                        for layer in prefill.layers]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
@@ -220,16 +269,22 @@ def attend(layer: SharedPrefixLayer, query: torch.Tensor, key: torch.Tensor, val
     dt = layer.prefix_keys.dtype
     with torch.autocast(query.device.type, enabled=False):
         q32 = query.float().reshape(s, h_kv, g, d)
-        sp = _grouped(q32.to(dt), layer.prefix_keys, layer.owner, layer.one_row_per_prompt())  # (S, H_kv, g, L_p)
+        q = q32.to(dt)
+        parts = []
+        if layer.root_keys is not None:  # the common root: one product for every row
+            parts.append(_grouped(q, layer.root_keys, layer.owner))
+        sp = _grouped(q, layer.prefix_keys, layer.owner, layer.one_row_per_prompt())  # (S, H_kv, g, L_p)
         so = q32 @ key.float().transpose(-1, -2)  # (S, H_kv, g, T)
-        scores = torch.cat([sp, so], -1)  # float32, contiguous
-        lp = sp.shape[-1]
+        scores = torch.cat(parts + [sp, so], -1)  # float32, contiguous
+        lr, lp = (parts[0].shape[-1] if parts else 0), sp.shape[-1]
         masked = layer.masked()
         if masked is not None:
-            scores[..., :lp].masked_fill_(masked, float("-inf"))
+            scores[..., lr:lr + lp].masked_fill_(masked, float("-inf"))
         probs = torch.softmax(scores.mul_(scale), dim=-1)
-        out = _grouped_out(probs[..., :lp].to(dt), layer.prefix_values, layer.owner, layer.one_row_per_prompt()) \
-            + probs[..., lp:] @ value.float()
+        out = _grouped_out(probs[..., lr:lr + lp].to(dt), layer.prefix_values, layer.owner, layer.one_row_per_prompt()) \
+            + probs[..., lr + lp:] @ value.float()
+        if lr:
+            out = out + _grouped_out(probs[..., :lr].to(dt), layer.root_values, layer.owner)
     return out.reshape(s, heads, 1, d).transpose(1, 2).contiguous().to(query.dtype)
 
 
