@@ -12,7 +12,9 @@ Variants (each in a fresh process, the order rotated every round so drift and wa
   after       this checkout's envace_core, engine defaults (fused decode on where supported);
   unfused     this checkout with ``HFEngine(fused_decode=False)``: the transformers forward per decode step.
 Every variant gets the same token ids (speed.build_workload on the bundled tokenizer: a ~--prompt-tokens
-prompt sampled --group ways, --distinct different prompts one sample each, the first prompt once), decodes
+prompt sampled --group ways, --distinct different prompts one sample each, the first prompt once; and
+`root_case`: --distinct / 2 prompts made of that first prompt and a different ~--prompt-tokens / 4-token
+tail each, as a group's trajectories after their first turn), decodes
 exactly --max-new tokens per sample (ignore_eos, temperature 1, top-p 1, seed 1) after one warm-up call, in
 the compute dtype speed.py uses (``resolve_compute_dtype("auto", "cpu")``). Per case and variant, as speed.py
 (`speed.case_summary`): seconds (median of --repeats calls), prefill_s (median of --repeats calls with one new
@@ -60,6 +62,7 @@ def worker(src: str, spec_path: str) -> int:
     model_dir = resolve_model(spec["model"])
     tok = load_tokenizer(model_dir)
     w = build_workload(tok, argparse.Namespace(**spec["workload"]))
+    w["cases"].append(root_case(tok, spec["workload"]))
     dtype = resolve_compute_dtype("auto", "cpu")
     eng = HFEngine(load_model(model_dir), tok, compute_dtype=dtype,
                    max_batch_size=max(8, *(len(c["prompts"]) * c["n"] for c in w["cases"])), **spec["engine_kwargs"])
@@ -77,6 +80,18 @@ def worker(src: str, spec_path: str) -> int:
                       "cases": {k: {f: v[f] for f in ("seconds", "prefill_s", "decode_ms_per_step", "exact_length")}
                                 for k, v in cases.items()}}))
     return 0
+
+
+def root_case(tok, workload: dict) -> dict:
+    """A GRPO group's later turn: --distinct // 2 prompts that share their first ~--prompt-tokens tokens (one
+    engine_bench prompt) and end in different ~--prompt-tokens / 4-token tails, one sample each."""
+    from engine_bench import make_prompt
+    from speed import distinct_prompt
+
+    root = make_prompt(tok, workload["prompt_tokens"], 0)
+    tails = [distinct_prompt(tok, max(workload["prompt_tokens"] // 4, 8), v)[1:]
+             for v in range(max(workload["distinct"] // 2, 2))]
+    return {"name": f"root{len(tails)}", "prompts": [root + t for t in tails], "n": 1}
 
 
 def summarise(runs: dict[str, list[dict]]) -> dict:

@@ -29,7 +29,7 @@ def test_quick_run_writes_every_variant_and_removes_its_worktree(tiny_model_dir,
     out = tmp_path / "ab.json"
     assert _bench().main(["--before", "HEAD", "--quick", "--model", str(tiny_model_dir), "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
-    assert set(rep["summary"]) == {"g8", "distinct8", "g1"}
+    assert set(rep["summary"]) == {"g8", "distinct8", "g1", "root2"}  # --quick: 2 distinct prompts
     for row in rep["summary"].values():
         assert set(row) >= {"before", "after", "unfused", "after_over_before", "after_over_unfused"}
         assert all(row[v]["exact_length"] and row[v]["seconds"] > 0 for v in ("before", "after", "unfused"))
