@@ -53,9 +53,20 @@ def supports(model) -> bool:
     need = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
     attn_need = ("q_proj", "k_proj", "v_proj", "o_proj", "scaling", "head_dim")
     mlp_need = ("gate_proj", "up_proj", "down_proj", "act_fn")
-    return all(all(hasattr(layer, a) for a in need)
+    if not all(all(hasattr(layer, a) for a in need)
                and all(hasattr(layer.self_attn, a) for a in attn_need)
-               and all(hasattr(layer.mlp, a) for a in mlp_need) for layer in inner.layers)
+               and all(hasattr(layer.mlp, a) for a in mlp_need) for layer in inner.layers):
+        return False
+    # `step` replaces the forward of these modules: each must be transformers' own class (not a subclass
+    # with its own forward) and carry no hooks, which `step` would skip
+    bypassed = [inner] + [m for layer in inner.layers for m in (layer, layer.self_attn, layer.mlp)]
+    return all(_plain(m) for m in bypassed)
+
+
+def _plain(module) -> bool:
+    """Whether `module` is a transformers model class without forward hooks or pre-hooks."""
+    return type(module).__module__.startswith("transformers.models.") and not (
+        module._forward_hooks or module._forward_pre_hooks)
 
 
 def step(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
@@ -72,15 +83,24 @@ def step(model, input_ids: torch.Tensor, position_ids: torch.Tensor,
         (S, V) float32 logits.
 
     Raises:
-        ValueError: `input_ids` is not (S, 1) or the cache has another layer count than the model.
+        ValueError: a model without a Llama-family decoder (``model.model.layers``), `input_ids` not (S, 1)
+            with S >= 1, `position_ids` neither (S, 1) nor (1, 1), or a cache with another layer count than
+            the model or another row count than S (checked before the cache is touched).
     """
     lm = _causal_lm(model)
-    inner = lm.model
-    if input_ids.dim() != 2 or input_ids.shape[1] != 1:
-        raise ValueError(f"decode step takes (S, 1) input ids, got {tuple(input_ids.shape)}")
+    inner = getattr(lm, "model", None)
+    if not hasattr(inner, "layers"):
+        raise ValueError(f"{type(lm).__name__} has no Llama-family decoder (model.model.layers); "
+                         "check fused_decode.supports first")
+    if input_ids.dim() != 2 or input_ids.shape[1] != 1 or input_ids.shape[0] < 1:
+        raise ValueError(f"decode step takes (S, 1) input ids with S >= 1, got {tuple(input_ids.shape)}")
+    s = input_ids.shape[0]
+    if tuple(position_ids.shape) not in ((s, 1), (1, 1)):
+        raise ValueError(f"position ids must be ({s}, 1) or (1, 1), got {tuple(position_ids.shape)}")
     if len(cache.layers) != len(inner.layers):
         raise ValueError(f"cache has {len(cache.layers)} layers, the model {len(inner.layers)}")
-    s = input_ids.shape[0]
+    if cache.layers[0].owner.numel() != s:
+        raise ValueError(f"cache has {cache.layers[0].owner.numel()} decode rows, input ids {s}")
     x = inner.embed_tokens(input_ids)  # (S, 1, hidden)
     cos, sin = inner.rotary_emb(x, position_ids)  # (S, 1, D)
     half = cos.shape[-1] // 2

@@ -128,8 +128,10 @@ class HFEngine:
         shared_prefix_decode: True (default) decodes through `engines.shared_prefix`: each prompt's KV is
             kept once and attended once by all of its samples, and each sample appends only its own tokens
             (no per-step copy of the cache), in float32 on CPU unless packed weights are in use (then the
-            prompts' part in bf16; the samples' own tokens and the softmax in float32). Same tokens and log-probs as the plain path up to summation order
-            and rounding; used only for the model families `shared_prefix.supports` lists.
+            prompts' part in bf16; the samples' own tokens and the softmax in float32). Distinct prompts
+            that begin with the same >= 64 tokens read that root's KV once for all of them. Same tokens and
+            log-probs as the plain path up to summation order and rounding; used only for the model
+            families `shared_prefix.supports` lists.
         packed_weights: True (default) runs the ``nn.Linear`` layers on oneDNN-packed bf16 copies of their
             weights for bf16 compute on CPU where `packed_linear.available` (kept across calls, re-packed
             when a weight changes in place), instead of a bf16 copy per call; ignored elsewhere.
@@ -262,7 +264,7 @@ class HFEngine:
         check_prompt_seeds(params, len(prompts))
         cfg = getattr(self.model, "config", None)
         max_pos = getattr(cfg, "max_position_embeddings", None)
-        vocab = self.model.get_input_embeddings().num_embeddings
+        vocab = self.model.get_input_embeddings().weight.shape[0]  # a peft LoRA embedding has no num_embeddings
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token id")

@@ -12,9 +12,10 @@ it generated (a buffer grown in place, no concatenation). One decode step of one
 
 with the padding of the prompt masked out: exactly the attention over the row's full sequence, only the
 order of the sums differs. The prompts' part runs in the cache's dtype (float32, or bf16 where `HFEngine`
-packs bf16 weights: half the bytes read per step); the rows' own tokens and the softmax in float32. The G rows of one prompt attend
-to its prefix in one matmul that reads the prefix once (cascade attention, as in FlashInfer / vLLM's cascade
-kernels; here in plain torch).
+packs bf16 weights: half the bytes read per step); the rows' own tokens and the softmax in float32. The G
+rows of one prompt attend to its prefix in one matmul that reads the prefix once (cascade attention, as in
+FlashInfer / vLLM's cascade kernels; here in plain torch), and distinct prompts that begin with the same
+tokens (a root: `root_split`) read the root's KV once in the same way.
 
 Only models whose attention is plain scaled-dot-product softmax attention over every layer
 (`supports` lists the model types) use it; others keep transformers' own path.
@@ -207,7 +208,8 @@ class SharedPrefixCache(DynamicCache):
 
 def _grouped(q: torch.Tensor, keys: torch.Tensor, owner: torch.Tensor, diagonal: bool = False) -> torch.Tensor:
     """Scores of queries against their own prompt's prefix. q: (S, H_kv, g, D); keys: (P, H_kv, L, D);
-    diagonal: row i is prompt i's only row (owner = arange(S), P = S). Returns (S, H_kv, g, L), a transposed view. Rows sharing a prompt use one matmul that reads its keys once.
+    diagonal: row i is prompt i's only row (owner = arange(S), P = S). Returns (S, H_kv, g, L), a transposed
+    view. Rows sharing a prompt use one matmul that reads its keys once.
 
     Each product is computed as ``K q^T`` (L x rows), not ``q K^T``: the keys are read in their stored
     row-major order, which on a CPU is 1.3x (8 prompts) to 5x (one prompt, one row) faster for these
@@ -226,7 +228,8 @@ def _grouped(q: torch.Tensor, keys: torch.Tensor, owner: torch.Tensor, diagonal:
     return out
 
 
-def _grouped_out(probs: torch.Tensor, values: torch.Tensor, owner: torch.Tensor, diagonal: bool = False) -> torch.Tensor:
+def _grouped_out(probs: torch.Tensor, values: torch.Tensor, owner: torch.Tensor,
+                 diagonal: bool = False) -> torch.Tensor:
     """probs (S, H_kv, g, L) @ each row's prompt values (P, H_kv, L, D) -> (S, H_kv, g, D); `diagonal` as in
     `_grouped`."""
     s, h, g, _ = probs.shape
@@ -268,7 +271,7 @@ def attend(layer: SharedPrefixLayer, query: torch.Tensor, key: torch.Tensor, val
     g = heads // h_kv
     dt = layer.prefix_keys.dtype
     with torch.autocast(query.device.type, enabled=False):
-        q32 = query.float().reshape(s, h_kv, g, d)
+        q32 = query.float().contiguous().view(s, h_kv, g, d)  # one layout whatever the caller's: one rounding
         q = q32.to(dt)
         parts = []
         if layer.root_keys is not None:  # the common root: one product for every row
@@ -281,7 +284,8 @@ def attend(layer: SharedPrefixLayer, query: torch.Tensor, key: torch.Tensor, val
         if masked is not None:
             scores[..., lr:lr + lp].masked_fill_(masked, float("-inf"))
         probs = torch.softmax(scores.mul_(scale), dim=-1)
-        out = _grouped_out(probs[..., lr:lr + lp].to(dt), layer.prefix_values, layer.owner, layer.one_row_per_prompt()) \
+        diagonal = layer.one_row_per_prompt()
+        out = _grouped_out(probs[..., lr:lr + lp].to(dt), layer.prefix_values, layer.owner, diagonal) \
             + probs[..., lr + lp:] @ value.float()
         if lr:
             out = out + _grouped_out(probs[..., :lr].to(dt), layer.root_values, layer.owner)
