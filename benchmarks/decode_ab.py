@@ -16,9 +16,10 @@ prompt sampled --group ways, --distinct different prompts one sample each, the f
 `root_case`: --distinct / 2 prompts made of that first prompt and a different ~--prompt-tokens / 4-token
 tail each, as a group's trajectories after their first turn), decodes
 exactly --max-new tokens per sample (ignore_eos, temperature 1, top-p 1, seed 1) after one warm-up call, in
-the compute dtype speed.py uses (``resolve_compute_dtype("auto", "cpu")``). Per case and variant, as speed.py
-(`speed.case_summary`): seconds (median of --repeats calls), prefill_s (median of --repeats calls with one new
-token), decode_ms_per_step = (seconds - prefill_s) / (max_new - 1) * 1000.
+the compute dtype speed.py uses (``resolve_compute_dtype("auto", "cpu")``); with --lora R the model carries
+a random rank-R LoRA adapter on q/v (`with_lora`), as the trainer's policy does during rollouts. Per case
+and variant, as speed.py (`speed.case_summary`): seconds (median of --repeats calls), prefill_s (median of
+--repeats calls with one new token), decode_ms_per_step = (seconds - prefill_s) / (max_new - 1) * 1000.
 
 Reported per case: each variant's median over rounds, and the ratios after / before and after / unfused of
 decode ms per step and of seconds (< 1: faster). Writes --json (default benchmarks/results/decode_ab.json)
@@ -64,7 +65,10 @@ def worker(src: str, spec_path: str) -> int:
     w = build_workload(tok, argparse.Namespace(**spec["workload"]))
     w["cases"].append(root_case(tok, spec["workload"]))
     dtype = resolve_compute_dtype("auto", "cpu")
-    eng = HFEngine(load_model(model_dir), tok, compute_dtype=dtype,
+    model = load_model(model_dir)
+    if spec.get("lora"):
+        model = with_lora(model, spec["lora"])
+    eng = HFEngine(model, tok, compute_dtype=dtype,
                    max_batch_size=max(8, *(len(c["prompts"]) * c["n"] for c in w["cases"])), **spec["engine_kwargs"])
 
     def gen(prompts, n, max_new):
@@ -80,6 +84,17 @@ def worker(src: str, spec_path: str) -> int:
                       "cases": {k: {f: v[f] for f in ("seconds", "prefill_s", "decode_ms_per_step", "exact_length")}
                                 for k, v in cases.items()}}))
     return 0
+
+
+def with_lora(model, r: int):
+    """`model` as the trainer's policy: a peft LoRA adapter of rank `r` on q_proj and v_proj (alpha 2r),
+    both factors drawn at random (seed 0) so that the adapter changes the output, in eval mode."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(0)
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules=["q_proj", "v_proj"],
+                                            init_lora_weights=False)).eval()
 
 
 def root_case(tok, workload: dict) -> dict:
@@ -138,6 +153,8 @@ def main(argv=None) -> int:
     ap.add_argument("--distinct", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--lora", type=int, default=0, metavar="R",
+                    help="decode a policy as the trainer does: a LoRA adapter of rank R on q/v (0: the base model)")
     ap.add_argument("--worktree", default=None, help="where the before worktree goes (default: a temp dir)")
     ap.add_argument("--json", default=None, help=f"default {os.path.relpath(DEFAULT_JSON, ROOT)}")
     ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run: " + json.dumps(QUICK))
@@ -148,6 +165,8 @@ def main(argv=None) -> int:
     if args.quick:
         for k, v in QUICK.items():
             setattr(args, k, v)
+    if args.lora < 0:
+        ap.error("--lora must be >= 0")
     for name in ("prompt_tokens", "max_new", "group", "distinct", "repeats", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -177,8 +196,8 @@ def main(argv=None) -> int:
         for rnd in range(args.rounds):
             for variant in order[rnd % len(order):] + order[:rnd % len(order)]:
                 spec = os.path.join(tmp, f"{variant}.json")
-                json.dump({"model": args.model, "workload": workload, "engine_kwargs": variants[variant]},
-                          open(spec, "w"))
+                json.dump({"model": args.model, "workload": workload, "engine_kwargs": variants[variant],
+                           "lora": args.lora}, open(spec, "w"))
                 src = trees.get(variant, ROOT)
                 t0 = time.perf_counter()
                 proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", src, spec],
@@ -193,7 +212,7 @@ def main(argv=None) -> int:
         summary = summarise(runs)
         report = {"summary": summary, "runs": runs,
                   "details": {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-                              "before": args.before, "workload": workload, "model": args.model,
+                              "before": args.before, "workload": workload, "model": args.model, "lora": args.lora,
                               "load_average_start": load_start, "load_average_end": os.getloadavg(),
                               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                               "cpu_bf16_flags": sorted(f for f in ("avx512_bf16", "amx_bf16")

@@ -27,14 +27,15 @@ def _worktrees() -> str:
 def test_quick_run_writes_every_variant_and_removes_its_worktree(tiny_model_dir, tmp_path):
     before = _worktrees()
     out = tmp_path / "ab.json"
-    assert _bench().main(["--before", "HEAD", "--quick", "--model", str(tiny_model_dir), "--json", str(out)]) == 0
+    assert _bench().main(["--before", "HEAD", "--quick", "--lora", "4", "--model", str(tiny_model_dir),
+                          "--json", str(out)]) == 0
     rep = json.loads(out.read_text())
     assert set(rep["summary"]) == {"g8", "distinct8", "g1", "root2"}  # --quick: 2 distinct prompts
     for row in rep["summary"].values():
         assert set(row) >= {"before", "after", "unfused", "after_over_before", "after_over_unfused"}
         assert all(row[v]["exact_length"] and row[v]["seconds"] > 0 for v in ("before", "after", "unfused"))
         assert row["after_over_before"]["seconds"] == pytest.approx(row["after"]["seconds"] / row["before"]["seconds"])
-    assert rep["details"]["before"] == "HEAD" and len(rep["runs"]["after"]) == 1
+    assert rep["details"]["before"] == "HEAD" and rep["details"]["lora"] == 4 and len(rep["runs"]["after"]) == 1
     assert _worktrees() == before
 
 
@@ -44,4 +45,6 @@ def test_bad_arguments_stop_before_any_work(tmp_path, capsys):
     assert "not a git revision" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         _bench().main(["--max-new", "1"])
+    with pytest.raises(SystemExit):
+        _bench().main(["--lora", "-1"])
     assert not (tmp_path / "x.json").exists()
