@@ -146,3 +146,58 @@ def test_engine_generates_with_the_merged_adapter():
             logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), -1)
         want = logp[torch.arange(len(p) - 1, ids.shape[1] - 1), ids[0, len(p):]]
         torch.testing.assert_close(torch.tensor(c.logprobs), want, atol=0.1, rtol=0)
+
+
+def test_factor_writes_without_a_version_bump_are_seen():
+    """A fused optimizer step or a ``.data`` write changes A or B without bumping their versions: the merged
+    copy is checked against the factors' values, so the next install merges again."""
+    model = _policy()
+    cache = packed_linear.PackedLinears()
+    with torch.inference_mode(), _bf16(), cache.installed(model):
+        first = model(input_ids=IDS).logits.float()
+    for m in _lora_layers(model):
+        w = m.lora_B["default"].weight
+        version = w._version
+        w.data.mul_(-3.0)
+        assert w._version == version  # no bump
+    with torch.inference_mode(), _bf16(), cache.installed(model):
+        after = model(input_ids=IDS).logits.float()
+    assert cache.stats["merged"] == 8
+    torch.testing.assert_close(after, _reference(model), atol=0.05, rtol=0.05)
+    assert not torch.allclose(after, first, atol=0.05)
+
+
+@pytest.mark.parametrize("where", ["base_layer", "lora_A", "lora_B"])
+def test_hooks_inside_a_lora_layer_keep_its_peft_forward(where):
+    model = _policy()
+    layer = _lora_layers(model)[0]
+    sub = layer.base_layer if where == "base_layer" else getattr(layer, where)["default"]
+    sub.register_forward_hook(lambda mod, args, out: out * 0.0)
+    cache = packed_linear.PackedLinears()
+    with torch.inference_mode(), _bf16(), cache.installed(model):
+        assert "forward" not in layer.__dict__ and cache.stats["merged"] == 3
+        got = model(input_ids=IDS).logits.float()
+    torch.testing.assert_close(got, _reference(model), atol=0.05, rtol=0.05)  # the hook ran
+
+
+def test_unused_copies_are_not_made_and_deleted_adapters_are_dropped():
+    model = _policy(adapters=("act", "rehearse"))
+    layers = _lora_layers(model)
+    cache = packed_linear.PackedLinears()
+    for name in ("act", "rehearse"):
+        model.set_adapter(name)
+        with torch.inference_mode(), _bf16(), cache.installed(model):
+            model(input_ids=IDS)
+    n_plain = sum(type(m) is torch.nn.Linear for m in model.modules()) \
+        - sum(1 + len(m.lora_A) + len(m.lora_B) for m in layers)  # neither bases nor factors of merged layers
+    assert cache.stats["merged"] == 8 and cache.stats["packed"] == 8 + n_plain
+    with torch.inference_mode(), _bf16(), cache.installed(model):
+        model(input_ids=IDS)
+    assert cache.stats["packed"] == 8 + n_plain  # nothing re-packed on a repeat call
+    before = cache.stats["bytes"]
+    model.set_adapter("act")
+    model.delete_adapter("rehearse")
+    with torch.inference_mode(), _bf16(), cache.installed(model):
+        model(input_ids=IDS)
+    assert cache.stats["bytes"] < before and not any(isinstance(k, tuple) and k[1] == "rehearse"
+                                                      for k in cache._entries)

@@ -12,20 +12,23 @@ weights").
 base layer, its adapters, the LM head) for one on a packed bf16 copy and restores them on exit. Inputs are
 cast to bf16, outputs are bf16, as under ``torch.autocast``. With ``frozen_only`` (the trainer's forward and
 backward: `frozen_packed`) only frozen layers are swapped, and their backward gives the input its gradient
-on a packed transpose. Packed copies are cached per module and
-rebuilt only when the weight or bias changed (a new tensor, new storage, or a bumped ``_version``: every
-in-place update, e.g. an optimizer step, bumps it); peft's LoRA adapter layers (``lora_A`` / ``lora_B``:
-small) are re-packed at every install, so a LoRA policy keeps only its frozen base packed across calls. A write through
-``.data`` bumps no version (peft's ``merge_adapter`` / ``unmerge_adapter`` write the base weights that way):
-call `PackedLinears.clear` (``HFEngine.reset_prefix_cache``) after one. One cache serves every engine on
-the same model (`cache_for`).
+on a packed transpose. Packed copies are cached per module and rebuilt only when the weight or bias
+changed (a new tensor, new storage, or a bumped ``_version``: every in-place update, e.g. an optimizer step,
+bumps it); peft's LoRA adapter layers (``lora_A`` / ``lora_B``: small) are re-packed at every install where
+they run on their own. A write through ``.data`` (or a fused optimizer step) bumps no version (peft's
+``merge_adapter`` / ``unmerge_adapter`` write the base weights that way): call `PackedLinears.clear`
+(``HFEngine.reset_prefix_cache``) after such a write to a frozen weight. One cache serves every engine on the
+same model (`cache_for`).
 
 For inference, a peft LoRA layer (``lora.Linear``: one active vanilla adapter, not merged, no dropout in
 effect, no hooks) runs as one product on a packed copy of its merged weight ``W + scaling · B A`` (the
 merge peft's ``merge_adapter`` computes, Hu et al. 2021 §4.1) instead of the base product plus the two
 adapter products and peft's Python: at one token per row those cost about as much as the base product.
-The merged copy is rebuilt when the base, A or B weight changes (an optimizer step bumps A's and B's
-versions), so a policy updated once per iteration is merged once per iteration.
+The merged copy is rebuilt when the base weight changes (its key, as above) or A or B differ in value from
+those it was merged from (compared at every install: they are small, and a fused optimizer step changes them
+without a version bump), so a policy updated once per iteration is merged once per iteration. It is rounded
+to bf16 once as a whole: log-probs differ from the trainer's forward (bf16 base product plus the adapter's)
+by rounding (0.002-0.004 nats per token on tiny test models).
 """
 
 from __future__ import annotations
@@ -74,11 +77,12 @@ def _key(t: torch.Tensor | None):
 
 
 class _Entry:
-    __slots__ = ("_packed_t", "bias", "bkey", "hint", "module", "packed", "wkey")
+    __slots__ = ("_packed_t", "bias", "bkey", "factors", "hint", "module", "packed", "wkey")
 
-    def __init__(self, module, wkey, bkey, packed, bias, hint):
+    def __init__(self, module, wkey, bkey, packed, bias, hint, factors=None):
         self.module, self.wkey, self.bkey, self.packed, self.bias = weakref.ref(module), wkey, bkey, packed, bias
         self._packed_t, self.hint = None, hint
+        self.factors = factors  # a merged LoRA copy: the (A, B) values it was merged from
 
     def packed_t(self) -> torch.Tensor:
         """The packed transpose (in_features x out_features rows), made on first use: dx = dy W."""
@@ -146,25 +150,31 @@ class PackedLinears:
 
     def _merged_entry(self, mod, adapter: str) -> _Entry:
         """The packed copy of LoRA layer `mod`'s merged weight for `adapter` (cached like `_entry`)."""
-        base, a, b = mod.base_layer, mod.lora_A[adapter].weight, mod.lora_B[adapter].weight
+        base = mod.base_layer
+        a, b = mod.lora_A[adapter].weight.detach(), mod.lora_B[adapter].weight.detach()
         scaling = float(mod.scaling[adapter])
-        wkey = (_key(base.weight), _key(a), _key(b), scaling, adapter)
+        wkey = (_key(base.weight), scaling)
         bkey = _key(base.bias)
         slot = (id(mod), adapter)  # one copy per adapter: a per-role policy switches adapters every call
         e = self._entries.get(slot)
-        if e is not None and e.module() is mod and e.wkey == wkey and e.bkey == bkey:
+        # the factors are compared by value (small): a fused optimizer step or a `.data` write changes them
+        # without bumping their version counters
+        if e is not None and e.module() is mod and e.wkey == wkey and e.bkey == bkey \
+                and torch.equal(e.factors[0], a) and torch.equal(e.factors[1], b):
             self.stats["reused"] += 1
             return e
-        w = (base.weight.detach() + scaling * (b.detach() @ a.detach())).to(self.dtype)
+        w = (base.weight.detach() + scaling * (b @ a)).to(self.dtype)
         packed = torch.ops.mkldnn._reorder_linear_weight(w, self.batch_hint)
         bias = None if base.bias is None else base.bias.detach().to(self.dtype)
-        e = self._entries[slot] = _Entry(mod, wkey, bkey, packed, bias, self.batch_hint)
+        e = self._entries[slot] = _Entry(mod, wkey, bkey, packed, bias, self.batch_hint, (a.clone(), b.clone()))
         self.stats["packed"] += 1
         self.stats["merged"] += 1
         return e
 
     def _prune(self) -> None:
-        for k in [k for k, e in self._entries.items() if e.module() is None]:
+        """Drop copies of modules that are gone, and merged copies of adapters the layer no longer has."""
+        for k in [k for k, e in self._entries.items()
+                  if e.module() is None or (isinstance(k, tuple) and k[1] not in e.module().lora_A)]:
             del self._entries[k]
 
     @contextmanager
@@ -192,13 +202,15 @@ class PackedLinears:
             with torch.no_grad():
                 merged = {} if frozen_only else {id(m): (m, a) for m in model.modules()
                                                  if (a := _mergeable_lora(m)) is not None}
-                inside = {id(c) for m, a in merged.values() for c in (m.lora_A[a], m.lora_B[a])}
+                # a merged layer's base and factors (of every adapter) are not called: not packed here
+                inside = {id(c) for m, _ in merged.values()
+                          for c in (m.base_layer, *m.lora_A.values(), *m.lora_B.values())}
                 for mod, adapter in merged.values():
                     e = self._merged_entry(mod, adapter)
                     swapped.append((mod, mod.__dict__.get("forward")))
                     mod.forward = _packed_forward(e.packed, e.bias, dtype, memo)
                 for name, mod in model.named_modules():
-                    if id(mod) in inside:  # a merged layer's adapter: not called
+                    if id(mod) in inside:
                         continue
                     if type(mod) is not torch.nn.Linear or mod.weight.dtype != torch.float32 \
                             or mod.weight.device.type != "cpu" or mod.weight.numel() == 0 \
@@ -229,8 +241,7 @@ def _mergeable_lora(mod) -> str | None:
     if not (hasattr(mod, "base_layer") and hasattr(mod, "lora_A") and hasattr(mod, "lora_B")
             and type(mod).__module__.startswith("peft.tuners.lora") and type(mod).__name__ == "Linear"):
         return None
-    if getattr(mod, "disable_adapters", True) or getattr(mod, "merged", True) or getattr(mod, "fan_in_fan_out", True) \
-            or mod._forward_hooks or mod._forward_pre_hooks:
+    if getattr(mod, "disable_adapters", True) or getattr(mod, "merged", True) or getattr(mod, "fan_in_fan_out", True):
         return None
     active = [a for a in mod.active_adapters if a in mod.lora_A]
     if len(active) != 1:
@@ -241,6 +252,8 @@ def _mergeable_lora(mod) -> str | None:
     base, la, lb, drop = mod.base_layer, mod.lora_A[a], mod.lora_B[a], mod.lora_dropout[a]
     if any(type(m) is not torch.nn.Linear or m.weight.dtype != torch.float32 or m.weight.device.type != "cpu"
            for m in (base, la, lb)) or la.bias is not None or lb.bias is not None:
+        return None
+    if any(m._forward_hooks or m._forward_pre_hooks for m in (mod, base, la, lb, drop)):  # the merge skips them
         return None
     if drop.training and not isinstance(drop, torch.nn.Identity) and getattr(drop, "p", 0.0) > 0:
         return None
