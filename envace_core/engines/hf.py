@@ -134,7 +134,8 @@ class HFEngine:
             families `shared_prefix.supports` lists.
         packed_weights: True (default) runs the ``nn.Linear`` layers on oneDNN-packed bf16 copies of their
             weights for bf16 compute on CPU where `packed_linear.available` (kept across calls, re-packed
-            when a weight changes in place), instead of a bf16 copy per call; ignored elsewhere.
+            when a weight changes in place), instead of a bf16 copy per call, and each peft LoRA layer on a
+            packed copy of its merged weight (re-merged when the adapter changes); ignored elsewhere.
         fused_decode: True (default) runs each shared-prefix decode step through `engines.fused_decode.step`
             (the model's own modules in one loop over the layers: the same logits as the transformers forward
             with less Python per token) for the families `fused_decode.supports` lists, when no per-call
