@@ -163,7 +163,11 @@ class RootSplit(NamedTuple):
 
 def root_split(prefix_mask: torch.Tensor, root: int) -> RootSplit | None:
     """The `RootSplit` of prompts (their (P, W) bool mask) whose first `root` tokens are the same, or None
-    when no row holds its root in consecutive columns (padding inside it) or `root` < 1."""
+    when no row holds its root in consecutive columns (padding inside it) or `root` < 1.
+
+    Raises:
+        ValueError: a row of the mask has fewer than `root` tokens.
+    """
     if root < 1:
         return None
     mask = prefix_mask.bool()
