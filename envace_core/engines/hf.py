@@ -25,6 +25,7 @@ from envace_core.engines import fused_decode, packed_linear, shared_prefix
 from envace_core.engines.base import Completion, SamplingParams, check_prompt_seeds, resolve_compute_dtype, role_adapter
 from envace_core.engines.prefix_cache import (
     PrefixPool,
+    common_prefix,
     padded_past,
     weights_fingerprint,
 )
@@ -75,16 +76,6 @@ def _full_attention(cache) -> bool:
 # for all of them (`shared_prefix.SharedPrefixCache(root=...)`): below it the extra products cost more
 # than the reads they save.
 _MIN_SHARED_ROOT = 64
-
-
-def _common_prefix_len(prompts: list[list[int]]) -> int:
-    """Length of the longest token prefix common to every prompt."""
-    first, n = prompts[0], min(len(p) for p in prompts)
-    for i in range(n):
-        t = first[i]
-        if any(p[i] != t for p in prompts):
-            return i
-    return n
 
 
 def _row_seed(base: int, prompt_idx: int, sample_idx: int) -> int:
@@ -389,7 +380,7 @@ class HFEngine:
 
         shared = self._shared_prefix and shared_prefix.supports(self.model) and shared_prefix.register() \
             and _full_attention(cache)
-        root = _common_prefix_len([prompts[i] for i in group]) if shared and len(group) > 1 else 0
+        root = common_prefix([prompts[i] for i in group]) if shared and len(group) > 1 else 0
         root = root if root >= _MIN_SHARED_ROOT else 0
         for c, rows in enumerate(chunks):
             sel = torch.tensor([r // n for r in rows], device=device)  # prefill row of each decode row

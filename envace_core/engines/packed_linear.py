@@ -141,10 +141,13 @@ class PackedLinears:
         if e is not None and not always and e.module() is mod and e.wkey == wkey and e.bkey == bkey:
             self.stats["reused"] += 1
             return e
-        w = mod.weight.detach().to(self.dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, self.batch_hint)
-        bias = None if mod.bias is None else mod.bias.detach().to(self.dtype)
-        e = self._entries[id(mod)] = _Entry(mod, wkey, bkey, packed, bias, self.batch_hint)
+        return self._pack(id(mod), mod, wkey, bkey, mod.weight.detach(), mod.bias)
+
+    def _pack(self, slot, mod, wkey, bkey, weight: torch.Tensor, bias, factors=None) -> _Entry:
+        """Pack `weight` (and cast `bias`) in `self.dtype` into a new entry for `mod` under `slot`."""
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(self.dtype), self.batch_hint)
+        bias = None if bias is None else bias.detach().to(self.dtype)
+        e = self._entries[slot] = _Entry(mod, wkey, bkey, packed, bias, self.batch_hint, factors)
         self.stats["packed"] += 1
         return e
 
@@ -163,13 +166,9 @@ class PackedLinears:
                 and torch.equal(e.factors[0], a) and torch.equal(e.factors[1], b):
             self.stats["reused"] += 1
             return e
-        w = (base.weight.detach() + scaling * (b @ a)).to(self.dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(w, self.batch_hint)
-        bias = None if base.bias is None else base.bias.detach().to(self.dtype)
-        e = self._entries[slot] = _Entry(mod, wkey, bkey, packed, bias, self.batch_hint, (a.clone(), b.clone()))
-        self.stats["packed"] += 1
         self.stats["merged"] += 1
-        return e
+        return self._pack(slot, mod, wkey, bkey, base.weight.detach() + scaling * (b @ a), base.bias,
+                          (a.clone(), b.clone()))
 
     def _prune(self) -> None:
         """Drop copies of modules that are gone, and merged copies of adapters the layer no longer has."""

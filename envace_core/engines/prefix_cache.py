@@ -17,6 +17,7 @@ after an optimizer step. Weight changes that bypass in-place ops (``param.data =
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +36,17 @@ def weights_fingerprint(model, dtype: torch.dtype) -> tuple:
     the active adapter(s) and the compute dtype."""
     version = sum(p._version for p in model.parameters())
     return version, str(getattr(model, "active_adapter", None)), str(dtype)
+
+
+def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
+    """Length of the longest common prefix of the token sequences `seqs` (0 for none)."""
+    if not seqs:
+        return 0
+    n = min(len(s) for s in seqs)
+    first = seqs[0]
+    for s in seqs[1:]:
+        n = next((k for k in range(n) if s[k] != first[k]), n)
+    return n
 
 
 def _lcp(a: torch.Tensor, b: torch.Tensor) -> int:

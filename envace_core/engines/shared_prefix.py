@@ -280,7 +280,8 @@ def attend(layer: SharedPrefixLayer, query: torch.Tensor, key: torch.Tensor, val
         parts = []
         if layer.root_keys is not None:  # the common root: one product for every row
             parts.append(_grouped(q, layer.root_keys, layer.owner))
-        sp = _grouped(q, layer.prefix_keys, layer.owner, layer.one_row_per_prompt())  # (S, H_kv, g, L_p)
+        diagonal = layer.one_row_per_prompt()
+        sp = _grouped(q, layer.prefix_keys, layer.owner, diagonal)  # (S, H_kv, g, L_p)
         so = q32 @ key.float().transpose(-1, -2)  # (S, H_kv, g, T)
         scores = torch.cat(parts + [sp, so], -1)  # float32, contiguous
         lr, lp = (parts[0].shape[-1] if parts else 0), sp.shape[-1]
@@ -288,7 +289,6 @@ def attend(layer: SharedPrefixLayer, query: torch.Tensor, key: torch.Tensor, val
         if masked is not None:
             scores[..., lr:lr + lp].masked_fill_(masked, float("-inf"))
         probs = torch.softmax(scores.mul_(scale), dim=-1)
-        diagonal = layer.one_row_per_prompt()
         out = _grouped_out(probs[..., lr:lr + lp].to(dt), layer.prefix_values, layer.owner, diagonal) \
             + probs[..., lr + lp:] @ value.float()
         if lr:

@@ -24,16 +24,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache
 
-
-def common_prefix(seqs: Sequence[Sequence[int]]) -> int:
-    """Length of the longest common prefix of `seqs` (0 for none)."""
-    if not seqs:
-        return 0
-    n = min(len(s) for s in seqs)
-    first = seqs[0]
-    for s in seqs[1:]:
-        n = next((k for k in range(n) if s[k] != first[k]), n)
-    return n
+from envace_core.engines.prefix_cache import common_prefix
 
 
 def _row_ce(backbone, head, cache_kw: str, ids: list[int], n_compl: int, cache, device) -> torch.Tensor:
