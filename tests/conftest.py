@@ -120,3 +120,23 @@ def eval_loads_no_model(monkeypatch):
         raise AssertionError("a model was loaded before the bad option was reported")
 
     monkeypatch.setattr(harness, "load_engine", refuse)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch at one thread for a module (use with ``pytest.mark.usefixtures``): tiny models' ops are too small
+    to gain from threads, and one thread avoids stalls on a busy machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def ids_tokenizer():
+    """The tokenizer HFEngine needs for token-id prompts on random-vocabulary models: eos = pad = 0."""
+    import types
+
+    return types.SimpleNamespace(eos_token_id=0, pad_token_id=0)

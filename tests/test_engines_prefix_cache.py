@@ -11,13 +11,8 @@ from envace_core.engines.hf import HFEngine
 from envace_core.engines.prefix_cache import PrefixPool
 from envace_core.models import load_model, load_tokenizer
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -6,11 +6,20 @@ import inspect
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+from transformers import (
+    AutoModelForCausalLM,
+    GPT2Config,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+)
 
 from envace_core.engines import fused_decode, packed_linear, shared_prefix
 from envace_core.engines.base import SamplingParams
 from envace_core.engines.hf import HFEngine
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 SIZES = dict(vocab_size=97, hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
              num_key_value_heads=2, max_position_embeddings=256)
@@ -22,17 +31,6 @@ FAMILIES = {
 }
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-class _Tok:
-    eos_token_id = 0
-    pad_token_id = 0
 
 
 def _model(family: str, lora: bool = False, head_dim: int = 8):
@@ -96,13 +94,13 @@ def test_step_equals_the_transformers_forward_exactly(family, lora, head_dim, ow
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("family", ["llama", "qwen3"])
-def test_engine_generates_the_same_with_and_without_the_fused_step(family, dtype):
+def test_engine_generates_the_same_with_and_without_the_fused_step(family, dtype, ids_tokenizer):
     if dtype == "bfloat16" and not packed_linear.available(torch.bfloat16, "cpu"):
         pytest.skip("no oneDNN bf16 on this CPU: the fused step runs only without per-call weight copies")
     model = _model(family, lora=True)
     out = {}
     for fused in (False, True):
-        eng = HFEngine(model, _Tok(), compute_dtype=dtype, max_batch_size=4, fused_decode=fused)
+        eng = HFEngine(model, ids_tokenizer, compute_dtype=dtype, max_batch_size=4, fused_decode=fused)
         out[fused] = [eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)),
                       eng.generate(PROMPTS[:2], SamplingParams(max_new_tokens=6, n=3, seed=3, ignore_eos=True))]
     for plain, fused in zip(out[False], out[True]):
@@ -112,7 +110,7 @@ def test_engine_generates_the_same_with_and_without_the_fused_step(family, dtype
                 assert a.logprobs == b.logprobs  # the same ops on the same values: bit for bit
 
 
-def test_hooks_and_foreign_layer_classes_keep_the_transformers_forward():
+def test_hooks_and_foreign_layer_classes_keep_the_transformers_forward(ids_tokenizer):
     """`step` bypasses the decoder's modules' forward: a hook there (steering, probes) or a subclass with its
     own forward would be skipped, so such a model is refused and decodes through transformers."""
     model = _model("llama")
@@ -132,7 +130,7 @@ def test_hooks_and_foreign_layer_classes_keep_the_transformers_forward():
         layer.__class__ = type(layer).__mro__[1]
     # a steering hook changes the engine's output the same way with and without the fused step
     model.model.layers[0].register_forward_hook(lambda mod, args, out: out * 3.0)
-    outs = [HFEngine(model, _Tok(), compute_dtype="float32", fused_decode=f).generate(
+    outs = [HFEngine(model, ids_tokenizer, compute_dtype="float32", fused_decode=f).generate(
         PROMPTS, SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True)) for f in (False, True)]
     assert [[c.token_ids for c in r] for r in outs[0]] == [[c.token_ids for c in r] for r in outs[1]]
 
@@ -163,14 +161,15 @@ def test_unsupported_models_and_bad_input():
         fused_decode.step(model, torch.tensor([[1]]), torch.tensor([[7]]), cache)
 
 
-def test_lora_on_the_embedding_generates():
+def test_lora_on_the_embedding_generates(ids_tokenizer):
     """peft's LoRA embedding has no ``num_embeddings``; the engine's token-id check reads the weight's rows."""
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(_model("llama"), LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"],
                                                        init_lora_weights=False)).eval()
-    out = HFEngine(model, _Tok(), compute_dtype="float32").generate(
+    out = HFEngine(model, ids_tokenizer, compute_dtype="float32").generate(
         PROMPTS, SamplingParams(max_new_tokens=3, temperature=0, ignore_eos=True))
     assert [len(r[0].token_ids) for r in out] == [3, 3, 3]
     with pytest.raises(ValueError, match="token id"):
-        HFEngine(model, _Tok(), compute_dtype="float32").generate([[5, 97]], SamplingParams(max_new_tokens=1))
+        HFEngine(model, ids_tokenizer, compute_dtype="float32").generate([[5, 97]],
+                                                                         SamplingParams(max_new_tokens=1))

@@ -11,21 +11,11 @@ from envace_core.engines import packed_linear
 from envace_core.engines.base import SamplingParams
 from envace_core.engines.hf import HFEngine
 
-pytestmark = pytest.mark.skipif(not packed_linear.available(torch.bfloat16, "cpu"),
-                                reason="this torch build or CPU has no oneDNN bf16 inner product")
+pytestmark = [pytest.mark.skipif(not packed_linear.available(torch.bfloat16, "cpu"),
+                                 reason="this torch build or CPU has no oneDNN bf16 inner product"),
+              pytest.mark.usefixtures("one_torch_thread")]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-class _Tok:
-    eos_token_id = 0
-    pad_token_id = 0
 
 
 def _policy(dropout: float = 0.0, adapters=("default",)):
@@ -134,11 +124,11 @@ def test_only_the_active_adapter_is_merged_and_a_switch_remerges():
     assert cache.stats["merged"] == 8  # each adapter merged once: switching back reuses act's copies
 
 
-def test_engine_generates_with_the_merged_adapter():
+def test_engine_generates_with_the_merged_adapter(ids_tokenizer):
     model = _policy()
     prompts = [[5, 17, 33, 2, 41], [7, 3, 9]]
     sp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True)
-    packed = HFEngine(model, _Tok(), compute_dtype="bfloat16").generate(prompts, sp)
+    packed = HFEngine(model, ids_tokenizer, compute_dtype="bfloat16").generate(prompts, sp)
     assert packed_linear.cache_for(model).stats["merged"] == 4
     for p, [c] in zip(prompts, packed):  # the recorded log-probs are the float32 peft model's, up to bf16
         ids = torch.tensor([p + c.token_ids])

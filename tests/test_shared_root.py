@@ -11,19 +11,11 @@ from envace_core.engines import hf as hf_engine
 from envace_core.engines import shared_prefix
 from envace_core.engines.base import SamplingParams
 from envace_core.engines.hf import HFEngine
+from envace_core.engines.prefix_cache import common_prefix
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-class _Tok:
-    eos_token_id = 0
-    pad_token_id = 0
 
 
 @pytest.fixture(scope="module")
@@ -62,9 +54,9 @@ def test_root_split_positions():
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_distinct_prompts_with_a_root_decode_as_without(model, dtype, monkeypatch):
+def test_distinct_prompts_with_a_root_decode_as_without(model, dtype, monkeypatch, ids_tokenizer):
     prompts = _prompts(80, [5, 17, 1, 9])  # 80 common tokens, then different tails (one of 1 token)
-    assert hf_engine._common_prefix_len(prompts) == 80
+    assert common_prefix(prompts) == 80
     seen = []
     orig = shared_prefix.SharedPrefixLayer.__init__
 
@@ -75,11 +67,11 @@ def test_distinct_prompts_with_a_root_decode_as_without(model, dtype, monkeypatc
     monkeypatch.setattr(shared_prefix.SharedPrefixLayer, "__init__", spy)
     sp = SamplingParams(max_new_tokens=7, temperature=0, ignore_eos=True)
     sampled = SamplingParams(max_new_tokens=7, n=2, seed=5, ignore_eos=True)
-    with_root = [HFEngine(model, _Tok(), compute_dtype=dtype).generate(prompts, p) for p in (sp, sampled)]
+    with_root = [HFEngine(model, ids_tokenizer, compute_dtype=dtype).generate(prompts, p) for p in (sp, sampled)]
     assert seen and all(seen)
     seen.clear()
     monkeypatch.setattr(hf_engine, "_MIN_SHARED_ROOT", 10**9)
-    without = [HFEngine(model, _Tok(), compute_dtype=dtype).generate(prompts, p) for p in (sp, sampled)]
+    without = [HFEngine(model, ids_tokenizer, compute_dtype=dtype).generate(prompts, p) for p in (sp, sampled)]
     assert seen and not any(seen)
     tol = 1e-5 if dtype == "float32" else 2e-2
     for a_out, b_out in zip(with_root, without):
@@ -89,24 +81,18 @@ def test_distinct_prompts_with_a_root_decode_as_without(model, dtype, monkeypatc
                 torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=tol, rtol=0)
 
 
-def test_next_turn_from_the_prefix_pool_with_a_root(model):
+def test_next_turn_from_the_prefix_pool_with_a_root(model, ids_tokenizer):
     """Second turns of trajectories that share a root: the pooled entries (root + tail + own tokens) are
     reused, padded to each other, and the root split still gives what re-encoding gives."""
     prompts = _prompts(70, [3, 11, 6], seed=2)
-    eng = HFEngine(model, _Tok(), compute_dtype="float32", prefix_cache_tokens=4096)
+    eng = HFEngine(model, ids_tokenizer, compute_dtype="float32", prefix_cache_tokens=4096)
     first = eng.generate(prompts, SamplingParams(max_new_tokens=5, temperature=0, ignore_eos=True))
     nxt = [p + row[0].token_ids + [7, 8, 9][:i + 1] for i, (p, row) in enumerate(zip(prompts, first))]
     before = eng.stats["cached_tokens"]
     again = eng.generate(nxt, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
     assert eng.stats["cached_tokens"] > before  # the pool served the shared history
-    fresh = HFEngine(model, _Tok(), compute_dtype="float32").generate(
+    fresh = HFEngine(model, ids_tokenizer, compute_dtype="float32").generate(
         nxt, SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True))
     for a, b in zip(again, fresh):
         assert a[0].token_ids == b[0].token_ids
         torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-4, rtol=0)
-
-
-def test_common_prefix_len():
-    assert hf_engine._common_prefix_len([[1, 2, 3], [1, 2, 4], [1, 2]]) == 2
-    assert hf_engine._common_prefix_len([[5], [6]]) == 0
-    assert hf_engine._common_prefix_len([[1, 2], [1, 2]]) == 2
