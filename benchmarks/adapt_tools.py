@@ -1,4 +1,4 @@
-"""Tool learning demonstration (issue 8): hold a tau2 retail tool out of training, add it back by rehearsal.
+"""Tool learning demonstration: hold a tau2 retail tool out of training, add it back by rehearsal.
 
     .venv/bin/python benchmarks/adapt_tools.py [--tasks 16] [--iterations 3] [--seeds 0,1] [--trials 1]
         [--parent-iterations 2] [--parent-sft-steps 0] [--synthetic 12] [--model REF] [--out DIR] [--no-append]

@@ -1,4 +1,4 @@
-"""Rollout and training speed of envace on this machine, as ratios from one run (issue 7 items 4 and 5).
+"""Rollout and training speed of envace on this machine, as ratios from one run.
 
     .venv/bin/python benchmarks/engine_bench.py [--model bundled:smollm2-135m-instruct] [--sections all]
         [--prompt-tokens 1500] [--max-new 64] [--groups 1,4,8] [--turns 4] [--trajectories 4]
@@ -21,7 +21,7 @@ Sections (comma-separated, or "all"):
              for attention, Kaplan et al. 2020 §2.1; training = forward + backward of activations only
              = 2x forward, LoRA leaves base weights without gradients) over this CPU's measured matmul
              rate (fp32 and bf16), and our step time over that floor. Needs the trl section's timings.
-  rss        (item 5) a fresh subprocess loads the model and runs one PolicyTrainer step with kl_beta > 0:
+  rss        a fresh subprocess loads the model and runs one PolicyTrainer step with kl_beta > 0:
              its peak RSS (ru_maxrss), and the number of model objects alive (1 = the KL reference is the
              base with adapters disabled, no second model).
 

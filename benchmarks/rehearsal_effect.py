@@ -1,4 +1,4 @@
-"""Effect of Private Rehearsal on success (issue 4 item 7): no rehearsal vs parallel N vs sequential N.
+"""Effect of Private Rehearsal on success: no rehearsal vs parallel N vs sequential N.
 
     .venv/bin/python benchmarks/rehearsal_effect.py [--trained REF] [--limit 3]
         [--conditions none,parallel:2,parallel:4,parallel:8,sequential:2,sequential:4]
@@ -382,7 +382,7 @@ def results_section(report: dict[str, Any]) -> str:
     load = lambda xs: "/".join(f"{x:.2f}" for x in xs)
     models = "; ".join(f"{k}: {v['label']}" for k, v in report["models"].items())
     return "\n".join([
-        f"## Private Rehearsal effect (issue 4 item 7), {report['date']}", "",
+        f"## Private Rehearsal effect, {report['date']}", "",
         (f"Command: `{report['command']}`; wall {report['wall_s']:.0f} s; first {s['limit']} items per bench "
          f"(tau2 {s['split']} split, {_protocol_text(s)}; BFCL rehearsal: {s['bfcl_rehearsal']}); "
          f"models: {models}; user simulator: {report['user_simulator']}; {m['cpus']} CPUs, "

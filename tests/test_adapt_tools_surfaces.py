@@ -1,4 +1,4 @@
-"""Where users meet tool learning (issue 8): `envace adapt-tools`, the Flyte workflow
+"""Where users meet tool learning: `envace adapt-tools`, the Flyte workflow
 workflows/adapt_tools.py (run with `pyflyte run`), and the ready-to-run inputs in examples/tools/."""
 
 import json

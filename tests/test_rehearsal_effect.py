@@ -184,7 +184,7 @@ def test_tiny_model_run_end_to_end_then_resume(tiny_model_dir, tmp_path, capsys)
     assert rep["user_simulator"].startswith("the evaluated policy itself")
     assert rep["estimate_full_scale"]["items"]["bfcl:multi_turn_base"] == 200 and rep["estimate_full_scale"]["seconds"] > 0
     text = md.read_text()
-    assert text.startswith("# Measured results\n") and "## Private Rehearsal effect (issue 4 item 7)" in text
+    assert text.startswith("# Measured results\n") and "## Private Rehearsal effect, " in text
     assert "user simulator: the evaluated policy itself" in text and "| tiny | bfcl:multi_turn_base | parallel:2 | 1 |" in text
     printed = capsys.readouterr().out
     assert "full-scale estimate" in printed and "| model | bench |" in printed

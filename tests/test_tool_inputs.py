@@ -1,4 +1,4 @@
-"""Tool learning inputs and the pipeline switches it needs (issue 8; METHOD.md §5).
+"""Tool learning inputs and the pipeline switches it needs (METHOD.md §5).
 
 `tool_learning.load_tools` / `load_examples` reject bad schemas and examples naming the exact field;
 `data.hidden_tools` makes curate drop train tasks that call a hidden tool and hide it from every

@@ -1,4 +1,4 @@
-"""Tool learning (issue 8): the adaptation-task builder, the rehearsal-only adaptation run with its
+"""Tool learning: the adaptation-task builder, the rehearsal-only adaptation run with its
 lineage, and the before/after measurement, on tau2 retail with the tiny model."""
 
 from __future__ import annotations
