@@ -191,15 +191,13 @@ class RolloutConfig(_Strict):
         "against the mean reward of the group's rows of the same role (METHOD.md §3)")
     tasks_per_iteration: int = Field(
         2, ge=1, description="train tasks drawn per iteration, in a seeded order reshuffled every epoch "
-        "(an iteration rolls out tasks_per_iteration × G trajectories); with data parallel, split "
-        "across workers by task")
+        "(tasks_per_iteration × G trajectories per iteration); with data parallel, split across workers by task")
     max_turns: int = Field(
         3, ge=1, description="most ACT turns per training trajectory; it ends earlier when ACT messages "
         "the user (with USER-REHEARSE: when the user stops) or an output fails to parse. The SFT "
         "warm-up uses only gold ACT turns within this budget")
     max_new_tokens_act: int = Field(
-        96, ge=1, description="token budget of one ACT generation (training rollouts, evaluation, "
-        "rehearsals)")
+        96, ge=1, description="token budget of one ACT generation (training rollouts, evaluation, rehearsals)")
     max_new_tokens_rehearse: int = Field(
         96, ge=1, description="token budget of one REHEARSE generation, the imagined tool response ô_t "
         "(training rollouts, validate, rehearsals)")
@@ -237,11 +235,13 @@ class RolloutConfig(_Strict):
         "(envace_core/engines/prefix_cache.py); per group when merge_groups rolls several out at once; "
         "emptied before each update; 0 = off")
     merge_groups: bool = Field(
-        False, description="the iteration's GRPO groups roll out in lockstep, one thread each, their engine "
-        "calls merged into one batch per turn (envace_core/engines/merging.py): each call keeps its own seeds "
-        "(same rollouts as one group after another up to float rounding), fewer and larger engine calls. Off "
-        "by default: on 2 CPU cores with cpu-smoke it did not speed rollouts up (per-prompt prefill dominates; "
-        "benchmarks/RESULTS.md 'Where an iteration's time goes'); off: one group at a time")
+        False, description="the iteration's GRPO groups roll out in lockstep, one thread each, their engine calls "
+        "merged into one batch per turn (envace_core/engines/merging.py; each call keeps its own seeds). Off by "
+        "default: on 2 CPU cores it did not speed rollouts up (benchmarks/RESULTS.md 'Where an iteration's time goes')")
+    constrained_decoding: bool = Field(
+        True, description="ACT and REHEARSE outputs of rollouts and rehearsals are drawn only from tokens keeping them "
+        "in their format (envace_core/roles/constrained.py, structured outputs): a call names a task tool and closes, "
+        "a rehearsal is one JSON value; the transformers engine only")
     max_batch_size: int = Field(
         8, ge=1, description="most sequences in one decode batch of the transformers engine (rollouts, "
         "Private Rehearsal, evaluation); with merge_groups, ≥ tasks_per_iteration × group_size keeps a "

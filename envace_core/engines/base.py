@@ -59,6 +59,14 @@ class SamplingParams:
         `stop_check_every` tokens (not with ignore_eos). Only for predicates whose verdict no
         continuation can change (e.g. `roles.json_prefix.NotJsonStop`: the output can no longer
         parse), so stopping saves decoding and changes no outcome; the vLLM engine decodes on.
+    constraints: None, or one constraint (or None) per prompt: an object with
+        ``allows(token_ids, ends) -> bool`` (`OutputConstraint`, e.g. `roles.constrained.ActConstraint`).
+        The transformers engine draws only tokens it allows (structured outputs, as vLLM's
+        ``StructuredOutputsParams``): a drawn token it refuses is taken out of that row's distribution
+        and the row draws again (`engines.constrained_sampling`); `Completion.logprobs` stay the
+        unconstrained log-probs of the tokens drawn (vLLM's ``raw_logprobs``), so the training forward
+        recomputes the same quantity. A row with no allowed token ends (finish_reason "stop") without
+        it. The vLLM engine samples unconstrained (it logs a warning once).
     prompt_seeds: None, or one ``(seed, index)`` pair per prompt: prompt i is sampled exactly as prompt
         ``index`` of a call seeded ``seed`` would be (``seed`` is then ignored). `engines.merging` uses it
         to run several callers' calls as one batch whose every prompt keeps the randomness of its own call.
@@ -75,6 +83,31 @@ class SamplingParams:
     stop_when: Callable[[list[int]], bool] | None = field(default=None, compare=False)
     stop_check_every: int = 8
     prompt_seeds: tuple[tuple[int, int], ...] | None = None
+    constraints: tuple[OutputConstraint | None, ...] | None = field(default=None, compare=False)
+
+
+@runtime_checkable
+class OutputConstraint(Protocol):
+    """A decoding constraint (`SamplingParams.constraints`)."""
+
+    def allows(self, token_ids: list[int], ends: bool) -> bool:
+        """May a sample's generated ids be `token_ids` (the drawn candidate last); with `ends` (the
+        candidate is a stop token), may the sample end there?"""
+        ...
+
+
+def check_constraints(params: SamplingParams, n_prompts: int) -> None:
+    """Raise ValueError unless ``params.constraints`` is None or holds one entry (a constraint with an
+    ``allows`` method, or None) per prompt."""
+    c = params.constraints
+    if c is None:
+        return
+    if len(c) != n_prompts:
+        raise ValueError(f"SamplingParams.constraints holds {len(c)} entries for {n_prompts} prompts: "
+                         "give one (a constraint or None) per prompt")
+    bad = [type(x).__name__ for x in c if x is not None and not callable(getattr(x, "allows", None))]
+    if bad:
+        raise ValueError(f"SamplingParams.constraints: {bad[0]} has no allows(token_ids, ends) method")
 
 
 def check_prompt_seeds(params: SamplingParams, n_prompts: int) -> None:

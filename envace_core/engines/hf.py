@@ -22,7 +22,15 @@ from contextlib import nullcontext
 import torch
 
 from envace_core.engines import fused_decode, packed_linear, shared_prefix
-from envace_core.engines.base import Completion, SamplingParams, check_prompt_seeds, resolve_compute_dtype, role_adapter
+from envace_core.engines.base import (
+    Completion,
+    SamplingParams,
+    check_constraints,
+    check_prompt_seeds,
+    resolve_compute_dtype,
+    role_adapter,
+)
+from envace_core.engines.constrained_sampling import constrain_step
 from envace_core.engines.prefix_cache import (
     PrefixPool,
     common_prefix,
@@ -166,8 +174,10 @@ class HFEngine:
         self._packed_weights = bool(packed_weights)
         self._fused_decode = bool(fused_decode)
         self._unpadded = True  # `_prefill_unpadded` until a model's cache proves it cannot be padded
+        # constraint_refusals: drawn tokens a constraint refused (redrawn); constraint_dead_rows: samples
+        # ended because no tried token was allowed (`SamplingParams.constraints`)
         self.stats: dict = {"prompt_tokens": 0, "cached_tokens": 0, "generated_tokens": 0, "seconds": 0.0,
-                            "calls": 0}
+                            "calls": 0, "constraint_refusals": 0, "constraint_dead_rows": 0}
         hf = model.get_base_model() if hasattr(model, "get_base_model") else model
         fwd_params = inspect.signature(hf.forward).parameters
         # transformers 5.x renames `past_key_values` to `cache` (the old name is deprecated).
@@ -254,6 +264,7 @@ class HFEngine:
         if not 0.0 < params.top_p <= 1.0:
             raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {params.top_p}")
         check_prompt_seeds(params, len(prompts))
+        check_constraints(params, len(prompts))
         cfg = getattr(self.model, "config", None)
         max_pos = getattr(cfg, "max_position_embeddings", None)
         vocab = self.model.get_input_embeddings().weight.shape[0]  # a peft LoRA embedding has no num_embeddings
@@ -469,6 +480,7 @@ class HFEngine:
                 g = torch.Generator(device=device)
                 g.manual_seed(_row_seed(*(seeds[i] if seeds is not None else (base_seed, i)), j))
                 gens.append(g)
+        cons = params.constraints if params.constraints is not None and any(params.constraints) else None
         toks: list[list[int]] = [[] for _ in owners]
         lps: list[list[float]] = [[] for _ in owners]
         active = list(range(len(owners)))  # original row index of each current batch row
@@ -490,12 +502,25 @@ class HFEngine:
                                  for a in active])
                 chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
                 chosen = chosen.clamp_(max=cdf.shape[-1] - 1)
+            dead: set[int] = set()
+            if cons is not None and not params.ignore_eos:
+                chosen, gone, refused = constrain_step(chosen, None if greedy else probs, logp,
+                                                       [cons[owners[a][0]] for a in active],
+                                                       [toks[a] for a in active], stop,
+                                                       None if greedy else [gens[a] for a in active])
+                dead = set(gone)
+                self.stats["constraint_refusals"] += refused
+                self.stats["constraint_dead_rows"] += len(gone)
             chosen_lp = logp.gather(-1, chosen[:, None])[:, 0]
             chosen_l, chosen_lp_l = chosen.tolist(), chosen_lp.tolist()
 
             keep = []
             last = step == params.max_new_tokens - 1
             for b, a in enumerate(active):
+                if b in dead:  # no token its constraint allows: it ends without one (its KV is all fed)
+                    self._finish(results, owners[a], toks[a], lps[a], "stop")
+                    self._keep_prefix(cache, b, mask[b], prompts[owners[a][0]] + toks[a])
+                    continue
                 toks[a].append(chosen_l[b])
                 lps[a].append(float(chosen_lp_l[b]))
                 hit = chosen_l[b] in stop or (

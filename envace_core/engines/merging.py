@@ -25,16 +25,17 @@ from typing import Any, TypeVar
 
 import torch
 
-from envace_core.engines.base import Completion, Engine, SamplingParams, check_prompt_seeds
+from envace_core.engines.base import Completion, Engine, SamplingParams, check_constraints, check_prompt_seeds
 
 T = TypeVar("T")
 
 
 def merge_key(params: SamplingParams) -> tuple:
-    """What two calls must share to be one call: every `SamplingParams` field except the seeds, and the
+    """What two calls must share to be one call: every `SamplingParams` field except the seeds and the
+    per-prompt constraints (the merged call carries each prompt's own), and the
     stop predicate's type (predicates are compared by type: `roles.json_prefix.NotJsonStop` holds no
     per-call state)."""
-    base = replace(params, seed=None, prompt_seeds=None, stop_when=None,
+    base = replace(params, seed=None, prompt_seeds=None, stop_when=None, constraints=None,
                    stop_token_ids=tuple(int(t) for t in params.stop_token_ids))  # a list is allowed too
     return base, type(params.stop_when)
 
@@ -159,6 +160,7 @@ class MergingEngine:
                                    "while map runs: the wrapped engine serves one thread at a time")
             return self.engine.generate(prompts, params)
         check_prompt_seeds(params, len(prompts))
+        check_constraints(params, len(prompts))
         call = _Call(worker, list(prompts), params)
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         call.seeds = params.prompt_seeds or tuple((seed, i) for i in range(len(prompts)))
@@ -181,7 +183,9 @@ class MergingEngine:
         for group in sets.values():
             prompts = [p for c in group for p in c.prompts]
             seeds = tuple(s for c in group for s in c.seeds)
-            params = replace(group[0].params, seed=None, prompt_seeds=seeds)
+            cons = [x for c in group for x in (c.params.constraints or (None,) * len(c.prompts))]
+            params = replace(group[0].params, seed=None, prompt_seeds=seeds,
+                             constraints=tuple(cons) if any(x is not None for x in cons) else None)
             try:
                 out = self.engine.generate(prompts, params) if prompts else []
                 self.merged_calls += 1

@@ -20,6 +20,7 @@ raises `EngineUnavailableError`.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,7 +28,7 @@ from typing import Any
 import torch
 
 from envace_core import EnvaceError
-from envace_core.engines.base import ROLE_ADAPTERS, Completion, SamplingParams, check_prompt_seeds
+from envace_core.engines.base import ROLE_ADAPTERS, Completion, SamplingParams, check_constraints, check_prompt_seeds
 
 
 class EngineUnavailableError(EnvaceError):
@@ -210,6 +211,7 @@ class VLLMEngine:
         self._loras: dict[str, Any] = {}
         self._lora_ids = 0
         self.stats: dict = {"generated_tokens": 0, "seconds": 0.0, "calls": 0, "weight_syncs": 0}
+        self._warned_constraints = False
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """Sample ``params.n`` completions per prompt (B lists, input order), as `Engine.generate`.
@@ -225,8 +227,14 @@ class VLLMEngine:
         if any(len(p) == 0 for p in prompts):
             raise ValueError("every prompt needs at least one token id")
         check_prompt_seeds(params, len(prompts))
+        check_constraints(params, len(prompts))
         if params.max_new_tokens == 0:
             return [[Completion([], [], "length") for _ in range(params.n)] for _ in prompts]
+        if params.constraints is not None and any(params.constraints) and not self._warned_constraints:
+            self._warned_constraints = True  # Python-side constraints on decoded text: not a vLLM logits mask
+            logging.getLogger(__name__).warning(
+                "vLLM engine: SamplingParams.constraints are not applied; samples are drawn unconstrained "
+                "(set rollout.constrained_decoding=false to say so in the config)")
         t0 = time.perf_counter()
         kw = sampling_kwargs(params, getattr(self.tokenizer, "eos_token_id", None))
         # per-prompt seeds (`SamplingParams.prompt_seeds`): one vLLM SamplingParams per request, each with its

@@ -165,14 +165,23 @@ def json_head_viable(text: str) -> bool:
     return ok and (end is None or not text[end:].strip(_WS))  # a complete value: only whitespace after
 
 
-def _json_then(text: str, i: int) -> tuple[bool, int | None]:
-    """(viable, end): whether text[i:] can still become one JSON value, and where a complete one ends."""
+def _json_then(text: str, i: int, depth: int = 0) -> tuple[bool, int | None]:
+    """(viable, end): whether text[i:] can still become one JSON value, and where a complete one ends.
+    `depth`: arrays/objects already open around it (the `MAX_JSON_DEPTH` limit counts them)."""
     try:
-        return True, _value(text, i, 0)
+        return True, _value(text, i, depth)
     except _End:
         return True, None
     except _Bad:
         return False, None
+
+
+def value_end(text: str, i: int = 0, depth: int = 0) -> tuple[bool, int | None]:
+    """Whether ``text[i:]`` (leading whitespace allowed) can still become one JSON value as
+    `roles.strict_json` reads it (no repeated key in an object, at most `MAX_JSON_DEPTH` nested
+    arrays/objects counting the `depth` already open), and the index just past that value when it is
+    complete (None while it is not). What follows a complete value is not looked at. O(len(text))."""
+    return _json_then(text, i, depth)
 
 
 # The cut marker `roles.bounds.bound_text` appends to a result over its budget (parse_rehearse accepts

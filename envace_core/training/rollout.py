@@ -28,6 +28,7 @@ from envace_core.engines.base import Completion, Engine, SamplingParams
 from envace_core.envs.base import ToolEnvironment
 from envace_core.roles.act import act_prompt_ids, parse_act
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, PromptTooLong, check_prompt, prompt_limit
+from envace_core.roles.constrained import ActConstraint, RehearseConstraint
 from envace_core.roles.errors import ParseError, UnknownTool, format_error
 from envace_core.roles.grounding import GroundingIndex
 from envace_core.roles.json_prefix import NotJsonStop
@@ -76,6 +77,9 @@ class RolloutParams:
         imagined trajectory the answer is `schema_error_observation`, not a REHEARSE turn.
     grounding, grounding_k, grounding_max_tokens: REHEARSE prompts hold up to k real examples of the
         same tool from other tasks, under the token budget (`roles.grounding.GroundingIndex`).
+    constrained: ACT and REHEARSE draw only tokens their format allows (`roles.constrained`,
+        `SamplingParams.constraints`): a format error is then left only to calls in another family's
+        format and to outputs cut by their token budget.
     """
 
     max_turns: int
@@ -93,6 +97,7 @@ class RolloutParams:
     grounding: Optional[GroundingIndex] = None
     grounding_k: int = 0
     grounding_max_tokens: int = 512
+    constrained: bool = False
 
     def rehearse_budget(self, tool: str) -> int:
         """REHEARSE's token budget for a call of `tool`: its per-tool budget, else max_new_tokens_rehearse."""
@@ -164,6 +169,7 @@ def act_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory], historie
     tok = engine.tokenizer
     sp = SamplingParams(max_new_tokens=p.max_new_tokens_act, temperature=p.temperature, top_p=p.top_p,
                         seed=seeds.next(), role=Role.ACT.value)
+    act_format = ActConstraint(tok, [t.name for t in ctx.tools]) if p.constrained and ctx.tools else None
     active = [i for i, t in enumerate(trajs) if not t.termination]
 
     def build(i: int) -> list[int]:
@@ -176,10 +182,11 @@ def act_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory], historie
                 trajs[i].termination, trajs[i].reward_info = trajs[active[0]].termination, \
                     dict(trajs[active[0]].reward_info)
             return []
-        outs = engine.generate(prompts, SamplingParams(**{**sp.__dict__, "n": len(active)}))[0]
+        outs = engine.generate(prompts, replace(sp, n=len(active), constraints=act_format and (act_format,)))[0]
         prompts = prompts * len(active)
     else:
         active, prompts = fitting_prompts(engine, Role.ACT, trajs, active, build, p.max_new_tokens_act, p)
+        sp = replace(sp, constraints=act_format and (act_format,) * len(prompts))
         outs = [o[0] for o in engine.generate(prompts, sp)] if prompts else []
     calling = []
     for i, prompt, c in zip(active, prompts, outs):
@@ -231,7 +238,8 @@ def _rehearse_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory],
             continue
         # decoding stops once the output can no longer parse (`NotJsonStop`: same verdict, fewer tokens)
         sp = SamplingParams(max_new_tokens=budget, temperature=p.temperature, top_p=p.top_p, seed=seeds.next(),
-                            role=Role.REHEARSE.value, stop_when=NotJsonStop(tok))
+                            role=Role.REHEARSE.value, stop_when=NotJsonStop(tok),
+                            constraints=(RehearseConstraint(tok),) * len(prompts) if p.constrained else None)
         for i, prompt, outs in zip(keep, prompts, engine.generate(prompts, sp)):
             gen = make_generation(Role.REHEARSE, prompt, outs[0], tok, p.temperature)
             trajs[i].generations.append(gen)
@@ -358,14 +366,15 @@ def real_rollout(engine: Engine, ctx: TaskContext, env: ToolEnvironment, p: Roll
 def params_from_config(cfg: RunConfig, p: RolloutParams) -> RolloutParams:
     """`p` with the budgets, the tool-format mode and the grounding settings of ``cfg.rollout``
     (max_new_tokens_user, max_observation_tokens, max_prompt_tokens, lenient_tool_format, schema_errors,
-    max_new_tokens_rehearse_per_tool, grounding_k, grounding_max_tokens; the index `p.grounding`
+    max_new_tokens_rehearse_per_tool, grounding_k, grounding_max_tokens, constrained_decoding; the index `p.grounding`
     is kept)."""
     r = cfg.rollout
     return replace(p, max_new_tokens_user=p.max_new_tokens_user or r.max_new_tokens_user,
                    max_observation_tokens=r.max_observation_tokens, max_prompt_tokens=r.max_prompt_tokens,
                    lenient=r.lenient_tool_format, schema_errors=r.schema_errors == "observation",
                    max_new_tokens_rehearse_per_tool=dict(r.max_new_tokens_rehearse_per_tool),
-                   grounding_k=r.grounding_k, grounding_max_tokens=r.grounding_max_tokens)
+                   grounding_k=r.grounding_k, grounding_max_tokens=r.grounding_max_tokens,
+                   constrained=r.constrained_decoding)
 
 
 def mask_unjudgeable(trajectory: Trajectory) -> Trajectory:

@@ -1,0 +1,126 @@
+"""Constrained decoding for ACT and REHEARSE: which outputs a role may still produce, token by token.
+
+Structured outputs as vLLM (``StructuredOutputsParams``, backed by xgrammar or llguidance) and
+llama.cpp's grammars offer them: the sampler draws only tokens that keep the output inside the role's
+format (`engines.base.SamplingParams.constraints`), so a rollout no longer ends in a format error
+(METHOD.md §2, format) because one unlikely token was drawn at temperature T. A constraint is asked
+``allows(token_ids, ends)``: may the sample be `token_ids` (the generated ids so far, the drawn
+candidate last), and, with ``ends`` (the candidate is a stop token), end there. Texts are decoded as the
+rollout decodes them (special tokens skipped).
+
+ACT (`ActConstraint`) keeps to the strict format `roles.act.parse_act` reads (METHOD.md §1):
+- a call: optional whitespace, ``<tool_call>``, a JSON object whose first key is "name" holding one of
+  the task's tool names, then either ``}`` or ``, "arguments": {...}}``, then ``</tool_call>`` and
+  whitespace only; it may end only after the closing tag. The arguments are checked as JSON (no key
+  repeated in one object, the `MAX_JSON_DEPTH` limit), not against the tool's schema: an argument the
+  schema refuses is the environment's to answer (tau2's ``Environment.get_response``; the rollout's
+  ``schema_errors`` setting).
+- a message: text holding no ``<tool_call``/``</tool_call`` tag; it may end anywhere once not empty.
+  A call written in another model family's format inside a message is not prevented: it stays a
+  `ForeignToolCallFormat` parse error, as is a call cut by the token budget.
+
+REHEARSE (`RehearseConstraint`): a prefix some continuation of which `roles.rehearse.parse_rehearse`
+accepts (`roles.json_prefix.viable`); it may end only where `parse_rehearse` accepts it.
+
+Each check decodes the sample's ids and scans the text: O(generated tokens) per drawn token.
+"""
+
+from __future__ import annotations
+
+import json
+
+import regex
+
+from envace_core.roles.errors import ParseError
+from envace_core.roles.json_prefix import value_end, viable
+from envace_core.roles.rehearse import parse_rehearse
+from envace_core.roles.tools import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
+_WS = " \t\n\r"  # JSON's whitespace (RFC 8259 §2)
+_TAG = regex.compile(r"</?tool_call\b")
+
+
+def _head(names: list[str]) -> regex.Pattern:
+    """The call's head: ``{"name": "<one of names>"`` then ``}`` (no arguments) or ``, "arguments": {``."""
+    alts = "|".join(regex.escape(json.dumps(n)[1:-1]) for n in sorted(names, key=len, reverse=True))
+    ws = "[ \\t\\n\\r]*"
+    return regex.compile(f'{ws}\\{{{ws}"name"{ws}:{ws}"(?:{alts})"{ws}(?:(?P<close>\\}})|,{ws}"arguments"{ws}:{ws}\\{{)')
+
+
+def _closing_tag_prefix(rest: str) -> tuple[bool, bool]:
+    """(viable, complete) for the text after the call's JSON object: whitespace, then a prefix of the
+    closing tag, then (once the tag is whole) whitespace only."""
+    t = rest.lstrip(_WS)
+    if len(t) < len(TOOL_CALL_CLOSE):
+        return TOOL_CALL_CLOSE.startswith(t), False
+    ok = t.startswith(TOOL_CALL_CLOSE) and not t[len(TOOL_CALL_CLOSE):].strip(_WS)
+    return ok, ok
+
+
+class ActConstraint:
+    """ACT's format as a decoding constraint (module docstring). `tool_names`: the task's tools; a
+    call may name only these. Raises ValueError for an empty tool list (a call could name nothing,
+    so only messages would remain; pass no constraint instead)."""
+
+    def __init__(self, tokenizer, tool_names: list[str]):
+        if not tool_names:
+            raise ValueError("ActConstraint needs at least one tool name")
+        self.tokenizer = tokenizer
+        self._head = _head(list(tool_names))
+
+    def state(self, text: str) -> tuple[bool, bool]:
+        """(viable, may end): whether some continuation of `text` is in ACT's format, and whether
+        `text` itself is a whole output of it."""
+        s = text.lstrip()
+        if not s.startswith(TOOL_CALL_OPEN):
+            if TOOL_CALL_OPEN.startswith(s):  # "", "<", "<tool", ...: a call's start or a message's
+                return True, bool(s) and _TAG.search(s) is None
+            ok = _TAG.search(s) is None  # a message: no tag anywhere in it
+            return ok, ok
+        return self._call(s[len(TOOL_CALL_OPEN):])
+
+    def _call(self, body: str) -> tuple[bool, bool]:
+        m = self._head.match(body, partial=True)
+        if m is None:
+            return False, False
+        if m.partial:
+            return True, False
+        if m.group("close") is not None:
+            return _closing_tag_prefix(body[m.end():])
+        ok, end = value_end(body, m.end() - 1, depth=1)  # the arguments object, one level inside the call
+        if not ok:
+            return False, False
+        if end is None:
+            return True, False
+        i = end
+        while i < len(body) and body[i] in _WS:
+            i += 1
+        if i == len(body):
+            return True, False
+        if body[i] != "}":  # a key after "arguments": parse_act allows only "name" and "arguments"
+            return False, False
+        return _closing_tag_prefix(body[i + 1:])
+
+    def allows(self, token_ids: list[int], ends: bool) -> bool:
+        """May the output be `token_ids` (ending there when `ends`)? See the module docstring."""
+        ok, complete = self.state(self.tokenizer.decode(token_ids, skip_special_tokens=True))
+        return complete if ends else ok
+
+
+class RehearseConstraint:
+    """REHEARSE's format as a decoding constraint (module docstring): one JSON value, fenced or not,
+    or a JSON head cut by the truncation marker."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def allows(self, token_ids: list[int], ends: bool) -> bool:
+        """May the output be `token_ids` (ending there when `ends`)? See the module docstring."""
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True)
+        if not ends:
+            return viable(text)
+        try:
+            parse_rehearse(text)
+        except ParseError:
+            return False
+        return True
