@@ -54,6 +54,12 @@ CALL = '<tool_call>{"name": "get_user_details", "arguments": {"user_id": "ana_1"
     ('<tool_call>{"name":"get_user"}</tool_call> thanks', False, False),  # text after the call
     ("Let me check. <tool_call>", False, False),  # text before the call
     ("done </tool_call>", False, False),
+    ("Use the <tool_callback> hook.", False, False),  # parse_act: "<tool_call" anywhere is a bad tag
+    ("see </tool_calls", True, True),  # not a tag for parse_act
+    ("see </tool_call", True, False),  # may still become "</tool_calls"
+    ('<tool_call>{"name": "get_user", "arguments": {"q": "</tool_call>"}}</tool_call>', False, False),
+    ('<tool_call>{"name": "get_user", "arguments": {"q": "<tool_callx"}}</tool_call>', True, True),
+    ('<tool_call>{"name": "get_user", "arguments": {"n": ' + "1" * 4301, False, False),  # json.loads refuses it
 ])
 def test_act_constraint_states(text, viable, complete):
     assert ACT.state(text) == (viable, complete)
@@ -92,6 +98,26 @@ def test_rehearse_constraint_ends_exactly_where_parse_rehearse_accepts(pieces):
     except ParseError:
         ok = False
     assert c.allows([1], ends=True) == ok
+
+
+def test_non_ascii_tool_names_either_way_json_writes_them():
+    c = ActConstraint(None, ["café"])
+    for text in ('<tool_call>{"name": "café"}</tool_call>', '<tool_call>{"name": "caf\\u00e9"}</tool_call>'):
+        assert c.state(text) == (True, True)
+        parse_act(text, [ToolSpec(name="café", description="", parameters={"type": "object"})], strict=True)
+
+
+def test_special_tokens_and_ids_past_the_vocabulary_are_refused_mid_output(bundled_tokenizer_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(bundled_tokenizer_dir)
+    ids = tok.encode('<tool_call>{"name": "get_user"', add_special_tokens=False)
+    act, reh = ActConstraint(tok, NAMES), RehearseConstraint(tok)
+    assert act.allows(ids, ends=False)
+    im_start = tok.convert_tokens_to_ids("<|im_start|>")
+    for bad in (im_start, len(tok) + 3):
+        assert not act.allows(ids + [bad], ends=False)
+        assert not reh.allows(tok.encode('{"a": 1', add_special_tokens=False) + [bad], ends=False)
 
 
 def test_act_constraint_needs_tools():
@@ -201,6 +227,24 @@ def test_constraints_are_checked(model, ids_tokenizer):
         eng.generate(PROMPTS, SamplingParams(constraints=(AllowAll(),)))
     with pytest.raises(ValueError, match="no allows"):
         eng.generate(PROMPTS, SamplingParams(constraints=(object(), None)))
+    with pytest.raises(ValueError, match="pass an instance"):
+        eng.generate(PROMPTS, SamplingParams(constraints=(AllowAll, None)))
+    with pytest.raises(ValueError, match="must be a tuple"):
+        eng.generate(PROMPTS, SamplingParams(constraints=AllowAll()))
+
+    class Says:
+        def allows(self, ids, ends):
+            return "no"
+
+    with pytest.raises(TypeError, match="not a bool"):
+        eng.generate(PROMPTS, SamplingParams(max_new_tokens=3, constraints=(Says(), None)))
+
+
+def test_ignore_eos_keeps_the_constraint(model, ids_tokenizer):
+    eng = _engine(model, ids_tokenizer)
+    out = eng.generate(PROMPTS, SamplingParams(max_new_tokens=6, temperature=1.0, n=2, seed=4, ignore_eos=True,
+                                               constraints=(Forbid(range(40, 97)), None)))
+    assert all(t < 40 for c in out[0] for t in c.token_ids) and all(len(c.token_ids) == 6 for c in out[0])
 
 
 def test_merged_calls_keep_each_prompts_constraint(model, ids_tokenizer):

@@ -66,7 +66,9 @@ class SamplingParams:
         and the row draws again (`engines.constrained_sampling`); `Completion.logprobs` stay the
         unconstrained log-probs of the tokens drawn (vLLM's ``raw_logprobs``), so the training forward
         recomputes the same quantity. A row with no allowed token ends (finish_reason "stop") without
-        it. The vLLM engine samples unconstrained (it logs a warning once).
+        it (finish_reason "stop" with no stop token last). With ignore_eos no token is a stop, so the
+        constraint is never asked whether a sample may end. The vLLM engine samples unconstrained (it
+        logs a warning once).
     prompt_seeds: None, or one ``(seed, index)`` pair per prompt: prompt i is sampled exactly as prompt
         ``index`` of a call seeded ``seed`` would be (``seed`` is then ignored). `engines.merging` uses it
         to run several callers' calls as one batch whose every prompt keeps the randomness of its own call.
@@ -102,12 +104,17 @@ def check_constraints(params: SamplingParams, n_prompts: int) -> None:
     c = params.constraints
     if c is None:
         return
+    if not isinstance(c, (tuple, list)):
+        raise ValueError(f"SamplingParams.constraints must be a tuple (one constraint or None per prompt), "
+                         f"got {type(c).__name__}")
     if len(c) != n_prompts:
         raise ValueError(f"SamplingParams.constraints holds {len(c)} entries for {n_prompts} prompts: "
                          "give one (a constraint or None) per prompt")
-    bad = [type(x).__name__ for x in c if x is not None and not callable(getattr(x, "allows", None))]
+    bad = [x for x in c if x is not None and (isinstance(x, type) or not callable(getattr(x, "allows", None)))]
     if bad:
-        raise ValueError(f"SamplingParams.constraints: {bad[0]} has no allows(token_ids, ends) method")
+        what = f"the class {bad[0].__name__} (pass an instance)" if isinstance(bad[0], type) else \
+            f"{type(bad[0]).__name__} has no allows(token_ids, ends) method"
+        raise ValueError(f"SamplingParams.constraints: {what}")
 
 
 def check_prompt_seeds(params: SamplingParams, n_prompts: int) -> None:
@@ -140,7 +147,7 @@ class Completion:
 
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" (a stop token was emitted) | "length" (max_new_tokens reached)
+    finish_reason: str  # "stop" (a stop token was emitted, or, under a constraint, no token was allowed) | "length" (max_new_tokens reached)
 
 
 @runtime_checkable

@@ -20,6 +20,13 @@ import torch
 from envace_core.engines.base import OutputConstraint
 
 
+def _allowed(check: OutputConstraint, ids: list[int], ends: bool) -> bool:
+    ok = check.allows(ids, ends)
+    if not isinstance(ok, bool):
+        raise TypeError(f"{type(check).__name__}.allows returned {type(ok).__name__}, not a bool")
+    return ok
+
+
 def constrain_step(chosen: torch.Tensor, probs: torch.Tensor | None, logp: torch.Tensor,
                    checks: Sequence[OutputConstraint | None], toks: Sequence[list[int]], stop: set[int],
                    gens: Sequence[torch.Generator] | None, tries: int = 8, scan: int = 2048) -> tuple[torch.Tensor, list[int], int]:
@@ -30,6 +37,7 @@ def constrain_step(chosen: torch.Tensor, probs: torch.Tensor | None, logp: torch
     checks: S constraints or None; toks: S lists of the ids generated so far (the candidate not
     included); stop: the stop token ids (a candidate among them asks ``ends=True``); gens: S
     generators (sampling) or None (greedy).
+    Raises TypeError when a constraint's ``allows`` returns anything but a bool.
     Returns (chosen with refused tokens replaced, in place, the rows with no allowed token, the number
     of rows whose drawn token was refused).
     """
@@ -39,7 +47,7 @@ def constrain_step(chosen: torch.Tensor, probs: torch.Tensor | None, logp: torch
         if check is None:
             continue
         tok = int(chosen[b])
-        if check.allows(toks[b] + [tok], tok in stop):
+        if _allowed(check, toks[b] + [tok], tok in stop):
             continue
         refused = {tok}
         refusals += 1
@@ -53,14 +61,14 @@ def constrain_step(chosen: torch.Tensor, probs: torch.Tensor | None, logp: torch
                     break
                 u = torch.rand((), generator=gens[b], dtype=torch.float64, device=w.device)
                 t = int(torch.searchsorted(w.cumsum(0), (u * total).reshape(1), right=True)[0].clamp(max=w.shape[0] - 1))
-                if check.allows(toks[b] + [t], t in stop):
+                if _allowed(check, toks[b] + [t], t in stop):
                     found = t
                     break
                 refused.add(t)
                 w[t] = 0.0
         if found is None:
             for t in torch.topk(logp[b], min(scan + len(refused), logp.shape[-1])).indices.tolist():
-                if t not in refused and check.allows(toks[b] + [t], t in stop):
+                if t not in refused and _allowed(check, toks[b] + [t], t in stop):
                     found = t
                     break
         if found is None:

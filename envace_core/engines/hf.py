@@ -480,7 +480,8 @@ class HFEngine:
                 g = torch.Generator(device=device)
                 g.manual_seed(_row_seed(*(seeds[i] if seeds is not None else (base_seed, i)), j))
                 gens.append(g)
-        cons = params.constraints if params.constraints is not None and any(params.constraints) else None
+        cons = params.constraints if params.constraints is not None and \
+            any(c is not None for c in params.constraints) else None
         toks: list[list[int]] = [[] for _ in owners]
         lps: list[list[float]] = [[] for _ in owners]
         active = list(range(len(owners)))  # original row index of each current batch row
@@ -503,7 +504,7 @@ class HFEngine:
                 chosen = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
                 chosen = chosen.clamp_(max=cdf.shape[-1] - 1)
             dead: set[int] = set()
-            if cons is not None and not params.ignore_eos:
+            if cons is not None:  # with ignore_eos nothing is a stop: the constraint is asked ends=False
                 chosen, gone, refused = constrain_step(chosen, None if greedy else probs, logp,
                                                        [cons[owners[a][0]] for a in active],
                                                        [toks[a] for a in active], stop,

@@ -58,6 +58,7 @@ from envace_core.envs.tau2.tasks import tool_spec, truncate_policy
 from envace_core.rehearsal.agent import RehearsalAgent, RehearsalRound
 from envace_core.roles.act import CALL_FORMAT, act_prompt_ids, parse_act
 from envace_core.roles.bounds import PromptTooLong, check_prompt, prompt_limit
+from envace_core.roles.constrained import ActConstraint
 from envace_core.roles.errors import ParseError, format_error
 from envace_core.roles.tools import format_tool_call, render_tool
 from envace_core.roles.user import EndpointError, OpenAIChatClient  # noqa: F401  (their home before)
@@ -152,7 +153,8 @@ class EnvaceTau2Agent(LocalAgent[EnvaceAgentState]):
     Args:
         tools, domain_policy: as tau2 gives every ``LocalAgent`` (``env.get_tools()``, ``env.get_policy()``).
         agent: the evaluated policy: its engine, ``act`` settings (max_new_tokens_act, temperature
-            (0 = greedy), top_p, strict) and Private Rehearsal settings (mode, n, memory budget,
+            (0 = greedy), top_p, strict, constrained: ACT's format as a decoding constraint,
+            `roles.constrained`) and Private Rehearsal settings (mode, n, memory budget,
             verifier, reenter, rehearse params); mode "none": no rehearsal.
         domain, task_id: labels of the `TaskContext` (prompt header / rehearsal bookkeeping).
         seed: ACT call i uses ``seed + i`` (None: unseeded); tau2's Orchestrator sets it (`set_seed`).
@@ -220,8 +222,9 @@ class EnvaceTau2Agent(LocalAgent[EnvaceAgentState]):
             msg = AssistantMessage(role="assistant", content=PROMPT_TOO_LONG, cost=0.0)
             state.messages.append(msg)
             return msg, state
+        fmt = (ActConstraint(tok, [t.name for t in ctx.tools]),) if act.constrained and ctx.tools else None
         sp = SamplingParams(max_new_tokens=act.max_new_tokens_act, temperature=act.temperature,
-                            top_p=act.top_p, seed=None if self.seed is None else self.seed + turn)
+                            top_p=act.top_p, seed=None if self.seed is None else self.seed + turn, constraints=fmt)
         c = self.engine.generate([prompt], sp)[0][0]
         text = tok.decode(c.token_ids, skip_special_tokens=True)
         self.stats["act_calls"] += 1

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 
 from envace_core.roles.bounds import TRUNCATION_MARKER
 from envace_core.roles.strict_json import MAX_JSON_DEPTH
@@ -75,6 +76,13 @@ def _string(s: str, i: int) -> int:
             raise _Bad
         else:
             i += 1
+
+
+def _too_many_digits(token: str) -> bool:
+    """An integer `json.loads` refuses: more digits than Python converts (``sys.get_int_max_str_digits``,
+    4300 by default; 0 = no limit). Fractions and exponents are floats, without that limit."""
+    limit = sys.get_int_max_str_digits()
+    return bool(limit) and not any(c in token for c in ".eE") and len(token.lstrip("-")) > limit
 
 
 def _value(s: str, i: int, depth: int) -> int:
@@ -144,10 +152,14 @@ def _value(s: str, i: int, depth: int) -> int:
         m = _NUMBER_CHARS.match(s, i)
         token, end = m.group(0), m.end()
         if end == len(s):  # a number may always go on ("1" -> "12", "1." -> "1.5", "-" -> "-1")
+            if _too_many_digits(token):
+                raise _Bad
             if any(_NUMBER.fullmatch(token + tail) for tail in ("", "0", "1")):
                 raise _End
             raise _Bad
         if not _NUMBER.fullmatch(token):
+            raise _Bad
+        if _too_many_digits(token):
             raise _Bad
         return end
     raise _Bad
