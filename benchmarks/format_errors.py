@@ -50,8 +50,7 @@ def measure(args, constrained: bool) -> dict[str, Any]:
     from envace_core.training.rows import rows_from_group
 
     over = ",".join(x for x in (args.overrides, f"rollout.constrained_decoding={str(constrained).lower()}") if x)
-    ns = argparse.Namespace(profile=args.profile, overrides=over, dataset=args.dataset, warm_start=args.warm_start)
-    cfg, run, _ = build_run(ns)
+    cfg, run, _ = build_run(argparse.Namespace(**{**vars(args), "overrides": over}))
     tasks = run.tasks[:args.tasks]
     per = cfg.rollout.tasks_per_iteration
     groups, batches = [], [tasks[k:k + per] for k in range(0, len(tasks), per)]
@@ -103,12 +102,11 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv=None) -> int:
+    from iteration_profile import add_run_arguments
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dataset", required=True, help="a curated dataset folder, e.g. .envace/store/datasets/<v>")
-    ap.add_argument("--warm-start", required=True, help="a warm start folder, e.g. .envace/store/warm_starts/<id>")
+    add_run_arguments(ap)
     ap.add_argument("--tasks", type=int, default=24, help="the first N train tasks, one GRPO group each")
-    ap.add_argument("--profile", default="cpu-smoke")
-    ap.add_argument("--overrides", default="")
     ap.add_argument("--settings", default="off,on", help="constrained_decoding settings to run, in order")
     ap.add_argument("--json", default=str(HERE / "results" / "format_errors.json"))
     args = ap.parse_args(argv)

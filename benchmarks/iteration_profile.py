@@ -298,12 +298,17 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_arguments(ap: argparse.ArgumentParser) -> None:
+    """The arguments `build_run` reads: --dataset, --warm-start, --profile, --overrides."""
     ap.add_argument("--dataset", required=True, help="a curated dataset folder, e.g. .envace/store/datasets/<v>")
     ap.add_argument("--warm-start", required=True, help="a warm start folder, e.g. .envace/store/warm_starts/<id>")
     ap.add_argument("--profile", default="cpu-smoke")
     ap.add_argument("--overrides", default="")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(ap)
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--json", default=str(HERE / "results" / "iteration_profile.json"))
     args = ap.parse_args(argv)

@@ -131,14 +131,12 @@ class ActConstraint:
             return False, False  # a tag inside a string would end the call early for parse_act
         if end is None:
             return True, False
-        i = end
-        while i < len(body) and body[i] in _WS:
-            i += 1
-        if i == len(body):
+        rest = body[end:].lstrip(_WS)
+        if not rest:
             return True, False
-        if body[i] != "}":  # a key after "arguments": parse_act allows only "name" and "arguments"
+        if rest[0] != "}":  # a key after "arguments": parse_act allows only "name" and "arguments"
             return False, False
-        return _closing_tag_prefix(body[i + 1:])
+        return _closing_tag_prefix(rest[1:])
 
     def allows(self, token_ids: list[int], ends: bool) -> bool:
         """May the output be `token_ids` (ending there when `ends`)? See the module docstring."""
