@@ -235,6 +235,30 @@ def test_micro_batches_keep_groups_together(tiny_model_dir):
     assert [len(c) for c in trainer._micro_batches([turn1, near])] == [2]
 
 
+def test_a_micro_batch_stops_at_its_token_budget_and_the_gradient_stays(tiny_model_dir):
+    """B × (longest prompt + completion − common prefix) is bounded: a row with a long completion is not
+    padded into its neighbours' micro-batch; one row always fits; the step's gradient does not change."""
+    results = []
+    for budget in (None, 40):
+        trainer = make_trainer(tiny_model_dir, micro_batch_rows=4)
+        trainer.max_micro_batch_tokens = budget
+        group = make_rows(4, seed=3)  # one GRPO group: the same prompt, completions of 2 to 30 tokens
+        rows = [TrainingRow("act", group[0].prompt_ids, r.completion_ids, r.old_logprobs, r.advantage)
+                for r in group[:3]] + [TrainingRow("act", group[0].prompt_ids, list(range(5, 35)), [0.0] * 30, 1.0)]
+        rows = on_policy(trainer, rows)
+        prefix = len(rows[0].prompt_ids) - 1  # where the first completion token's logits start
+        chunks = trainer._micro_batches(rows)
+        for c in chunks:
+            cost = len(c) * (max(len(rows[i].prompt_ids) + len(rows[i].completion_ids) for i in c) - prefix)
+            assert budget is None or len(c) == 1 or cost <= budget
+        grads = capture_grads(trainer)
+        results.append(([len(c) for c in chunks], trainer.step(rows), grads))
+    assert results[0][0] == [4] and len(results[1][0]) > 1
+    for a, b in zip(results[0][2][0], results[1][2][0]):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+    assert results[1][1]["loss"] == pytest.approx(results[0][1]["loss"], rel=1e-5, abs=1e-7)
+
+
 # --- the update: PPO epochs, mini-batches, LR schedule, clipping -------------------------------
 
 def test_update_runs_ppo_epochs_over_shuffled_mini_batches(tiny_model_dir):

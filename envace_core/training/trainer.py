@@ -7,8 +7,8 @@
             step(M): one AdamW step on L(M), gradients accumulated over micro-batches
     lr <- schedule(iteration + 1)                     (once per rollout batch, as verl's actor does)
 
-`PolicyTrainer.step` reads top to bottom: cut rows into micro-batches of `micro_batch_rows` (a memory
-bound only: the accumulated gradient equals one big batch's), forward (autocast bf16 when asked; LoRA
+`PolicyTrainer.step` reads top to bottom: cut rows into micro-batches of `micro_batch_rows` and at most
+`max_micro_batch_tokens` (memory bounds only: the accumulated gradient equals one big batch's), forward (autocast bf16 when asked; LoRA
 master weights stay float32), per-token log-probs of exactly the generated ids, PPO-clip loss from
 `training.grpo`, backward, clip the global gradient norm to `max_grad_norm`, AdamW step.
 
@@ -25,10 +25,8 @@ The options (`TrainConfig`) and their math, per generated token t of row i with 
     rows of (mean over the row's tokens).
   - `max_grad_norm`: g <- g · min(1, c / ||g||_2) before each AdamW step (per adapter when
     `policy_per_role`: two policies, two norms).
-  - `lr_scheduler` + `warmup_iterations` W over K = `iterations` (transformers.get_scheduler with
-    num_warmup_steps=W, num_training_steps=K, stepped once per iteration k = 0..K-1):
-    factor(k) = k/W for k < W (so the first warmup iteration has LR 0, as in transformers/TRL), then
-    constant: 1; linear: (K-k)/(K-W); cosine: 0.5 (1 + cos(π (k-W)/(K-W))).
+  - `lr_scheduler` + `warmup_iterations` W over K = `iterations`: transformers.get_scheduler, stepped once per
+    iteration (the factors are in `TrainConfig`'s field descriptions).
   - `policy_per_role`: two LoRA adapters "act" and "rehearse" (peft named adapters) on one base
     model; a row trains the adapter of its role (`engines.base.ROLE_ADAPTERS`: USER rows train
     "rehearse") and the loss is normalised per adapter, so each adapter's update is exactly that of a
@@ -124,11 +122,12 @@ class PolicyTrainer(TrainerPersistence):
     # completion tokens whose logits exist at a time (`_token_logprobs`); None: the full [B, T, V]
     # float32 logits of `_logits` (also the path of a head that is not a plain linear).
     logprob_chunk_tokens: int | None = DEFAULT_CHUNK_TOKENS
-    # tokens; rows whose prompt lengths differ by more share no micro-batch: the full-logits path (`_logits`)
-    # computes [B, L - min prompt, V] float32 logits, so a turn-1 row next to a turn-3 row of the same
-    # trajectory would make every row pay the later history (measured: 4 rows with ~2k-token tool histories
-    # took > 15 GB on the 135M model).
+    # tokens; rows whose prompt lengths differ by more share no micro-batch: on the full-logits path (`_logits`,
+    # [B, L - min prompt, V] float32) 4 rows with ~2k-token tool histories took > 15 GB on the 135M model.
     max_prompt_spread: int = 256
+    # B × (longest row − common prompt prefix) of a micro-batch: the tokens it runs with grad (measured: ~0.6 MB
+    # each, SmolLM2-135M bf16); a longer micro-batch is cut (one row always fits). None: rows only.
+    max_micro_batch_tokens: int | None = 2048
     packed_frozen: bool = True  # frozen linears on oneDNN-packed bf16 weights (`_frozen_packed`)
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, compute_dtype: str = "bfloat16"):
@@ -153,8 +152,7 @@ class PolicyTrainer(TrainerPersistence):
         # peft's set_adapter makes the active adapter trainable (also one loaded for inference) and
         # freezes the others; `_using` switches per role, so parameters are found by name below.
         model.set_adapter("act" if cfg.policy_per_role else "default")
-        # Dropout off: the ratio at the start of a step must be exp(0) = 1 against a behaviour
-        # policy that sampled without dropout.
+        # Dropout off: the ratio at the start of a step must be exp(0) = 1 against a behaviour policy without it.
         self.model = model.eval()
         self.device = next(self.model.parameters()).device
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
@@ -437,25 +435,28 @@ class PolicyTrainer(TrainerPersistence):
         shorten its common prefix by more than `min_shared_prefix` tokens (e.g. at a group boundary):
         a separate batch then costs less than recomputing the lost prefix for every row. Rows whose
         prompt lengths differ by more than `max_prompt_spread` tokens never share a micro-batch
-        (the logits cover every row from the shortest prompt on: memory).
+        (the logits cover every row from the shortest prompt on: memory). Nor do rows whose padded tokens past
+        their common prefix, B × (longest prompt + completion − prefix), would exceed `max_micro_batch_tokens`.
         """
         order = sorted(range(len(rows)), key=lambda i: (rows[i].prompt_ids, len(rows[i].completion_ids)))
+        budget = self.max_micro_batch_tokens
         chunks: list[list[int]] = []
         cur: list[int] = []
-        lcp, lo, hi = 0, 0, 0
+        lcp, lo, hi, top = 0, 0, 0, 0
         for i in order:
-            p = rows[i].prompt_ids
+            p, end = rows[i].prompt_ids, len(rows[i].prompt_ids) + len(rows[i].completion_ids)
             if cur:
                 first = rows[cur[0]].prompt_ids
                 new = next((k for k in range(min(lcp, len(p))) if p[k] != first[k]), min(lcp, len(p)))
                 if len(cur) < self.cfg.micro_batch_rows and not (
                         len(cur) > 1 and lcp - new > self.min_shared_prefix) and \
-                        max(hi, len(p)) - min(lo, len(p)) <= self.max_prompt_spread:
+                        max(hi, len(p)) - min(lo, len(p)) <= self.max_prompt_spread and \
+                        (budget is None or (len(cur) + 1) * (max(top, end) - min(new, lo - 1, len(p) - 1)) <= budget):
                     cur.append(i)
-                    lcp, lo, hi = new, min(lo, len(p)), max(hi, len(p))
+                    lcp, lo, hi, top = new, min(lo, len(p)), max(hi, len(p)), max(top, end)
                     continue
                 chunks.append(cur)
-            cur, lcp, lo, hi = [i], len(p), len(p), len(p)
+            cur, lcp, lo, hi, top = [i], len(p), len(p), len(p), end
         return chunks + [cur] if cur else chunks
 
     def _collate(self, rows: Sequence[TrainingRow]) -> _Batch:
