@@ -230,22 +230,19 @@ class RolloutConfig(_Strict):
         default_factory=dict, description="extra vllm.LLM arguments for engine=vllm (gpu_memory_utilization, "
         "max_model_len, enforce_eager, ...)")
     prefix_cache_tokens: int = Field(
-        16384, ge=0, description="KV caches of finished samples kept by the transformers engine, in "
-        "tokens (LRU): a trajectory's next turn prefills only its new tokens "
-        "(envace_core/engines/prefix_cache.py); per group when merge_groups rolls several out at once; "
-        "emptied before each update; 0 = off")
+        16384, ge=0, description="KV caches of finished samples kept by the transformers engine, in tokens (LRU): a "
+        "trajectory's next turn prefills only its new tokens (envace_core/engines/prefix_cache.py); per group when "
+        "merge_groups rolls several out at once; emptied before each update; 0 = off")
     merge_groups: bool = Field(
-        False, description="the iteration's GRPO groups roll out in lockstep, one thread each, their engine calls "
-        "merged into one batch per turn (envace_core/engines/merging.py; each call keeps its own seeds). Off by "
-        "default: on 2 CPU cores it did not speed rollouts up (benchmarks/RESULTS.md 'Where an iteration's time goes')")
+        False, description="GRPO groups roll out in lockstep, one thread each, their engine calls merged into one "
+        "batch per turn (envace_core/engines/merging.py); off: on 2 CPU cores it did not speed rollouts up")
     constrained_decoding: bool = Field(
-        True, description="ACT and REHEARSE outputs of rollouts and rehearsals are drawn only from tokens keeping them "
-        "in their format (envace_core/roles/constrained.py, structured outputs): a call names a task tool and closes, "
-        "a rehearsal is one JSON value; the transformers engine only")
+        True, description="ACT and REHEARSE outputs of rollouts and of committed ACT are drawn only from tokens keeping "
+        "them in their format (envace_core/roles/constrained.py, structured outputs): a call names a task tool and "
+        "closes, a rehearsal is one JSON value; the transformers engine only (rehearsals: rehearsal.constrained_decoding)")
     max_batch_size: int = Field(
-        8, ge=1, description="most sequences in one decode batch of the transformers engine (rollouts, "
-        "Private Rehearsal, evaluation); with merge_groups, ≥ tasks_per_iteration × group_size keeps a "
-        "merged turn in one batch")
+        8, ge=1, description="most sequences in one decode batch of the transformers engine (rollouts, Private "
+        "Rehearsal, evaluation); with merge_groups, ≥ tasks_per_iteration × group_size keeps a merged turn in one")
     source: Literal["imagined", "real"] = Field(
         "imagined", description="'imagined': World Rehearsal (ACT + REHEARSE, self-unfolded, METHOD.md §1); "
         "'real': the standard-GRPO ablation (METHOD.md §3), ACT only against a private copy of the real "
@@ -491,6 +488,9 @@ class RehearsalConfig(_Strict):
     temperature: float = Field(
         1.0, gt=0, description="T of the rehearsals (ACT and REHEARSE inside them): tokens drawn from "
         "softmax(logits / T); > 0 so the N rehearsals differ")
+    constrained_decoding: bool = Field(
+        False, description="ACT and REHEARSE inside rehearsals keep their format by decoding, as rollout.constrained_"
+        "decoding; off: they sample freely and the verifier drops malformed ones (benchmarks/RESULTS.md)")
 
 
 class EvalConfig(_Strict):

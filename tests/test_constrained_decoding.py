@@ -338,3 +338,15 @@ def test_constrained_rollouts_of_a_random_model_end_in_no_format_error_but_the_b
         # an output the constraint let end parses: only budget cuts (or rows left without any allowed
         # token) can fail, and those did not end with the eos
         assert g.finish_reason == "length" or g.completion_ids[-1:] != [tok.eos_token_id], g.parse_error
+
+
+@pytest.mark.parametrize("rollout, rehearsal, want", [(True, False, False), (True, True, True), (False, True, False)])
+def test_rehearsals_are_constrained_only_when_both_settings_say_so(rollout, rehearsal, want):
+    from envace_core.config import load_config
+    from envace_core.training.policy import rehearsal_params, rollout_params
+
+    cfg = load_config("cpu-smoke", {"rollout": {"constrained_decoding": rollout},
+                                    "rehearsal": {"constrained_decoding": rehearsal, "temperature": 0.7}})
+    p = rehearsal_params(cfg, 2)
+    assert (p.constrained, p.temperature, p.max_turns) == (want, 0.7, 2)
+    assert rollout_params(cfg).constrained is rollout  # rollouts and committed ACT keep their own setting

@@ -63,11 +63,11 @@ def policy_agent(cfg: RunConfig, engine, mode: str = "none", n: int = 0, *, doma
     memory budget and content, re-entry and (``rehearsal.verifier``) `domain`'s verifier checks (with
     ``rehearsal.grounded_errors``, `verifier.grounded_error_check` too)."""
     from envace_core.rehearsal.verifier import default_checks
-    from envace_core.training.policy import rollout_params
+    from envace_core.training.policy import rehearsal_params, rollout_params
 
     act = rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=cfg.eval.max_turns,
                          lenient=cfg.eval.lenient_tool_format)
-    reh = rollout_params(cfg, temperature=cfg.rehearsal.temperature, max_turns=cfg.eval.max_turns)
+    reh = rehearsal_params(cfg, cfg.eval.max_turns)
     checks = (default_checks(domain, cfg.rehearsal.grounded_errors)
               if cfg.rehearsal.verifier and mode != "none" else None)
     return RehearsalAgent(engine, mode, n, cfg.rehearsal.memory_max_tokens, act, reh, seed=seed,

@@ -121,7 +121,7 @@ def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int 
     from envace_core.rehearsal.agent import RehearsalAgent
     from envace_core.rehearsal.verifier import default_checks
     from envace_core.training.loop import score
-    from envace_core.training.policy import load_policy, policy_engine, rollout_params
+    from envace_core.training.policy import load_policy, policy_engine, rehearsal_params, rollout_params
 
     mode = cfg.rehearsal.mode if mode is None else mode
     n = cfg.rehearsal.n if n is None else n
@@ -141,7 +141,7 @@ def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int 
     load_s = time.perf_counter() - t_load
     act = rollout_params(cfg, temperature=cfg.eval.temperature, max_turns=turns,
                          lenient=cfg.eval.lenient_tool_format)
-    reh = rollout_params(cfg, temperature=cfg.rehearsal.temperature, max_turns=turns)
+    reh = rehearsal_params(cfg, turns)
     agent = RehearsalAgent(engine, mode, n, cfg.rehearsal.memory_max_tokens, act, reh, seed=seed,
                            verifier=default_checks(task.domain, cfg.rehearsal.grounded_errors) if verifier else None,
                            reenter=reenter, memory_content=cfg.rehearsal.memory_content)

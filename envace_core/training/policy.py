@@ -124,3 +124,13 @@ def rollout_params(cfg: RunConfig, temperature: Optional[float] = None, max_turn
         max_new_tokens_rehearse=r.max_new_tokens_rehearse,
         temperature=r.temperature if temperature is None else temperature, top_p=r.top_p))
     return p if lenient is None else replace(p, lenient=lenient)
+
+
+def rehearsal_params(cfg: RunConfig, max_turns: int):
+    """`RolloutParams` of ACT and REHEARSE inside Private Rehearsal's imagined trajectories: `rollout_params`
+    at ``rehearsal.temperature`` for `max_turns` turns, format-constrained only with
+    ``rehearsal.constrained_decoding`` (METHOD.md §4)."""
+    from dataclasses import replace
+
+    p = rollout_params(cfg, temperature=cfg.rehearsal.temperature, max_turns=max_turns)
+    return replace(p, constrained=p.constrained and cfg.rehearsal.constrained_decoding)
