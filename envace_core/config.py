@@ -128,7 +128,7 @@ PROFILES: dict[str, dict[str, Any]] = {
         "rollout": {"group_size": 8, "tasks_per_iteration": 16, "max_turns": 12, "engine": "vllm",
                     "max_new_tokens_act": 512, "max_new_tokens_rehearse": 512},
         "reward": {"name": "consistent"},
-        "train": {"iterations": 50, "learning_rate": 1e-6, "micro_batch_rows": 8},
+        "train": {"iterations": 50, "learning_rate": 1e-6, "micro_batch_rows": 8, "micro_batch_tokens": None},
         "rehearsal": {"mode": "parallel", "n": 4, "memory_max_tokens": 1024},
         "eval": {"max_turns": 30, "protocol": "tau2_orchestrator"},
         "validate": {"max_transitions": 200, "min_json_validity": 0.9, "min_fidelity": 0.5,

@@ -187,6 +187,14 @@ def warn_unused_rehearsal_settings(rehearsal: Any) -> Any:
     return rehearsal
 
 
+def warn_unused_constraint(rollout_constrained: bool, rehearsal_constrained: bool) -> None:
+    """Warn (`UnusedSettingWarning`) for rehearsal.constrained_decoding=true with rollout.constrained_decoding=false:
+    rehearsals are constrained only when both are on."""
+    if rehearsal_constrained and not rollout_constrained:
+        warnings.warn("rehearsal.constrained_decoding=true has no effect with rollout.constrained_decoding=false: "
+                      "rehearsals are constrained only when both are true", UnusedSettingWarning, stacklevel=3)
+
+
 def check_rollout(engine: str, vllm_kwargs: Mapping[str, Any]) -> None:
     """Raises ValueError for rollout.vllm_kwargs with rollout.engine=hf, which never reads them."""
     if vllm_kwargs and engine != "vllm":

@@ -25,6 +25,7 @@ from envace_core.config_checks import (
     plain_number,
     warn_unknown_budget_tools,
     warn_unused_act_settings,
+    warn_unused_constraint,
     warn_unused_rehearsal_settings,
 )
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
@@ -242,7 +243,7 @@ class RolloutConfig(_Strict):
         "closes, a rehearsal is one JSON value; the transformers engine only (rehearsals: rehearsal.constrained_decoding)")
     max_batch_size: int = Field(
         8, ge=1, description="most sequences in one decode batch of the transformers engine (rollouts, Private "
-        "Rehearsal, evaluation); with merge_groups, ≥ tasks_per_iteration × group_size keeps a merged turn in one")
+        "Rehearsal, evaluation); with merge_groups, ≥ tasks_per_iteration × group_size keeps a merged turn in one batch")
     source: Literal["imagined", "real"] = Field(
         "imagined", description="'imagined': World Rehearsal (ACT + REHEARSE, self-unfolded, METHOD.md §1); "
         "'real': the standard-GRPO ablation (METHOD.md §3), ACT only against a private copy of the real "
@@ -250,8 +251,7 @@ class RolloutConfig(_Strict):
     user_rehearse: bool = Field(
         False, description="USER-REHEARSE (METHOD.md §1): the policy also imagines the user's replies "
         "(tau2 tasks with a user scenario); off: ACT's first message to the user ends the trajectory")
-    max_new_tokens_user: int = Field(64, ge=1, description="token budget of one imagined user turn "
-                                     "(USER-REHEARSE)")
+    max_new_tokens_user: int = Field(64, ge=1, description="token budget of one imagined user turn (USER-REHEARSE)")
     max_observation_tokens: Optional[int] = Field(
         MAX_OBSERVATION_TOKENS, ge=32, description="most tokens of one tool result in any prompt (ACT "
         "history, REHEARSE transcript and examples, SELF-EVAL summaries, rehearsal memory, judge), real or "
@@ -364,16 +364,18 @@ class TrainConfig(_Strict):
         "std (ddof 1, as GRPO)"
     )
     shared_baseline: bool = Field(
-        False, description="ablation (METHOD.md §3): one baseline b over all roles' rows of a group "
-        "instead of one per role")
+        False, description="ablation (METHOD.md §3): one baseline b over all roles' rows of a group instead of one per role")
     trained_roles: list[Literal["act", "rehearse", "user"]] = Field(
         default_factory=lambda: ["act", "rehearse"], min_length=1,
         description="roles whose generated tokens carry loss; the other roles' rows are skipped (their "
         "outputs still shape the trajectory). 'user' rows exist only with rollout.user_rehearse"
     )
     micro_batch_rows: int = Field(
-        4, ge=1, description="rows per forward/backward, a memory bound only: gradients are accumulated "
+        4, ge=1, description="most rows per forward/backward, a memory bound only: gradients are accumulated "
         "over micro-batches, so the update does not depend on it")
+    micro_batch_tokens: Optional[int] = Field(
+        2048, ge=1, description="a micro-batch also stops before B × (longest prompt + completion − common prompt prefix) "
+        "passes this (padded tokens run with grad, ~0.6 MB each for SmolLM2-135M in bf16); one row always fits; null = rows only")
     recompute_shared_root: bool = Field(
         True, description="a prompt prefix shared by the rows of a step (a domain's system message shared by "
         "consecutive GRPO micro-batches, or by a warm-up SFT batch) runs without grad, then once more with grad "
@@ -489,8 +491,8 @@ class RehearsalConfig(_Strict):
         1.0, gt=0, description="T of the rehearsals (ACT and REHEARSE inside them): tokens drawn from "
         "softmax(logits / T); > 0 so the N rehearsals differ")
     constrained_decoding: bool = Field(
-        False, description="ACT and REHEARSE inside rehearsals keep their format by decoding, as rollout.constrained_"
-        "decoding; off: they sample freely and the verifier drops malformed ones (benchmarks/RESULTS.md)")
+        False, description="with rollout.constrained_decoding also on, ACT and REHEARSE inside rehearsals keep their "
+        "format by decoding; off: they sample freely and the verifier drops malformed ones (benchmarks/RESULTS.md)")
 
 
 class EvalConfig(_Strict):
@@ -576,15 +578,12 @@ class RunConfig(_Strict):
     profile: str = Field("cpu-smoke", description="the named profile this config started from (PROFILES)")
     model: ModelConfig = Field(default_factory=ModelConfig, description="the policy's base model")
     data: DataConfig = Field(default_factory=DataConfig, description="the curated tau2 tasks")
-    rollout: RolloutConfig = Field(default_factory=RolloutConfig,
-                                   description="training rollouts and generation budgets")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="training rollouts and generation budgets")
     reward: RewardConfig = Field(default_factory=RewardConfig, description="the trajectory reward")
     train: TrainConfig = Field(default_factory=TrainConfig, description="the role-wise GRPO update")
-    rehearsal: RehearsalConfig = Field(default_factory=RehearsalConfig,
-                                       description="Private Rehearsal at test time")
+    rehearsal: RehearsalConfig = Field(default_factory=RehearsalConfig, description="Private Rehearsal at test time")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="evaluation episodes")
-    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate",
-                                      description="the rehearsal-quality gate")
+    validate_: ValidateConfig = Field(default_factory=ValidateConfig, alias="validate", description="the rehearsal-quality gate")
     store: StoreConfig = Field(default_factory=StoreConfig, description="artifact store and model registry")
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
@@ -592,6 +591,7 @@ class RunConfig(_Strict):
     @model_validator(mode="after")
     def _across_sections(self) -> RunConfig:
         check_trained_roles(self.train.trained_roles, self.rollout.source, self.rollout.user_rehearse)
+        warn_unused_constraint(self.rollout.constrained_decoding, self.rehearsal.constrained_decoding)
         warn_unknown_budget_tools(self.rollout.max_new_tokens_rehearse_per_tool, self.data.domains,
                                   REHEARSE_TOKENS_PER_TOOL)
         return self

@@ -345,8 +345,15 @@ def test_rehearsals_are_constrained_only_when_both_settings_say_so(rollout, rehe
     from envace_core.config import load_config
     from envace_core.training.policy import rehearsal_params, rollout_params
 
-    cfg = load_config("cpu-smoke", {"rollout": {"constrained_decoding": rollout},
-                                    "rehearsal": {"constrained_decoding": rehearsal, "temperature": 0.7}})
+    from envace_core.config_checks import UnusedSettingWarning
+
+    overrides = {"rollout": {"constrained_decoding": rollout},
+                 "rehearsal": {"constrained_decoding": rehearsal, "temperature": 0.7}}
+    if rehearsal and not rollout:  # a setting with no effect says so
+        with pytest.warns(UnusedSettingWarning, match="rehearsal.constrained_decoding=true has no effect"):
+            cfg = load_config("cpu-smoke", overrides)
+    else:
+        cfg = load_config("cpu-smoke", overrides)
     p = rehearsal_params(cfg, 2)
     assert (p.constrained, p.temperature, p.max_turns) == (want, 0.7, 2)
     assert rollout_params(cfg).constrained is rollout  # rollouts and committed ACT keep their own setting

@@ -233,6 +233,12 @@ def test_micro_batches_keep_groups_together(tiny_model_dir):
     assert sorted(sorted(c) for c in trainer._micro_batches([turn1] + turn3)) == [[0], [1, 2, 3]]
     near = TrainingRow("act", system + [9] * 8, [1], [0.0], 0.0)  # within the spread: one batch
     assert [len(c) for c in trainer._micro_batches([turn1, near])] == [2]
+    # the token budget counts a common prefix shorter than min_shared_prefix as run by every row
+    trainer.cfg.micro_batch_tokens = 20  # short: 2 × 17 tokens counted; shared: 2 × 6
+    short = [TrainingRow("act", [3] * (trainer.min_shared_prefix - 5) + [k], [1] * 5, [0.0] * 5, 0.0) for k in (4, 5)]
+    assert [len(c) for c in trainer._micro_batches(short)] == [1, 1]
+    shared = [TrainingRow("act", [3] * (trainer.min_shared_prefix + 5) + [k], [1] * 5, [0.0] * 5, 0.0) for k in (4, 5)]
+    assert [len(c) for c in trainer._micro_batches(shared)] == [2]
 
 
 def test_a_micro_batch_stops_at_its_token_budget_and_the_gradient_stays(tiny_model_dir):
@@ -240,8 +246,7 @@ def test_a_micro_batch_stops_at_its_token_budget_and_the_gradient_stays(tiny_mod
     padded into its neighbours' micro-batch; one row always fits; the step's gradient does not change."""
     results = []
     for budget in (None, 40):
-        trainer = make_trainer(tiny_model_dir, micro_batch_rows=4)
-        trainer.max_micro_batch_tokens = budget
+        trainer = make_trainer(tiny_model_dir, micro_batch_rows=4, micro_batch_tokens=budget)
         group = make_rows(4, seed=3)  # one GRPO group: the same prompt, completions of 2 to 30 tokens
         rows = [TrainingRow("act", group[0].prompt_ids, r.completion_ids, r.old_logprobs, r.advantage)
                 for r in group[:3]] + [TrainingRow("act", group[0].prompt_ids, list(range(5, 35)), [0.0] * 30, 1.0)]

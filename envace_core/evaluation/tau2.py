@@ -59,7 +59,8 @@ def policy_agent(cfg: RunConfig, engine, mode: str = "none", n: int = 0, *, doma
                  seed: int) -> RehearsalAgent:
     """The evaluated policy as a `RehearsalAgent`: committed ACT at ``eval.temperature`` for at most
     ``eval.max_turns`` turns (``rollout.max_new_tokens_act``, ``rollout.top_p``); rehearsals in `mode`
-    ("none" | "parallel" | "sequential") with `n` per round at ``rehearsal.temperature``, the config's
+    ("none" | "parallel" | "sequential") with `n` per round (`training.policy.rehearsal_params`: at
+    ``rehearsal.temperature``, format-constrained only with ``rehearsal.constrained_decoding``), the config's
     memory budget and content, re-entry and (``rehearsal.verifier``) `domain`'s verifier checks (with
     ``rehearsal.grounded_errors``, `verifier.grounded_error_check` too)."""
     from envace_core.rehearsal.verifier import default_checks

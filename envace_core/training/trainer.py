@@ -7,10 +7,10 @@
             step(M): one AdamW step on L(M), gradients accumulated over micro-batches
     lr <- schedule(iteration + 1)                     (once per rollout batch, as verl's actor does)
 
-`PolicyTrainer.step` reads top to bottom: cut rows into micro-batches of `micro_batch_rows` and at most
-`max_micro_batch_tokens` (memory bounds only: the accumulated gradient equals one big batch's), forward (autocast bf16 when asked; LoRA
-master weights stay float32), per-token log-probs of exactly the generated ids, PPO-clip loss from
-`training.grpo`, backward, clip the global gradient norm to `max_grad_norm`, AdamW step.
+`PolicyTrainer.step` reads top to bottom: cut rows into micro-batches of at most `micro_batch_rows` rows and
+`micro_batch_tokens` padded tokens (memory bounds only: the accumulated gradient equals one big batch's),
+forward (autocast bf16 when asked; LoRA master weights stay float32), per-token log-probs of exactly the
+generated ids, PPO-clip loss from `training.grpo`, backward, clip the gradient norm, AdamW step.
 
 Adapter files and checkpoints: `training.persistence.TrainerPersistence`, which `PolicyTrainer` inherits.
 
@@ -125,9 +125,6 @@ class PolicyTrainer(TrainerPersistence):
     # tokens; rows whose prompt lengths differ by more share no micro-batch: on the full-logits path (`_logits`,
     # [B, L - min prompt, V] float32) 4 rows with ~2k-token tool histories took > 15 GB on the 135M model.
     max_prompt_spread: int = 256
-    # B × (longest row − common prompt prefix) of a micro-batch: the tokens it runs with grad (measured: ~0.6 MB
-    # each, SmolLM2-135M bf16); a longer micro-batch is cut (one row always fits). None: rows only.
-    max_micro_batch_tokens: int | None = 2048
     packed_frozen: bool = True  # frozen linears on oneDNN-packed bf16 weights (`_frozen_packed`)
 
     def __init__(self, model, tokenizer, cfg: TrainConfig, compute_dtype: str = "bfloat16"):
@@ -436,10 +433,11 @@ class PolicyTrainer(TrainerPersistence):
         a separate batch then costs less than recomputing the lost prefix for every row. Rows whose
         prompt lengths differ by more than `max_prompt_spread` tokens never share a micro-batch
         (the logits cover every row from the shortest prompt on: memory). Nor do rows whose padded tokens past
-        their common prefix, B × (longest prompt + completion − prefix), would exceed `max_micro_batch_tokens`.
+        their common prefix (counted only from `min_shared_prefix` tokens, as `_hidden` runs it), B × (longest
+        prompt + completion − prefix), would exceed cfg.micro_batch_tokens.
         """
         order = sorted(range(len(rows)), key=lambda i: (rows[i].prompt_ids, len(rows[i].completion_ids)))
-        budget = self.max_micro_batch_tokens
+        budget = self.cfg.micro_batch_tokens
         chunks: list[list[int]] = []
         cur: list[int] = []
         lcp, lo, hi, top = 0, 0, 0, 0
@@ -448,10 +446,12 @@ class PolicyTrainer(TrainerPersistence):
             if cur:
                 first = rows[cur[0]].prompt_ids
                 new = next((k for k in range(min(lcp, len(p))) if p[k] != first[k]), min(lcp, len(p)))
+                shared = min(new, lo - 1, len(p) - 1)  # `_collate`'s b.shared, run once by `_hidden` if long enough
+                padded = (len(cur) + 1) * (max(top, end) - (shared if shared >= self.min_shared_prefix else 0))
                 if len(cur) < self.cfg.micro_batch_rows and not (
                         len(cur) > 1 and lcp - new > self.min_shared_prefix) and \
                         max(hi, len(p)) - min(lo, len(p)) <= self.max_prompt_spread and \
-                        (budget is None or (len(cur) + 1) * (max(top, end) - min(new, lo - 1, len(p) - 1)) <= budget):
+                        (budget is None or padded <= budget):
                     cur.append(i)
                     lcp, lo, hi, top = new, min(lo, len(p)), max(hi, len(p)), max(top, end)
                     continue
