@@ -343,9 +343,8 @@ def test_constrained_rollouts_of_a_random_model_end_in_no_format_error_but_the_b
 @pytest.mark.parametrize("rollout, rehearsal, want", [(True, False, False), (True, True, True), (False, True, False)])
 def test_rehearsals_are_constrained_only_when_both_settings_say_so(rollout, rehearsal, want):
     from envace_core.config import load_config
-    from envace_core.training.policy import rehearsal_params, rollout_params
-
     from envace_core.config_checks import UnusedSettingWarning
+    from envace_core.training.policy import rehearsal_params, rollout_params
 
     overrides = {"rollout": {"constrained_decoding": rollout},
                  "rehearsal": {"constrained_decoding": rehearsal, "temperature": 0.7}}
