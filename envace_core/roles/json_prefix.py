@@ -151,15 +151,13 @@ def _value(s: str, i: int, depth: int) -> int:
     if c == "-" or c.isdigit():
         m = _NUMBER_CHARS.match(s, i)
         token, end = m.group(0), m.end()
+        if _too_many_digits(token):  # refused even at the end, where a "." could still make it a float
+            raise _Bad
         if end == len(s):  # a number may always go on ("1" -> "12", "1." -> "1.5", "-" -> "-1")
-            if _too_many_digits(token):
-                raise _Bad
             if any(_NUMBER.fullmatch(token + tail) for tail in ("", "0", "1")):
                 raise _End
             raise _Bad
         if not _NUMBER.fullmatch(token):
-            raise _Bad
-        if _too_many_digits(token):
             raise _Bad
         return end
     raise _Bad
