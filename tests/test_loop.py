@@ -86,3 +86,18 @@ def test_failed_reward_rows_are_masked_not_trained_as_zero(monkeypatch, one_task
     (rows,) = run.trainer.updates
     assert len(rows) == 8 and all(r.valid and r.reward is not None for r in rows)  # the None trajectory is out
     assert rec["reward_mean/act"] == 0.5  # its rows are not counted as 0
+
+
+def test_each_groups_freed_heap_goes_back_before_the_next_group_rolls_out(monkeypatch):
+    import envace_core.training.rollout as rollout
+
+    tasks = load_tasks("airline", "train", limit=3)
+    cfg = load_config("test", {"rollout": {"tasks_per_iteration": 3, "group_size": 2}})
+    events = []
+    monkeypatch.setattr(rollout, "training_group",
+                        lambda engine, task, cfg, params, seed: events.append(task.id) or [_traj(task.id, 0, 1.0)])
+    monkeypatch.setattr(loop, "release_free_heap", lambda: events.append("trim") or True)
+    run = loop.TrainingRun(cfg, tasks, _Trainer(), _Engine(), None, World(), _Store(), "run0")
+    groups = loop.roll_out(run, tasks, 0)
+    assert [g[0].task_id for g in groups] == [t.id for t in tasks]
+    assert events == [tasks[0].id, "trim", tasks[1].id, "trim", tasks[2].id, "trim"]

@@ -149,8 +149,12 @@ def roll_out(run: TrainingRun, batch: list[Task], iteration: int) -> list[list[T
         finally:
             if pool is not None:
                 pool.max_tokens = cfg.rollout.prefix_cache_tokens
-    return [group(run.engine, k) for k in tqdm(mine, desc=f"rollouts iteration {iteration + 1}", leave=False,
-                                                unit="task", disable=not world.is_main)]
+    groups = []
+    for k in tqdm(mine, desc=f"rollouts iteration {iteration + 1}", leave=False, unit="task",
+                  disable=not world.is_main):
+        groups.append(group(run.engine, k))
+        release_free_heap()  # a group's freed KV pages go back before the next group's differently sized ones
+    return groups
 
 
 def sync_engine(run: TrainingRun) -> dict[str, float]:
