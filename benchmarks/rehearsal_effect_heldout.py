@@ -270,7 +270,52 @@ def cell(records: list[dict[str, Any]], none_records: list[dict[str, Any]] | Non
             **seconds(timings, ids, fresh), **isolation(records),
             "changed_vs_none": {"gained": [t for t in both if own[t] > base[t]],
                                 "lost": [t for t in both if own[t] < base[t]]},
+            "changed_traces": changed_traces(records, none_records or [], own, base),
             "outcomes": own}
+
+
+def changed_traces(records: list[dict[str, Any]], none_records: list[dict[str, Any]], own: dict[str, float],
+                   base: dict[str, float]) -> dict[str, dict[str, Any]]:
+    """{task id: {"with": trace, "without": trace}} for each task whose success differs from ``none``'s: the
+    records' ``trace`` (`rehearsal.trace.episode`: rehearsals, memory, committed steps); None where the
+    record has none (cached before the harness stored traces)."""
+    by_id = lambda rs: {r["task_id"]: r.get("trace") for r in rs}
+    mine, theirs = by_id(records), by_id(none_records)
+    return {t: {"with": mine.get(t), "without": theirs.get(t)}
+            for t in sorted(set(own) & set(base)) if own[t] != base[t]}
+
+
+def _step_text(step: dict[str, Any], k: int = 140) -> str:
+    if "call" in step:
+        c = step["call"]
+        args = json.dumps(c.get("arguments"), sort_keys=True)
+        return f"`{c.get('name')}({args[:k]})` → {' '.join(str(step.get('observation')).split())[:k]}"
+    return f"says: {' '.join(str(step.get('message')).split())[:k]}"
+
+
+def changed_markdown(report: dict[str, Any]) -> str:
+    """Per task whose outcome a condition changed: the kept and rejected rehearsals, the memory, and the
+    committed steps with and without rehearsal, from the benchmark's own records."""
+    out = []
+    for model, conds in report.items():
+        for name, c in ({} if model == "run" else conds).items():
+            for tid, tr in (c.get("changed_traces") or {}).items():
+                gained = tid in c["changed_vs_none"]["gained"]
+                out += [f"**{model} {name}, {tid}: {'gained' if gained else 'lost'}**", ""]
+                if not tr["with"]:
+                    out += ["- (no trace: the episode was cached before the harness stored traces)", ""]
+                    continue
+                for rnd in tr["with"]["rounds"]:
+                    for x in rnd["rehearsals"]:
+                        verdict = "rejected: " + "; ".join(x["reasons"])[:160] if x["rejected"] else "kept"
+                        steps = "; ".join(_step_text(s, 80) for s in x["steps"]) or "(no step)"
+                        out.append(f"- rehearsal {x['index']} ({verdict}): {steps}")
+                    out.append(f"- memory: {' '.join(str(rnd['memory']).split()) or '(empty)'}")
+                for label, t in (("committed with rehearsal", tr["with"]), ("committed without", tr["without"])):
+                    steps = "; ".join(_step_text(s) for s in t["committed"]["steps"]) if t else "(not recorded)"
+                    out.append(f"- {label}: {steps}")
+                out.append("")
+    return "\n".join(out)
 
 
 def assemble(run: dict[str, Any], records: dict[str, dict[str, list]], timings: dict[str, dict[str, dict]],
@@ -462,7 +507,7 @@ def results_section(report: dict[str, Any]) -> str:
          f"{r['cpus']} CPUs, load average (1/5/15 min) {load(r['load_avg_start'])} at start, "
          f"{load(r['load_avg_end'])} at end" + (f"; stopped early: {r['stopped_early']}" if r["stopped_early"] else "")
          + f". Success: {r['success']}; CIs: {r['ci']}. `+noverify`: rehearsal.verifier off."), "",
-        markdown(report), ""])
+        markdown(report), "", changed_markdown(report)])
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -145,6 +145,32 @@ def test_assemble_shapes_the_report_and_the_table():
         h.assemble({}, {"run": {}}, {}, {}, 1)
 
 
+def test_changed_outcomes_carry_both_traces_and_render_side_by_side():
+    call = lambda name, obs: {"call": {"name": name, "arguments": {"reservation_id": "LV5MG2"}},
+                              "observation": obs, "error": False}
+    with_trace = {"rounds": [{"turn": 0, "memory": "Rehearsal 1: get_reservation_details -> not found", "rehearsals": [
+        {"index": 1, "steps": [call("get_reservation_details", '{"error": "not found"}')], "rejected": False,
+         "reasons": [], "termination": "agent_message", "self_eval": None, "parse_errors": []},
+        {"index": 2, "steps": [], "rejected": True, "reasons": ["REHEARSE output is not JSON"],
+         "termination": "parse_error", "self_eval": None, "parse_errors": ["rehearse: not JSON"]}]}],
+        "committed": {"steps": [call("cancel_reservation", '{"status": "cancelled"}'), {"message": "Done."}],
+                      "termination": "agent_message", "parse_errors": []}}
+    none = [rec("a", 0.0), rec("b", 1.0), rec("c", 0.0)]
+    par = [{**rec("a", 1.0, 2, 1, 0), "trace": with_trace}, rec("b", 1.0, 2, 0, 0), rec("c", 0.0, 2, 0, 0)]
+    c = h.cell(par, none, {}, set(), 3, n_boot=200)
+    assert c["changed_traces"] == {"a": {"with": with_trace, "without": None}}  # b and c kept their outcome
+    md = h.changed_markdown({"run": {}, "m": {"none": h.cell(none, none, {}, set(), 3, n_boot=200), "parallel:2": c}})
+    assert md.startswith("**m parallel:2, a: gained**")
+    assert "- rehearsal 2 (rejected: REHEARSE output is not JSON): (no step)" in md
+    assert "- memory: Rehearsal 1: get_reservation_details -> not found" in md
+    assert '- committed with rehearsal: `cancel_reservation({"reservation_id": "LV5MG2"})` → {"status": "cancelled"}; ' \
+           "says: Done." in md
+    assert "- committed without: (not recorded)" in md
+    par[0] = rec("a", 1.0, 2, 1, 0)  # cached before traces were stored: said, not guessed
+    md = h.changed_markdown({"m": {"parallel:2": h.cell(par, none, {}, set(), 3, n_boot=200)}})
+    assert "(no trace: the episode was cached before the harness stored traces)" in md
+
+
 class FakeEvaluate:
     """evaluate_policy's cache contract (append a record per fresh task, skip cached ones) with a count of
     fresh episodes; `sleep` seconds per fresh episode."""

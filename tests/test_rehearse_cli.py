@@ -168,3 +168,10 @@ def test_list_the_ids_of_a_tasks_file(tmp_path, capsys):
     assert "holds no task of domain 'retail'" in capsys.readouterr().err
     assert main(["rehearse", "--tasks", str(tmp_path / "nope.json"), "--list"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_trace_cuts_long_texts_and_keeps_short_ones():
+    from envace_core.rehearsal.trace import _cut
+
+    assert _cut("x" * 10, 10) == "x" * 10 and _cut(None, 3) is None and _cut("abcdef", None) == "abcdef"
+    assert _cut("abcdef", 2) == "ab… [+4 chars]"

@@ -251,6 +251,10 @@ def test_opening_request_scores_the_gold_script_1_and_a_wrong_write_0_with_tau2s
     assert r["termination_reason"] == "agent_message" and r["user_stats"] == {}
     assert r["agent_stats"] == {"act_calls": 2, "tool_calls": 1, "messages": 1, "parse_errors": 0,
                                 "rehearsal_rounds": 0, "rehearsals": 0, "rejected": 0}
+    steps = r["trace"]["committed"]["steps"]  # what was committed, readable from the record itself
+    assert r["trace"]["rounds"] == [] and r["trace"]["committed"]["termination"] == "agent_message"
+    assert steps[0]["call"] == {"name": "cancel_reservation", "arguments": {"reservation_id": "Z7GOZK"}}
+    assert not steps[0]["error"] and "Z7GOZK" in steps[0]["observation"] and steps[1] == {"message": FINAL}
     db = registry.get_env_constructor("airline")().tools.db
     other = next(rid for rid, x in db.reservations.items() if rid != "Z7GOZK" and x.status != "cancelled")
     wrong = run_tau2([_task19()], plain(ScriptedEngine(tok, [GOLD.replace("Z7GOZK", other), FINAL])),
@@ -265,6 +269,11 @@ def test_opening_request_with_rehearsal_records_isolation_and_a_turn_limit_score
     assert r["termination_reason"] == "max_turns" and r["reward"] == 0.0 and r["agent_stats"]["act_calls"] == 3
     assert r["agent_stats"]["rehearsals"] == 2 and r["agent_stats"]["rehearsal_rounds"] == 1
     assert r["isolation"] == {"real_calls_during_rehearsal": 0, "db_hash_unchanged": True}
+    [rnd] = r["trace"]["rounds"]  # the two rehearsals, each a run of imagined cancellations, and the memory
+    assert [x["index"] for x in rnd["rehearsals"]] == [1, 2] and isinstance(rnd["memory"], str)
+    assert all(s["call"]["name"] == "cancel_reservation" for x in rnd["rehearsals"] for s in x["steps"])
+    assert [s["call"]["name"] for s in r["trace"]["committed"]["steps"]] == ["cancel_reservation"] * 3
+    assert r["trace"]["committed"]["termination"] == "max_turns"
 
 
 def test_run_tau2_refuses_bad_protocol_trials_and_hooks_for_the_orchestrator(tok):

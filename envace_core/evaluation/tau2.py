@@ -18,7 +18,9 @@ request only, no user simulator) is an argument and every record names it.
   max_steps; opening_request: agent_message, parse_error, max_turns; "error" when the trial raised),
   nl_assertions, note, agent_stats (act_calls, tool_calls, messages, parse_errors, rehearsal_rounds,
   rehearsals, rejected), user_stats, n_messages, isolation (opening_request: real calls and DB-hash
-  change during rehearsal; tau2_orchestrator: None, the agent holds no environment handle), error.
+  change during rehearsal; tau2_orchestrator: None, the agent holds no environment handle), error;
+  opening_request records also hold trace (`rehearsal.trace.episode`: each round's rehearsals and memory,
+  and the committed steps, texts cut to `rehearsal.trace.TRACE_MAX_CHARS`).
 * `summarize`: per domain, pass^k = tau2's ``pass_hat_k`` (C(c,k)/C(n,k), tau-bench arXiv:2406.12045)
   averaged over tasks as tau2's ``compute_metrics`` does, over scored records only.
 * Resume: with ``cache_path``, each finished (domain, task, trial) record is appended to a JSONL file and
@@ -161,6 +163,7 @@ def opening_request_trial(task: Task, agent: RehearsalAgent, *, policy_max_chars
     `rewards.score_trajectory`). Tool learning passes both for tools that only an implementation runs.
     """
     from envace_core.envs.tau2.environment import Tau2Environment
+    from envace_core.rehearsal import trace
     from envace_core.training.rewards import score_trajectory
     from envace_core.training.rollout import real_rollout
 
@@ -185,7 +188,8 @@ def opening_request_trial(task: Task, agent: RehearsalAgent, *, policy_max_chars
                             "rehearsal_rounds": len(rounds),
                             "rehearsals": sum(len(r.rehearsals) for r in rounds),
                             "rejected": sum(len(r.rejected) for r in rounds)},
-            "user_stats": {}, "n_messages": 1 + 2 * tools + texts, "isolation": iso}
+            "user_stats": {}, "n_messages": 1 + 2 * tools + texts, "isolation": iso,
+            "trace": trace.episode(rounds, traj)}
 
 
 # ----------------------------------------------------------------------------------------- run

@@ -87,23 +87,6 @@ def find_task(task_id: str, tasks_file: str | None = None):
 
 
 # ---------------------------------------------------------------------------------------- running
-def _steps(traj) -> list[dict[str, Any]]:
-    out = []
-    for s in traj.steps:
-        if s.action is not None:
-            obs = s.observation
-            out.append({"call": {"name": s.action.name, "arguments": s.action.arguments},
-                        "observation": obs.content if obs else None,
-                        "error": bool(obs and obs.error)})
-        else:
-            out.append({"message": s.message})
-    return out
-
-
-def _parse_errors(traj) -> list[str]:
-    return [f"{g.role.value}: {g.parse_error}" for g in traj.generations if g.parse_error]
-
-
 def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int | None = None, *,
                   adapter_dir: str | None = None, reenter: bool | None = None,
                   verifier: bool | None = None, max_turns: int | None = None,
@@ -118,6 +101,7 @@ def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int 
     """
     from envace_core.envs.tau2.environment import Tau2Environment
     from envace_core.envs.tau2.tasks import task_context
+    from envace_core.rehearsal import trace
     from envace_core.rehearsal.agent import RehearsalAgent
     from envace_core.rehearsal.verifier import default_checks
     from envace_core.training.loop import score
@@ -155,18 +139,7 @@ def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int 
     hash_after_commit = env.snapshot()
     traj = score(task, res.committed)
 
-    rounds = []
-    for rnd in res.rounds:
-        rejected = {id(t): reasons for t, reasons in rnd.rejected}
-        rehs = []
-        for k, (t, ev) in enumerate(zip(rnd.rehearsals, rnd.self_evals), 1):
-            rehs.append({"index": k, "steps": _steps(t), "termination": t.termination,
-                         "rejected": id(t) in rejected, "reasons": rejected.get(id(t), []),
-                         "self_eval": None if ev is None else {
-                             "reached_goal": ev.reached_goal, "blocker": ev.blocker,
-                             "advice": ev.advice, "raw": ev.raw},
-                         "parse_errors": _parse_errors(t)})
-        rounds.append({"turn": rnd.turn, "rehearsals": rehs, "memory": rnd.memory})
+    rounds = trace.rounds(res.rounds)
     final = next((s.message for s in reversed(traj.steps) if s.action is None and s.message), "")
     iso = dict(res.isolation)
     iso.update({"db_hash_before_rehearsal": hash_before, "rounds_checked": len(res.rounds),
@@ -183,8 +156,8 @@ def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int 
         "rounds": rounds,
         "n_rehearsals": len(res.rehearsals), "n_rejected": len(res.rejected),
         "memory": res.memory,
-        "committed": {"steps": _steps(traj), "final_message": final, "termination": traj.termination,
-                      "parse_errors": _parse_errors(traj)},
+        "committed": {"steps": trace.steps(traj), "final_message": final, "termination": traj.termination,
+                      "parse_errors": trace.parse_errors(traj)},
         "reward": traj.reward, "sub_rewards": dict(traj.sub_rewards),
         "reward_info": json.loads(json.dumps(traj.reward_info, default=str)),
         "isolation": iso,
