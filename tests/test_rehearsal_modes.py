@@ -73,6 +73,10 @@ def write_task():
     ("The agent cancelled without checking the reservation.", None, "", ""),
     ("", None, "", ""),
     ('{"reached_goal": 3, "advice": {"do": "x"}}', None, "", '{"do": "x"}'),
+    # the prompt's placeholders copied back say nothing (seen in held-out runs: "blocker: <the rule or …>")
+    ('{"reached_goal": true, "blocker": "<the rule or error that stopped it, or empty>", "advice": "ask"}',
+     True, "", "ask"),
+    ('reached goal: no, "advice": "<what to do instead next time, one sentence>', False, "", ""),
 ])
 def test_self_eval_parsing_is_lenient_and_never_crashes(text, goal, blocker, advice):
     ev = parse_self_eval(text)

@@ -12,12 +12,14 @@ from envace_core.roles.tools import one_line
 from envace_core.types import TaskContext
 
 # --------------------------------------------------------------------------------------- SELF-EVAL
+_HINTS = {"blocker": "<the rule or error that stopped it, or empty>",
+          "advice": "<what to do instead next time, one sentence>"}
 _SELF_EVAL_SYSTEM = (
     "You review a rehearsal: an imagined attempt by a customer service agent in the {domain} domain "
     "to serve a user, with tool responses that were imagined too. Judge it against the policy. "
     "Reply with ONLY a JSON object, nothing before or after it:\n"
-    '{{"reached_goal": true or false, "blocker": "<the rule or error that stopped it, or empty>", '
-    '"advice": "<what to do instead next time, one sentence>"}}'
+    f'{{{{"reached_goal": true or false, "blocker": "{_HINTS["blocker"]}", '
+    f'"advice": "{_HINTS["advice"]}"}}}}'
     "\n\n# Policy\n{policy}"
 )
 
@@ -119,15 +121,23 @@ def parse_self_eval(text: str) -> SelfEval:
     `reached_goal` may be a bool or "true"/"false"/"yes"/"no" and whose `blocker`/`advice` are taken
     as one-line strings; otherwise (truncated or broken JSON, prose) the fields are recovered by
     pattern where present (`"reached_goal": true`, `reached goal: no`, `"blocker": "..`). What cannot
-    be recovered stays `None` / "". `raw` is `text` unchanged.
+    be recovered stays `None` / "", and so does a field that repeats the prompt's placeholder. `raw` is
+    `text` unchanged.
     """
     text = text if isinstance(text, str) else ""
     obj = _first_object(text)
     if obj is not None and any(k in obj for k in ("reached_goal", "blocker", "advice")):
         def field(k: str) -> str:
             v = obj.get(k)
-            return "" if v is None else one_line(v if isinstance(v, str) else json.dumps(v, ensure_ascii=False))
+            return "" if v is None else _unhinted(k, one_line(v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)))
         return SelfEval(_as_bool(obj.get("reached_goal")), field("blocker"), field("advice"), text)
     m = _GOAL_RE.search(text)
     return SelfEval(_BOOL_WORDS[m.group(1).lower()] if m else None,
-                    _text_field("blocker", text), _text_field("advice", text), text)
+                    _unhinted("blocker", _text_field("blocker", text)), _unhinted("advice", _text_field("advice", text)),
+                    text)
+
+
+def _unhinted(name: str, value: str) -> str:
+    """"" when `value` is the prompt's own placeholder for field `name` (the model copied the template: it says
+    nothing, and a memory line "blocker: <the rule or error …>" would read as a finding), else `value`."""
+    return "" if value.strip() == _HINTS[name] else value
