@@ -277,44 +277,67 @@ def cell(records: list[dict[str, Any]], none_records: list[dict[str, Any]] | Non
 def changed_traces(records: list[dict[str, Any]], none_records: list[dict[str, Any]], own: dict[str, float],
                    base: dict[str, float]) -> dict[str, dict[str, Any]]:
     """{task id: {"with": trace, "without": trace}} for each task whose success differs from ``none``'s: the
-    records' ``trace`` (`rehearsal.trace.episode`: rehearsals, memory, committed steps); None where the
-    record has none (cached before the harness stored traces)."""
-    by_id = lambda rs: {r["task_id"]: r.get("trace") for r in rs}
-    mine, theirs = by_id(records), by_id(none_records)
-    return {t: {"with": mine.get(t), "without": theirs.get(t)}
+    records' ``trace`` (`rehearsal.trace.episode`: rehearsals, memory, committed steps), or {"missing": why}
+    where a record has none: the episode raised (its error's first line), or the record predates traces or
+    comes from a protocol that stores none (tau2_orchestrator)."""
+    def one(r: dict[str, Any] | None) -> dict[str, Any]:
+        if r is None:
+            return {"missing": "no record"}
+        if r.get("trace"):
+            return r["trace"]
+        if r.get("error"):
+            return {"missing": "the episode raised: " + str(r["error"]).strip().splitlines()[-1][:200]}
+        return {"missing": f"no trace in the record (protocol {r.get('protocol', '?')}; opening_request records "
+                           "hold one since the harness stores it)"}
+
+    mine, theirs = {r["task_id"]: r for r in records}, {r["task_id"]: r for r in none_records}
+    return {t: {"with": one(mine.get(t)), "without": one(theirs.get(t))}
             for t in sorted(set(own) & set(base)) if own[t] != base[t]}
+
+
+def _md(text: Any, k: int) -> str:
+    """`text` on one line, at most `k` characters, with ``<`` and backticks escaped for GitHub markdown."""
+    return " ".join(str(text).split())[:k].replace("&", "&amp;").replace("<", "&lt;").replace("`", "'")
 
 
 def _step_text(step: dict[str, Any], k: int = 140) -> str:
     if "call" in step:
         c = step["call"]
-        args = json.dumps(c.get("arguments"), sort_keys=True)
-        return f"`{c.get('name')}({args[:k]})` → {' '.join(str(step.get('observation')).split())[:k]}"
-    return f"says: {' '.join(str(step.get('message')).split())[:k]}"
+        obs = "(no observation)" if step.get("observation") is None else _md(step["observation"], k)
+        return f"`{_md(c.get('name'), 60)}({_md(json.dumps(c.get('arguments'), sort_keys=True), k)})` → {obs}"
+    return f"says: {_md(step.get('message'), k)}"
 
 
-def changed_markdown(report: dict[str, Any]) -> str:
-    """Per task whose outcome a condition changed: the kept and rejected rehearsals, the memory, and the
-    committed steps with and without rehearsal, from the benchmark's own records."""
+def _steps_text(steps: list[dict[str, Any]], k: int) -> str:
+    return "; ".join(_step_text(s, k) for s in steps) or "(no step)"
+
+
+CHANGED_SHOWN = 6  # changed tasks shown per condition in the markdown; all of them are in the JSON
+
+
+def changed_markdown(report: dict[str, Any], shown: int = CHANGED_SHOWN) -> str:
+    """Per task whose outcome a condition changed (the first `shown` per condition): the kept and rejected
+    rehearsals, the memory, and the committed steps with and without rehearsal, from the benchmark's own
+    records (`changed_traces`)."""
     out = []
     for model, conds in report.items():
         for name, c in ({} if model == "run" else conds).items():
-            for tid, tr in (c.get("changed_traces") or {}).items():
+            items = list((c.get("changed_traces") or {}).items())
+            for tid, tr in items[:shown]:
                 gained = tid in c["changed_vs_none"]["gained"]
                 out += [f"**{model} {name}, {tid}: {'gained' if gained else 'lost'}**", ""]
-                if not tr["with"]:
-                    out += ["- (no trace: the episode was cached before the harness stored traces)", ""]
-                    continue
-                for rnd in tr["with"]["rounds"]:
+                for rnd in tr["with"].get("rounds", []):
                     for x in rnd["rehearsals"]:
-                        verdict = "rejected: " + "; ".join(x["reasons"])[:160] if x["rejected"] else "kept"
-                        steps = "; ".join(_step_text(s, 80) for s in x["steps"]) or "(no step)"
-                        out.append(f"- rehearsal {x['index']} ({verdict}): {steps}")
-                    out.append(f"- memory: {' '.join(str(rnd['memory']).split()) or '(empty)'}")
+                        verdict = "rejected: " + _md("; ".join(x["reasons"]), 160) if x["rejected"] else "kept"
+                        out.append(f"- rehearsal {x['index']} ({verdict}): {_steps_text(x['steps'], 80)}")
+                    out.append(f"- memory: {_md(rnd['memory'], 600) or '(empty)'}")
                 for label, t in (("committed with rehearsal", tr["with"]), ("committed without", tr["without"])):
-                    steps = "; ".join(_step_text(s) for s in t["committed"]["steps"]) if t else "(not recorded)"
-                    out.append(f"- {label}: {steps}")
+                    text = _steps_text(t["committed"]["steps"], 140) if "committed" in t else \
+                        f"(not recorded: {_md(t.get('missing') or t.get('error'), 200)})"
+                    out.append(f"- {label}: {text}")
                 out.append("")
+            if len(items) > shown:
+                out += [f"({len(items) - shown} more changed tasks of {model} {name}: `changed_traces` in the JSON)", ""]
     return "\n".join(out)
 
 

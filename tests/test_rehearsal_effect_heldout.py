@@ -148,7 +148,7 @@ def test_assemble_shapes_the_report_and_the_table():
 def test_changed_outcomes_carry_both_traces_and_render_side_by_side():
     call = lambda name, obs: {"call": {"name": name, "arguments": {"reservation_id": "LV5MG2"}},
                               "observation": obs, "error": False}
-    with_trace = {"rounds": [{"turn": 0, "memory": "Rehearsal 1: get_reservation_details -> not found", "rehearsals": [
+    with_trace = {"rounds": [{"turn": 0, "memory": "Rehearsal 1: get_reservation_details -> not found <tool_call>", "rehearsals": [
         {"index": 1, "steps": [call("get_reservation_details", '{"error": "not found"}')], "rejected": False,
          "reasons": [], "termination": "agent_message", "self_eval": None, "parse_errors": []},
         {"index": 2, "steps": [], "rejected": True, "reasons": ["REHEARSE output is not JSON"],
@@ -158,17 +158,26 @@ def test_changed_outcomes_carry_both_traces_and_render_side_by_side():
     none = [rec("a", 0.0), rec("b", 1.0), rec("c", 0.0)]
     par = [{**rec("a", 1.0, 2, 1, 0), "trace": with_trace}, rec("b", 1.0, 2, 0, 0), rec("c", 0.0, 2, 0, 0)]
     c = h.cell(par, none, {}, set(), 3, n_boot=200)
-    assert c["changed_traces"] == {"a": {"with": with_trace, "without": None}}  # b and c kept their outcome
+    missing = {"missing": "no trace in the record (protocol ?; opening_request records hold one since the harness "
+                          "stores it)"}
+    assert c["changed_traces"] == {"a": {"with": with_trace, "without": missing}}  # b and c kept their outcome
     md = h.changed_markdown({"run": {}, "m": {"none": h.cell(none, none, {}, set(), 3, n_boot=200), "parallel:2": c}})
     assert md.startswith("**m parallel:2, a: gained**")
     assert "- rehearsal 2 (rejected: REHEARSE output is not JSON): (no step)" in md
-    assert "- memory: Rehearsal 1: get_reservation_details -> not found" in md
+    assert "- memory: Rehearsal 1: get_reservation_details -> not found &lt;tool_call>" in md  # not eaten as HTML
     assert '- committed with rehearsal: `cancel_reservation({"reservation_id": "LV5MG2"})` → {"status": "cancelled"}; ' \
            "says: Done." in md
-    assert "- committed without: (not recorded)" in md
-    par[0] = rec("a", 1.0, 2, 1, 0)  # cached before traces were stored: said, not guessed
+    assert "- committed without: (not recorded: no trace in the record" in md
+    # an episode that raised is said to have raised; a backtick in an argument cannot end the code span
+    par[0] = {**rec("a", 1.0, 2, 1, 0), "error": "Traceback ...\nRuntimeError: engine died"}
+    with_trace["committed"]["steps"][0]["call"]["arguments"] = {"reservation_id": "LV`5"}
+    none[0] = {**rec("a", 0.0), "trace": with_trace}
     md = h.changed_markdown({"m": {"parallel:2": h.cell(par, none, {}, set(), 3, n_boot=200)}})
-    assert "(no trace: the episode was cached before the harness stored traces)" in md
+    assert "- committed with rehearsal: (not recorded: the episode raised: RuntimeError: engine died)" in md
+    assert "- committed without: `cancel_reservation({\"reservation_id\": \"LV'5\"})`" in md
+    many = {t: {"with": with_trace, "without": with_trace} for t in "abcdefgh"}
+    md = h.changed_markdown({"m": {"p": {"changed_traces": many, "changed_vs_none": {"gained": [], "lost": list(many)}}}})
+    assert md.count(": lost**") == h.CHANGED_SHOWN and "(2 more changed tasks of m p: `changed_traces` in the JSON)" in md
 
 
 class FakeEvaluate:

@@ -77,6 +77,8 @@ def write_task():
     ('{"reached_goal": true, "blocker": "<the rule or error that stopped it, or empty>", "advice": "ask"}',
      True, "", "ask"),
     ('reached goal: no, "advice": "<what to do instead next time, one sentence>', False, "", ""),
+    ('{"reached_goal": false, "blocker": "<The rule or error that stop', False, "", ""),  # cut short, any case
+    ('{"reached_goal": false, "blocker": "<none>", "advice": "<"}', False, "<none>", "<"),  # not the hints
 ])
 def test_self_eval_parsing_is_lenient_and_never_crashes(text, goal, blocker, advice):
     ev = parse_self_eval(text)

@@ -175,3 +175,19 @@ def test_trace_cuts_long_texts_and_keeps_short_ones():
 
     assert _cut("x" * 10, 10) == "x" * 10 and _cut(None, 3) is None and _cut("abcdef", None) == "abcdef"
     assert _cut("abcdef", 2) == "ab… [+4 chars]"
+
+
+def test_trace_keeps_every_rehearsal_even_without_a_self_eval():
+    from envace_core.rehearsal.agent import RehearsalRound
+    from envace_core.rehearsal.trace import episode
+    from envace_core.roles.self_eval import SelfEval
+    from envace_core.types import Trajectory
+
+    a, b = (Trajectory(task_id="airline/0", group_index=k, termination="agent_message") for k in (0, 1))
+    rnd = RehearsalRound(turn=0, rehearsals=[a, b], memory="m" * 500, rejected=[(b, ["unknown tool"])],
+                         self_evals=[SelfEval(True, "x" * 900, "", "raw")])
+    tr = episode([rnd], a)
+    r1, r2 = tr["rounds"][0]["rehearsals"]
+    assert (r1["rejected"], r2["rejected"], r2["reasons"], r2["self_eval"]) == (False, True, ["unknown tool"], None)
+    assert r1["self_eval"]["blocker"] == "x" * 400 + "… [+500 chars]" and tr["rounds"][0]["memory"].endswith("[+100 chars]")
+    assert tr["committed"] == {"steps": [], "termination": "agent_message", "parse_errors": []}

@@ -284,3 +284,14 @@ def test_run_tau2_refuses_bad_protocol_trials_and_hooks_for_the_orchestrator(tok
         run_tau2([_task19()], agent, OPENING_REQUEST, trials=0)
     with pytest.raises(EnvaceError, match="opening_request only"):
         run_tau2([_task19()], agent, TAU2_ORCHESTRATOR, score=lambda task, traj: traj)
+
+
+def test_a_trace_that_fails_leaves_the_scored_episode_as_it_is(tok, monkeypatch):
+    from envace_core.rehearsal import trace
+
+    def broken(rounds, traj):
+        raise ValueError("cannot serialise")
+
+    monkeypatch.setattr(trace, "episode", broken)
+    [r] = run_tau2([_task19()], plain(ScriptedEngine(tok, [GOLD, FINAL])), OPENING_REQUEST)["results"]
+    assert r["error"] is None and r["reward"] == 1.0 and r["trace"] == {"error": "ValueError: cannot serialise"}

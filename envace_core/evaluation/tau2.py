@@ -20,7 +20,7 @@ request only, no user simulator) is an argument and every record names it.
   rehearsals, rejected), user_stats, n_messages, isolation (opening_request: real calls and DB-hash
   change during rehearsal; tau2_orchestrator: None, the agent holds no environment handle), error;
   opening_request records also hold trace (`rehearsal.trace.episode`: each round's rehearsals and memory,
-  and the committed steps, texts cut to `rehearsal.trace.TRACE_MAX_CHARS`).
+  and the committed steps; observations, messages and memory cut to `rehearsal.trace.TRACE_MAX_CHARS`).
 * `summarize`: per domain, pass^k = tau2's ``pass_hat_k`` (C(c,k)/C(n,k), tau-bench arXiv:2406.12045)
   averaged over tasks as tau2's ``compute_metrics`` does, over scored records only.
 * Resume: with ``cache_path``, each finished (domain, task, trial) record is appended to a JSONL file and
@@ -163,7 +163,6 @@ def opening_request_trial(task: Task, agent: RehearsalAgent, *, policy_max_chars
     `rewards.score_trajectory`). Tool learning passes both for tools that only an implementation runs.
     """
     from envace_core.envs.tau2.environment import Tau2Environment
-    from envace_core.rehearsal import trace
     from envace_core.training.rewards import score_trajectory
     from envace_core.training.rollout import real_rollout
 
@@ -189,7 +188,18 @@ def opening_request_trial(task: Task, agent: RehearsalAgent, *, policy_max_chars
                             "rehearsals": sum(len(r.rehearsals) for r in rounds),
                             "rejected": sum(len(r.rejected) for r in rounds)},
             "user_stats": {}, "n_messages": 1 + 2 * tools + texts, "isolation": iso,
-            "trace": trace.episode(rounds, traj)}
+            "trace": _trace(rounds, traj)}
+
+
+def _trace(rounds, traj) -> dict:
+    """`rehearsal.trace.episode`, or {"error": ...} if it fails: a record is scored already, and a trace
+    that cannot be written must not turn it into a failed episode."""
+    from envace_core.rehearsal import trace
+
+    try:
+        return trace.episode(rounds, traj)
+    except Exception as e:  # noqa: BLE001 (any failure of a best-effort record field)
+        return {"error": f"{type(e).__name__}: {e}"[:300]}
 
 
 # ----------------------------------------------------------------------------------------- run

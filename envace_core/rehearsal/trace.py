@@ -2,7 +2,8 @@
 observations, ending, verifier reasons, SELF-EVAL), the memory of each round, and the committed trajectory.
 
 `envace rehearse` (`rehearsal.inspect`) shows these in full; the evaluation harness
-(`evaluation.tau2.opening_request_trial`) stores them, with each text cut to `max_chars`, in every
+(`evaluation.tau2.opening_request_trial`) stores them, with observations, messages and memory cut to
+`TRACE_MAX_CHARS`, in every
 ``opening_request`` record, so an episode whose outcome rehearsal changed can be read from the benchmark's
 own records (METHOD.md §4: rehearsals → memory m_x → one committed execution).
 """
@@ -45,16 +46,18 @@ def parse_errors(traj) -> list[str]:
 def rounds(result_rounds, max_chars: int | None = None) -> list[dict[str, Any]]:
     """`RehearsalResult.rounds` as dicts: {"turn", "memory", "rehearsals": [{"index" (1-based), "steps",
     "termination", "rejected", "reasons" (the verifier's), "self_eval" ({reached_goal, blocker, advice, raw}
-    or None), "parse_errors"}]}. Texts cut to `max_chars` (None: whole)."""
+    or None: none ran), "parse_errors"}]}. Observations, messages, memory and the SELF-EVAL texts are cut to
+    `max_chars` (None: whole); call arguments (bounded by ACT's token budget) and reasons are kept whole."""
     out = []
     for rnd in result_rounds:
         rejected = {id(t): reasons for t, reasons in rnd.rejected}
         rehs = []
-        for k, (t, ev) in enumerate(zip(rnd.rehearsals, rnd.self_evals), 1):
+        for k, t in enumerate(rnd.rehearsals, 1):
+            ev = rnd.self_evals[k - 1] if k <= len(rnd.self_evals) else None
             rehs.append({"index": k, "steps": steps(t, max_chars), "termination": t.termination,
                          "rejected": id(t) in rejected, "reasons": rejected.get(id(t), []),
                          "self_eval": None if ev is None else {
-                             "reached_goal": ev.reached_goal, "blocker": ev.blocker,
+                             "reached_goal": ev.reached_goal, "blocker": _cut(ev.blocker, max_chars),
                              "advice": _cut(ev.advice, max_chars), "raw": _cut(ev.raw, max_chars)},
                          "parse_errors": parse_errors(t)})
         out.append({"turn": rnd.turn, "rehearsals": rehs, "memory": _cut(rnd.memory, max_chars)})

@@ -138,6 +138,8 @@ def parse_self_eval(text: str) -> SelfEval:
 
 
 def _unhinted(name: str, value: str) -> str:
-    """"" when `value` is the prompt's own placeholder for field `name` (the model copied the template: it says
-    nothing, and a memory line "blocker: <the rule or error …>" would read as a finding), else `value`."""
-    return "" if value.strip() == _HINTS[name] else value
+    """"" when `value` is the prompt's own placeholder for field `name`, or its start (cut by the token limit),
+    in any case: the model copied the template, which says nothing, and a memory line "blocker: <the rule or
+    error …>" would read as a finding. Otherwise `value`."""
+    v = value.strip().lower()
+    return "" if len(v) > 1 and v.startswith("<") and _HINTS[name].startswith(v) else value

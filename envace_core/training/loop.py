@@ -127,7 +127,9 @@ def roll_out(run: TrainingRun, batch: list[Task], iteration: int) -> list[list[T
     depend on the rank. With ``rollout.merge_groups`` the groups run in lockstep, one thread each, their
     engine calls merged (`engines.merging.MergingEngine`): each call keeps its own seeds, so the groups
     are those of one group after another, up to float rounding of the larger batches; the engine's prefix
-    KV cache then holds ``rollout.prefix_cache_tokens`` per group."""
+    KV cache then holds ``rollout.prefix_cache_tokens`` per group. One group after another, the C heap's free
+    pages go back to the OS after each (`heap.release_free_heap`); merged groups finish together, so there
+    the trim after all rollouts (`train_iteration`) is the only one."""
     from tqdm.auto import tqdm
 
     from envace_core.engines.merging import MergingEngine
