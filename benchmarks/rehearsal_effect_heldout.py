@@ -296,8 +296,11 @@ def changed_traces(records: list[dict[str, Any]], none_records: list[dict[str, A
 
 
 def _md(text: Any, k: int) -> str:
-    """`text` on one line, at most `k` characters, with ``<`` and backticks escaped for GitHub markdown."""
-    return " ".join(str(text).split())[:k].replace("&", "&amp;").replace("<", "&lt;").replace("`", "'")
+    """`text` on one line (`roles.tools.one_line`), at most `k` characters, with ``<`` and backticks escaped for
+    GitHub markdown."""
+    from envace_core.roles.tools import one_line
+
+    return one_line(text)[:k].replace("&", "&amp;").replace("<", "&lt;").replace("`", "'")
 
 
 def _step_text(step: dict[str, Any], k: int = 140) -> str:
