@@ -68,6 +68,12 @@ def test_calls_content_budget_and_bad_input(tasks, tok):
                for e in ex)
     small = act_memory_examples(tasks, tok, policy_max_chars=300, memory_max_tokens=40)
     assert all(len(tok.encode(notes(tok, e.prompt_ids).strip(), add_special_tokens=False)) <= 40 for e in small)
+    pit = act_memory_examples(tasks, tok, policy_max_chars=300, memory_max_tokens=400, memory_content="pitfalls")
+    texts = [tok.decode(e.prompt_ids) for e in pit]
+    held = [notes(tok, e.prompt_ids) for e, t in zip(pit, texts) if "# Notes from rehearsal" in t]
+    assert held
+    for m in held:  # every rehearsal kept met an imagined error
+        assert all("-> ERROR" in block for block in re.split(r"\[rehearsal \d+\]", m) if block.strip())
     with pytest.raises(SFTError, match="unknown rehearsal memory content 'plans'"):
         act_memory_examples(tasks, tok, memory_content="plans")
     with pytest.raises(TestSplitError):

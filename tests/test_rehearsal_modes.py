@@ -262,6 +262,24 @@ def test_calls_memory_keeps_what_was_tried_not_how_the_rehearsal_ended(tok, writ
     assert only_talk.memory == ""  # no call tried: nothing to remember
 
 
+def test_pitfalls_memory_keeps_only_rehearsals_that_met_an_imagined_error(tok, write_task):
+    """memory_content="pitfalls": a kept rehearsal enters the memory, whole, only if the imagined
+    environment answered one of its calls with an error; one that met none leaves the memory empty, so
+    the committed run is the one without rehearsal."""
+    task, write_text = write_task
+    ctx = task_context(task, 300)
+    memories = {}
+    for reply in ('{"status": "ok"}', '{"error": "Reservation not found"}'):
+        for content in ("episode", "pitfalls"):
+            engine = EvalEngine(tok, [write_text, "Done, your booking is cancelled."], rehearse_text=reply)
+            memories[reply[2:7], content] = RehearsalAgent(engine, "parallel", 2, 512, act=P, rehearse=P, seed=0,
+                                                           memory_content=content).rehearse_round(ctx).memory
+    assert memories["statu", "episode"] and "ERROR" not in memories["statu", "episode"]
+    assert memories["statu", "pitfalls"] == ""
+    assert "-> ERROR" in memories["error", "pitfalls"]
+    assert memories["error", "pitfalls"] == memories["error", "episode"]  # the same rendering, not a cut one
+
+
 # ------------------------------------------------------------------------------------------ arguments
 def test_bad_arguments_are_rejected(tok):
     e = ScriptedEngine(tok, ["hi"])
@@ -273,4 +291,6 @@ def test_bad_arguments_are_rejected(tok):
         RehearsalAgent(e, "parallel", 2, 64, act=P, rehearse=P, verifier=["schema"])
     with pytest.raises(EnvaceError, match="unknown rehearsal memory content 'plans'"):
         RehearsalAgent(e, "parallel", 2, 64, act=P, rehearse=P, memory_content="plans")
+    with pytest.raises(EnvaceError, match="unknown rehearsal memory content 'Pitfalls'"):
+        RehearsalAgent(e, "parallel", 2, 64, act=P, rehearse=P, memory_content="Pitfalls")
     assert RehearsalAgent(e, "none", 0, 64, act=P, rehearse=P).rehearse(None) == ([], "")

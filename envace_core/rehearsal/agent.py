@@ -42,7 +42,7 @@ from envace_core.training.rollout import (
 from envace_core.types import Message, Role, Step, TaskContext, Trajectory
 
 MODES = ("none", "parallel", "sequential")
-MEMORY_CONTENTS = ("episode", "calls")  # what a kept rehearsal puts in the memory (`summarise`)
+MEMORY_CONTENTS = ("episode", "calls", "pitfalls")  # what a kept rehearsal puts in the memory (`summarise`)
 _ROUND_SEED_STRIDE = 7919  # re-entry round r rehearses with seed + r * stride (round 0: `seed`)
 
 T = TypeVar("T")
@@ -89,11 +89,17 @@ def summarise(traj: Trajectory, k: int, tokenizer=None,
     `roles.bounds.bound_text` (the cut ACT's and REHEARSE's prompts use), so neither the SELF-EVAL
     prompt nor a memory line holds a whole long tool result. `content` (one of `MEMORY_CONTENTS`):
     "episode" = every step and the termination; "calls" = the calls and their imagined outcomes only,
-    no message to the user and no ending ("" when the rehearsal called no tool). Raises `EnvaceError`
-    for another `content`.
+    no message to the user and no ending ("" when the rehearsal called no tool); "pitfalls" = the
+    episode, but only for a rehearsal whose imagined environment answered at least one call with an
+    error, else "" (METHOD.md §4's memory holds "constraints discovered, pitfalls": a rehearsal that met
+    no error carries only imagined values, which the committed run reads for real). Raises
+    `EnvaceError` for another `content`.
     """
     if content not in MEMORY_CONTENTS:
         raise EnvaceError(f"unknown rehearsal memory content {content!r}; choose one of {MEMORY_CONTENTS}")
+    if content == "pitfalls" and not any(s.action is not None and s.observation is not None and s.observation.error
+                                         for s in traj.steps):
+        return ""
     lines = [f"Rehearsal {k}:"]
     for s in traj.steps:
         if s.action is not None:
@@ -102,7 +108,7 @@ def summarise(traj: Trajectory, k: int, tokenizer=None,
                 obs = bound_text(obs, tokenizer, max_observation_tokens)
             lines.append(f"- called {s.action.name}({json.dumps(s.action.arguments, sort_keys=True, ensure_ascii=False)})"
                          f" -> {'ERROR ' if s.observation and s.observation.error else ''}{obs}")
-        elif s.message and content == "episode":
+        elif s.message and content != "calls":
             lines.append(f"- told the user: {s.message}")
     if content == "calls":
         return "\n".join(lines) if len(lines) > 1 else ""

@@ -86,7 +86,7 @@ def act_memory_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int 
     """`training.sft.act_examples`' turns with a rehearsal memory in every prompt (module docstring).
 
     Per task: two rehearsal kinds drawn with `seed` (only the faithful one when the error kinds do not
-    apply), summarised with `memory_content` ("episode" | "calls", `agent.summarise`) and joined by
+    apply), summarised with `memory_content` (one of `agent.MEMORY_CONTENTS`, `agent.summarise`) and joined by
     `roles.memory_text` under `memory_max_tokens` tokens, in the order drawn. The history and targets are
     those of `act_examples` (real results, first `max_turns` turns, the final answer after the last gold
     call when it fits). Arguments and raises as `act_examples`; also `SFTError` for an unknown
