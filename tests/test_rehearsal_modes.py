@@ -262,12 +262,13 @@ def test_calls_memory_keeps_what_was_tried_not_how_the_rehearsal_ended(tok, writ
     assert only_talk.memory == ""  # no call tried: nothing to remember
 
 
-def test_pitfalls_memory_keeps_only_rehearsals_that_met_an_imagined_error(tok, write_task):
-    """memory_content="pitfalls": a kept rehearsal enters the memory, whole, only if the imagined
-    environment answered one of its calls with an error; one that met none leaves the memory empty, so
-    the committed run is the one without rehearsal."""
+def test_pitfalls_memory_keeps_only_the_calls_that_met_an_imagined_error(tok, write_task):
+    """memory_content="pitfalls": only the calls the imagined environment answered with an error, and
+    those errors; no successful call, no message to the user, no ending. A rehearsal that met no error
+    leaves the memory empty, so the committed run is the one without rehearsal."""
     task, write_text = write_task
     ctx = task_context(task, 300)
+    write_name = json.loads(write_text[len("<tool_call>"):-len("</tool_call>")])["name"]
     memories = {}
     for reply in ('{"status": "ok"}', '{"error": "Reservation not found"}'):
         for content in ("episode", "pitfalls"):
@@ -276,8 +277,12 @@ def test_pitfalls_memory_keeps_only_rehearsals_that_met_an_imagined_error(tok, w
                                                            memory_content=content).rehearse_round(ctx).memory
     assert memories["statu", "episode"] and "ERROR" not in memories["statu", "episode"]
     assert memories["statu", "pitfalls"] == ""
-    assert "-> ERROR" in memories["error", "pitfalls"]
-    assert memories["error", "pitfalls"] == memories["error", "episode"]  # the same rendering, not a cut one
+    episode, pitfalls = memories["error", "episode"], memories["error", "pitfalls"]
+    assert "- told the user: Done" in episode and "- ended:" in episode
+    assert f"- called {write_name}(" in pitfalls and '-> ERROR {"error":"Reservation not found"}' in pitfalls
+    assert "told the user" not in pitfalls and "- ended:" not in pitfalls
+    assert all(line.startswith(("[rehearsal", "Rehearsal", "- called")) and ("-> ERROR" in line or "called" not in line)
+               for line in pitfalls.splitlines())
 
 
 # ------------------------------------------------------------------------------------------ arguments

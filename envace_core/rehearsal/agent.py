@@ -89,28 +89,27 @@ def summarise(traj: Trajectory, k: int, tokenizer=None,
     `roles.bounds.bound_text` (the cut ACT's and REHEARSE's prompts use), so neither the SELF-EVAL
     prompt nor a memory line holds a whole long tool result. `content` (one of `MEMORY_CONTENTS`):
     "episode" = every step and the termination; "calls" = the calls and their imagined outcomes only,
-    no message to the user and no ending ("" when the rehearsal called no tool); "pitfalls" = the
-    episode, but only for a rehearsal whose imagined environment answered at least one call with an
-    error, else "" (METHOD.md §4's memory holds "constraints discovered, pitfalls": a rehearsal that met
-    no error carries only imagined values, which the committed run reads for real). Raises
-    `EnvaceError` for another `content`.
+    no message to the user and no ending ("" when the rehearsal called no tool); "pitfalls" = only the
+    calls its imagined environment answered with an error, with those errors ("" when none failed):
+    METHOD.md §4's memory holds "constraints discovered, pitfalls", and everything else a rehearsal holds
+    is imagined values (results, the answer it gave the user) that the committed run, on held-out tasks,
+    copied in place of the real ones. Raises `EnvaceError` for another `content`.
     """
     if content not in MEMORY_CONTENTS:
         raise EnvaceError(f"unknown rehearsal memory content {content!r}; choose one of {MEMORY_CONTENTS}")
-    if content == "pitfalls" and not any(s.action is not None and s.observation is not None and s.observation.error
-                                         for s in traj.steps):
-        return ""
     lines = [f"Rehearsal {k}:"]
     for s in traj.steps:
         if s.action is not None:
+            if content == "pitfalls" and not (s.observation and s.observation.error):
+                continue
             obs = s.observation.content if s.observation else "(no response)"
             if tokenizer is not None and s.observation:
                 obs = bound_text(obs, tokenizer, max_observation_tokens)
             lines.append(f"- called {s.action.name}({json.dumps(s.action.arguments, sort_keys=True, ensure_ascii=False)})"
                          f" -> {'ERROR ' if s.observation and s.observation.error else ''}{obs}")
-        elif s.message and content != "calls":
+        elif s.message and content == "episode":
             lines.append(f"- told the user: {s.message}")
-    if content == "calls":
+    if content in ("calls", "pitfalls"):
         return "\n".join(lines) if len(lines) > 1 else ""
     lines.append(f"- ended: {traj.termination}")
     return "\n".join(lines)
