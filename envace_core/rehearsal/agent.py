@@ -142,7 +142,8 @@ class RehearsalAgent:
         self_eval: run SELF-EVAL after each rehearsal; None means "only in sequential mode".
         self_eval_max_tokens, self_eval_temperature: SELF-EVAL generation settings (default greedy).
         memory_content: what a kept rehearsal puts in the memory, one of `MEMORY_CONTENTS` (`summarise`);
-            SELF-EVAL always sees the whole episode.
+            SELF-EVAL always sees the whole episode. The keyword's default renders the whole episode; the
+            config's ``rehearsal.memory_content`` (what every stage, CLI and benchmark passes) is "pitfalls".
     Raises:
         EnvaceError: unknown mode or memory content; n < 1 with a rehearsing mode; a verifier entry that
             is not callable.
