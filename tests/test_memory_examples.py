@@ -71,7 +71,7 @@ def test_calls_content_budget_and_bad_input(tasks, tok):
     pit = act_memory_examples(tasks, tok, policy_max_chars=300, memory_max_tokens=400, memory_content="pitfalls")
     texts = [tok.decode(e.prompt_ids) for e in pit]
     held = [notes(tok, e.prompt_ids) for e, t in zip(pit, texts) if "# Notes from rehearsal" in t]
-    assert held
+    assert held and len(held) == len(pit)  # a task whose memory renders to nothing gets no repeated plain example
     for m in held:  # only failed calls: no successful one, no message, no ending
         calls = [line for line in m.splitlines() if line.startswith("- ")]
         assert calls and all(line.startswith("- called ") and "-> ERROR" in line for line in calls)
@@ -79,3 +79,14 @@ def test_calls_content_budget_and_bad_input(tasks, tok):
         act_memory_examples(tasks, tok, memory_content="plans")
     with pytest.raises(TestSplitError):
         act_memory_examples([tasks[0].model_copy(update={"split": "test"})], tok, policy_max_chars=300)
+
+
+def test_a_task_whose_memory_renders_to_nothing_gets_no_example(tasks, tok, monkeypatch):
+    """Under "pitfalls" a faithful rehearsal renders to nothing; a task left with no memory must not come
+    back as a second copy of its plain ACT examples."""
+    import envace_core.rehearsal.memory_examples as me
+
+    real = me.rehearsal_kinds
+    monkeypatch.setattr(me, "rehearsal_kinds", lambda task, *a: {} if task.id == tasks[0].id else real(task, *a))
+    ex = act_memory_examples(tasks, tok, policy_max_chars=300, memory_max_tokens=400)
+    assert {e.task_id for e in ex} == {t.id for t in tasks[1:]}

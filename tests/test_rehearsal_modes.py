@@ -285,6 +285,19 @@ def test_pitfalls_memory_keeps_only_the_calls_that_met_an_imagined_error(tok, wr
                for line in pitfalls.splitlines())
 
 
+def test_pitfalls_memory_keeps_a_self_eval_that_names_a_blocker(tok, write_task):
+    """Sequential, "pitfalls": a rehearsal that met no imagined error adds no calls, but its SELF-EVAL's
+    blocker and advice (a constraint it found) reach the next rehearsal and the memory."""
+    task, write_text = write_task
+    engine = EvalEngine(tok, [write_text, "Done, your booking is cancelled."])  # REHEARSE answers without error
+    rnd = RehearsalAgent(engine, "sequential", 2, 512, act=P, rehearse=P, seed=0,
+                         memory_content="pitfalls").rehearse_round(task_context(task, 300))
+    assert "- called" not in rnd.memory and "blocker: reservation is basic economy" in rnd.memory
+    assert rnd.memory.count("Rehearsal ") == 2
+    second = [t for k, t in engine.prompts if k == "act"]
+    assert any("reservation is basic economy" in t for t in second)
+
+
 # ------------------------------------------------------------------------------------------ arguments
 def test_bad_arguments_are_rejected(tok):
     e = ScriptedEngine(tok, ["hi"])

@@ -142,8 +142,11 @@ class RehearsalAgent:
         self_eval: run SELF-EVAL after each rehearsal; None means "only in sequential mode".
         self_eval_max_tokens, self_eval_temperature: SELF-EVAL generation settings (default greedy).
         memory_content: what a kept rehearsal puts in the memory, one of `MEMORY_CONTENTS` (`summarise`);
-            SELF-EVAL always sees the whole episode. The keyword's default renders the whole episode; the
-            config's ``rehearsal.memory_content`` (what every stage, CLI and benchmark passes) is "pitfalls".
+            SELF-EVAL always sees the whole episode, and its line follows the rehearsal's block; under
+            "pitfalls" a rehearsal that met no imagined error still adds its SELF-EVAL line when that names a
+            blocker or advice (a constraint it found), so sequential rehearsals see it. The keyword's default
+            renders the whole episode; the config's ``rehearsal.memory_content`` (what every stage, CLI and
+            benchmark passes) is "pitfalls".
     Raises:
         EnvaceError: unknown mode or memory content; n < 1 with a rehearsing mode; a verifier entry that
             is not callable.
@@ -214,8 +217,12 @@ class RehearsalAgent:
                     blocks.append("")
                 else:
                     text = summarise(t, base + i + 1, tok, p.max_observation_tokens, self.memory_content)
-                    if text and i in evals and evals[i].as_text():
-                        text += "\n" + evals[i].as_text()
+                    ev = evals.get(i)
+                    if ev is not None and ev.as_text():
+                        if text:
+                            text += "\n" + ev.as_text()
+                        elif self.memory_content == "pitfalls" and (ev.blocker or ev.advice):
+                            text = f"Rehearsal {base + i + 1}:\n{ev.as_text()}"  # a constraint it found
                     blocks.append(text)
 
         if self.mode == "parallel":

@@ -93,7 +93,7 @@ def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int 
                   seed: int | None = None, engine=None, tasks_file: str | None = None) -> dict[str, Any]:
     """Rehearse then commit on one task; the JSON-able result (module docstring).
 
-    Unset options come from `cfg.rehearsal` (mode, n, reenter, verifier, memory budget, temperature)
+    Unset options come from `cfg.rehearsal` (mode, n, reenter, verifier, memory content and budget, temperature)
     and `cfg.eval` (max_turns, committed-execution temperature); `seed` defaults to `cfg.train.seed`.
     `engine`: an already-built engine (benchmarks reuse one); default: `stages.load_policy` + HFEngine.
     `tasks_file`: where the task is looked up (`find_task`); default: the tau2 domain's own splits.
@@ -223,7 +223,7 @@ def print_result(r: dict[str, Any], console=None) -> None:
     for rd in r["rounds"]:
         if len(r["rounds"]) > 1:
             c.print(f"[bold]before real step {rd['turn'] + 1}:[/bold]")
-        c.print(Text(rd["memory"] or "(empty: no kept rehearsal)"))
+        c.print(Text(rd["memory"] or "(empty: no kept rehearsal, or none that rehearsal.memory_content keeps)"))
     c.rule("Committed execution (real environment)")
     cm = r["committed"]
     c.print(Panel(Text("\n".join(_step_lines(cm["steps"]) + [f"ended: {cm['termination']}"]

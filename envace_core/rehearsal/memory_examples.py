@@ -16,6 +16,9 @@ drawn (with the seed) among three kinds of imagined trajectory from the task's s
   of it (`transitions.wrong_calls`: a rotated id, a missing argument), then an ending that claims success;
 - wrong call: that wrong variant with its real error, then the same ending.
 
+Under ``rehearsal.memory_content="pitfalls"`` (the default) a rehearsal renders only its failed calls, so the
+faithful one adds nothing and the memories hold the error kinds alone.
+
 Every ACT turn of `act_examples` (gold calls, final answer) is repeated with this memory in its prompt
 and the same target: the notes are attempts in an imagined world; the real history decides the next
 action. (Behaviour cloning as `training.sft`, DeepSeekMath §4; the memory format is the test-time one.)
@@ -89,13 +92,16 @@ def act_memory_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int 
     apply), summarised with `memory_content` (one of `agent.MEMORY_CONTENTS`, `agent.summarise`) and joined by
     `roles.memory_text` under `memory_max_tokens` tokens, in the order drawn. The history and targets are
     those of `act_examples` (real results, first `max_turns` turns, the final answer after the last gold
-    call when it fits). Arguments and raises as `act_examples`; also `SFTError` for an unknown
-    `memory_content`.
+    call when it fits). A task whose drawn rehearsals render to nothing (under "pitfalls" the faithful
+    one does) gets no example here: it would repeat the plain one. Arguments and raises as
+    `act_examples`; also `SFTError` for an unknown `memory_content`.
     """
     from envace_core.envs.tau2.environment import Tau2Environment
 
     if memory_content not in MEMORY_CONTENTS:
         raise SFTError(f"unknown rehearsal memory content {memory_content!r}; choose one of {MEMORY_CONTENTS}")
+
+    without: set[str] = set()  # tasks whose drawn rehearsals render to nothing under `memory_content`
 
     def memory(task: Task, ctx: TaskContext) -> str | None:
         rng = random.Random(f"memory:{seed}:{task.id}")
@@ -104,7 +110,11 @@ def act_memory_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int 
         drawn = rng.sample(sorted(kinds), min(2, len(kinds)))
         blocks = [summarise(kinds[k], i + 1, tokenizer, max_observation_tokens, memory_content)
                   for i, k in enumerate(drawn)]
-        return memory_text(blocks, memory_max_tokens, tokenizer) or None
+        text = memory_text(blocks, memory_max_tokens, tokenizer)
+        if not text:
+            without.add(task.id)
+        return text or None
 
-    return act_examples(tasks, tokenizer, policy_max_chars, env_factory, max_turns=max_turns, max_tokens=max_tokens,
-                        forbid_splits=forbid_splits, max_observation_tokens=max_observation_tokens, memory=memory)
+    out = act_examples(tasks, tokenizer, policy_max_chars, env_factory, max_turns=max_turns, max_tokens=max_tokens,
+                       forbid_splits=forbid_splits, max_observation_tokens=max_observation_tokens, memory=memory)
+    return [e for e in out if e.task_id not in without]  # else a plain example again: that task weighed twice
