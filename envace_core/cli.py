@@ -2,6 +2,8 @@
 
     envace train [--profile cpu-smoke] [--overrides 'train.iterations=1']
     envace config [--check|--remote] print the resolved config; --check also resolves the model
+    envace warm-start [--overrides 'train.init_adapter=DIR,train.sft_roles=[act]'] [--json]
+                                     curate, then make (or reuse) the config's warm start; print its adapter
     envace config --markdown         the table of every setting (README 'Configuration')
     envace registry list|show NAME@VERSION|verify NAME@VERSION [--profile ...]
     envace rehearse --task airline/3 [--mode parallel] [--n 4] [--model REF] [--adapter DIR]
@@ -19,6 +21,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from typing import Any
@@ -43,6 +46,23 @@ def _train(args) -> int:
     val = validate(cfg, ds, tr)
     ev = evaluate(cfg, ds, tr)
     register(cfg, ds, tr, val, ev, execution_id="cli")
+    return 0
+
+
+def _warm_start(args) -> int:
+    """Curate, then make or reuse the warm start of the config (`stages.warm_start.warm_start`: the main job's
+    warm_start stage, cached in the store by warm-start id). Progress goes to stderr; stdout gets the
+    adapter's URI (a folder a later `--overrides train.init_adapter=...` or `--adapter` takes), or with
+    --json the stage's whole record. Without SFT (train.sft_warmup_steps=0) nothing is made: an error."""
+    from envace_core.stages.curate import curate
+    from envace_core.stages.warm_start import warm_start
+
+    cfg = load_config(args.profile, args.overrides)
+    if cfg.train.sft_warmup_steps <= 0:
+        raise EnvaceError("train.sft_warmup_steps=0: this config has no warm start to make (set it > 0)")
+    with contextlib.redirect_stdout(sys.stderr):  # the stages' progress; stdout is the result alone
+        record = warm_start(cfg, curate(cfg))
+    print(json.dumps(record, indent=1, sort_keys=True, default=str) if args.json else record["adapter_uri"])
     return 0
 
 
@@ -253,7 +273,7 @@ def _adapt_tools(args) -> int:
     return 0
 
 
-SUBCOMMANDS = ("train", "config", "registry", "rehearse", "eval", "adapt-tools")
+SUBCOMMANDS = ("train", "config", "registry", "rehearse", "eval", "adapt-tools", "warm-start")
 
 
 def split_overrides_error(argv: list[str]) -> str | None:
@@ -371,7 +391,11 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--measure", action="store_true", help="also measure parent vs adapted on the held-out tasks")
     a.add_argument("--trials", type=int, default=1, help="--measure: trials per held-out task")
     a.add_argument("--seed", type=int, default=0, help="--measure: sampling and bootstrap seed")
-    for sp in (t, c, r, h, e, a):  # the global options are also accepted after the subcommand (not both)
+    w = sub.add_parser("warm-start", help="curate, then make (or reuse from the store) the config's SFT warm start; "
+                       "print its adapter")
+    w.add_argument("--json", action="store_true", help="print the stage's whole record (id, settings, "
+                   "examples, losses, seconds) instead of the adapter URI")
+    for sp in (t, c, r, h, e, a, w):  # the global options are also accepted after the subcommand (not both)
         sp.add_argument("--profile", dest="sub_profile", action=_Once, choices=sorted(PROFILES),
                         default=argparse.SUPPRESS)
         sp.add_argument("--overrides", dest="sub_overrides", action=_Once, default=argparse.SUPPRESS,
@@ -382,7 +406,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _one_place(p, args)
     try:
-        return dict(zip(SUBCOMMANDS, (_train, _config, _registry, _rehearse, _eval, _adapt_tools)))[args.cmd](args)
+        return dict(zip(SUBCOMMANDS, (_train, _config, _registry, _rehearse, _eval, _adapt_tools,
+                                              _warm_start)))[args.cmd](args)
     except EnvaceError as e:
         print(f"envace: error: {e}", file=sys.stderr)
         return 2

@@ -224,3 +224,30 @@ def test_a_final_act_phase_starts_from_the_stored_mixed_warm_start(setup, tiny_m
     with pytest.warns(UnusedSettingWarning, match="sft_answer_repeats=2 has no effect"):
         unused = _cfg(tiny_model_dir, root, {"sft_roles": ["rehearse"], "sft_answer_repeats": 2})
     assert warm_start_id(unused, ds, sha) == warm_start_id(_cfg(tiny_model_dir, root, {"sft_roles": ["rehearse"]}), ds, sha)
+
+
+def test_the_warm_start_command_prints_the_adapter_alone_and_reuses_it(tiny_model_dir, tmp_path, sft_steps,
+                                                                       capsys):
+    """`envace warm-start`: progress on stderr, the adapter URI alone on stdout (what a shell passes on to
+    train.init_adapter), a second call reuses the stored warm start, --json prints its record."""
+    from envace_core.cli import main
+
+    overrides = json.dumps({
+        "model": {"ref": str(tiny_model_dir), "compute_dtype": "float32"},
+        "data": {"max_train_tasks_per_domain": 2},
+        "train": {"sft_warmup_steps": 1, "sft_batch_rows": 1, "sft_max_rehearse_examples": 2},
+        "store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "registry")}})
+    assert main(["--profile", "test", "--overrides", overrides, "warm-start"]) == 0
+    out, err = capsys.readouterr()
+    assert sft_steps == [1] and "[warm_start]" in err
+    adapter = Path(out.strip())
+    assert out.count("\n") == 1 and (adapter / "adapter_config.json").is_file()
+    assert main(["--profile", "test", "--overrides", overrides, "warm-start", "--json"]) == 0
+    out, err = capsys.readouterr()
+    record = json.loads(out)
+    assert sft_steps == [1] and "reusing" in err and Path(record["adapter_uri"]) == adapter
+    assert record["warm_start_id"] in str(adapter)
+
+    assert main(["--profile", "test", "--overrides", overrides.replace('"sft_warmup_steps": 1',
+                                                                     '"sft_warmup_steps": 0'), "warm-start"]) == 2
+    assert "no warm start to make" in capsys.readouterr().err
