@@ -35,12 +35,14 @@ from envace_core.evaluation.protocols import MAX_STEPS, PROTOCOLS, TAU2_ORCHESTR
 def _train(args) -> int:
     from envace_core.stages.curate import curate
     from envace_core.stages.evaluate import evaluate
+    from envace_core.stages.preflight import preflight
     from envace_core.stages.register import register
     from envace_core.stages.train import rollout_and_train
     from envace_core.stages.validate import validate
     from envace_core.stages.warm_start import warm_start
 
     cfg = load_config(args.profile, args.overrides)
+    preflight(cfg)  # what `make train` checks first with `envace config --check`
     ds = curate(cfg)
     tr = rollout_and_train(cfg, ds, warm_start(cfg, ds))
     val = validate(cfg, ds, tr)
@@ -55,11 +57,13 @@ def _warm_start(args) -> int:
     adapter's URI (a folder a later `--overrides train.init_adapter=...` or `--adapter` takes), or with
     --json the stage's whole record. Without SFT (train.sft_warmup_steps=0) nothing is made: an error."""
     from envace_core.stages.curate import curate
+    from envace_core.stages.preflight import preflight
     from envace_core.stages.warm_start import warm_start
 
     cfg = load_config(args.profile, args.overrides)
     if cfg.train.sft_warmup_steps <= 0:
         raise EnvaceError("train.sft_warmup_steps=0: this config has no warm start to make (set it > 0)")
+    preflight(cfg)  # a bad model.ref, train.init_adapter or store fails here, in seconds, before curate writes
     with contextlib.redirect_stdout(sys.stderr):  # the stages' progress; stdout is the result alone
         record = warm_start(cfg, curate(cfg))
     print(json.dumps(record, indent=1, sort_keys=True, default=str) if args.json else record["adapter_uri"])

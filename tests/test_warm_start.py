@@ -251,3 +251,17 @@ def test_the_warm_start_command_prints_the_adapter_alone_and_reuses_it(tiny_mode
     assert main(["--profile", "test", "--overrides", overrides.replace('"sft_warmup_steps": 1',
                                                                      '"sft_warmup_steps": 0'), "warm-start"]) == 2
     assert "no warm start to make" in capsys.readouterr().err
+    # a bad train.init_adapter fails in the preflight, before curate writes a dataset or a model loads
+    empty = tmp_path / "empty_adapter"
+    empty.mkdir()
+    bad = json.loads(overrides)
+    bad["train"]["init_adapter"] = str(empty)
+    bad["store"]["root"] = str(tmp_path / "store2")
+    assert main(["--profile", "test", "--overrides", json.dumps(bad), "warm-start"]) == 2
+    assert "holds no LoRA adapter" in capsys.readouterr().err and not (tmp_path / "store2" / "datasets").exists()
+    # a store that cannot be made names the setting to fix
+    (tmp_path / "a_file").write_text("")
+    bad = json.loads(overrides)
+    bad["store"]["root"] = str(tmp_path / "a_file" / "store")
+    assert main(["--profile", "test", "--overrides", json.dumps(bad), "warm-start"]) == 2
+    assert "store.root=" in capsys.readouterr().err

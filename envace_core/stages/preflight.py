@@ -52,8 +52,8 @@ def preflight(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False
     model_dir = check_model(cfg.model.ref, "model.ref", resolve_remote, list_s3=not remote)
     if cfg.reward.judge_model and not remote:
         check_model(cfg.reward.judge_model, "reward.judge_model", resolve_remote)
-    open_store(cfg.store.root).check()
-    Registry(cfg.store.registry)
+    _named(lambda: open_store(cfg.store.root).check(), "store.root", cfg.store.root)
+    _named(lambda: Registry(cfg.store.registry), "store.registry", cfg.store.registry)
     adapter = cfg.train.init_adapter
     if adapter and not adapter.startswith("s3://"):
         check_init_adapter(cfg)
@@ -96,6 +96,23 @@ def check_model(ref: str, setting: str, resolve_remote: bool = False, list_s3: b
             _s3_check(lambda: s3_model_listing(ref, setting), setting, ref)
         return None
     return _s3_check(lambda: resolve_model(ref, setting), setting, ref)
+
+
+def _named(call, setting: str, value: str):
+    """`call()`, with a StoreError re-raised as the same class with `setting=value: ` in front, so that a
+    store that cannot be created or reached names what to fix (a transient one stays transient)."""
+    from envace_core.store.base import StoreError
+
+    try:
+        return call()
+    except StoreError as e:
+        if str(e).startswith(setting):
+            raise
+        try:
+            named = type(e)(f"{setting}={value!r}: {e}")
+        except TypeError:  # a subclass with another constructor: keep it as it is
+            raise e from None
+        raise named from None
 
 
 def _s3_check(call, setting: str, value: str):
