@@ -2,9 +2,9 @@
 
     envace train [--profile cpu-smoke] [--overrides 'train.iterations=1']
     envace config [--check|--remote] print the resolved config; --check also resolves the model
+    envace config --markdown         the table of every setting (README 'Configuration')
     envace warm-start [--overrides 'train.init_adapter=DIR,train.sft_roles=[act]'] [--json]
                                      curate, then make (or reuse) the config's warm start; print its adapter
-    envace config --markdown         the table of every setting (README 'Configuration')
     envace registry list|show NAME@VERSION|verify NAME@VERSION [--profile ...]
     envace rehearse --task airline/3 [--mode parallel] [--n 4] [--model REF] [--adapter DIR]
                     [--reenter] [--no-verifier] [--max-turns K]      Private Rehearsal on one tau2 task
@@ -410,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     _one_place(p, args)
     try:
-        return dict(zip(SUBCOMMANDS, (_train, _config, _registry, _rehearse, _eval, _adapt_tools,
-                                              _warm_start)))[args.cmd](args)
+        commands = (_train, _config, _registry, _rehearse, _eval, _adapt_tools, _warm_start)
+        return dict(zip(SUBCOMMANDS, commands))[args.cmd](args)
     except EnvaceError as e:
         print(f"envace: error: {e}", file=sys.stderr)
         return 2
