@@ -135,6 +135,8 @@ def warn_unknown_budget_tools(budgets: Mapping[str, int], domains: list[str], kn
                       f"name is added later (envace adapt-tools){hint}", UnusedSettingWarning, stacklevel=2)
 
 
+# the imagined rehearsals ACT's memory warm-up examples are drawn from (rehearsal.memory_examples.KINDS)
+ACT_MEMORY_KINDS = ("faithful", "imagined_error", "wrong_call")
 MAX_ACT_REPEATS = 64  # train.sft_act_repeats: far past any useful ACT:REHEARSE mix; batch_order builds a pass up front
 
 
@@ -157,8 +159,8 @@ def effective_act_final_steps(train: Any) -> int:
 
 def warn_unused_act_settings(train: Any) -> None:
     """Warn (`UnusedSettingWarning`) for train.sft_act_repeats ≠ 1 or train.sft_act_final_steps ≠ 0 where
-    they change nothing (`mixes_roles`), and for train.sft_act_recovery, train.sft_act_memory or train.sft_answer_repeats ≠ 1 without
-    ACT warm-up examples."""
+    they change nothing (`mixes_roles`), for train.sft_act_recovery, train.sft_act_memory or train.sft_answer_repeats ≠ 1 without
+    ACT warm-up examples, and for train.sft_act_memory_kinds other than `ACT_MEMORY_KINDS` without train.sft_act_memory."""
     no_act = 'nothing (sft_warmup_steps=0)' if train.sft_warmup_steps == 0 else 'no ACT'
     for name, value, default in (("sft_act_recovery", train.sft_act_recovery, False),
                                  ("sft_act_memory", train.sft_act_memory, False),
@@ -166,6 +168,10 @@ def warn_unused_act_settings(train: Any) -> None:
         if value != default and (train.sft_warmup_steps == 0 or "act" not in train.sft_roles):
             warnings.warn(f"train.{name}={str(value).lower()} has no effect: it adds ACT warm-up examples, and this "
                           f"config warms {no_act}", UnusedSettingWarning, stacklevel=3)
+    if not train.sft_act_memory and sorted(train.sft_act_memory_kinds) != sorted(ACT_MEMORY_KINDS):
+        warnings.warn(f"train.sft_act_memory_kinds={train.sft_act_memory_kinds} has no effect: it picks the rehearsals "
+                      "of train.sft_act_memory's examples, and train.sft_act_memory is false", UnusedSettingWarning,
+                      stacklevel=3)
     if mixes_roles(train):
         return
     why = ("no policy (sft_warmup_steps=0)" if train.sft_warmup_steps == 0 else

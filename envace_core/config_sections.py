@@ -1,7 +1,7 @@
 """The per-section config models of a `RunConfig` (`ModelConfig`, `DataConfig`, `RolloutConfig`, `RewardConfig`,
 `TrainConfig`, `RehearsalConfig`, `EvalConfig`, `ValidateConfig`, `StoreConfig`, `RunConfig`): each field's default,
 range and meaning (the README's configuration table is generated from them), the strict base model (unknown keys
-and inf/NaN rejected), the known tau2 domains and the per-tool REHEARSE budgets. Their validators' checks are in
+and inf/NaN rejected) and the known tau2 domains (the per-tool REHEARSE budgets are `roles.bounds`'). Their checks are in
 `envace_core.config_checks`; profiles, overrides, `load_config` and the table in `envace_core.config`, which
 re-exports every public name here (import them from there).
 """
@@ -14,6 +14,7 @@ from typing import Any, Literal, Optional
 from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator, model_validator
 
 from envace_core.config_checks import (
+    ACT_MEMORY_KINDS,
     MAX_ACT_REPEATS,
     check_hidden_tools,
     check_model_name,
@@ -28,21 +29,9 @@ from envace_core.config_checks import (
     warn_unused_constraint,
     warn_unused_rehearsal_settings,
 )
-from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
+from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, REHEARSE_TOKENS_PER_TOOL
 
 KNOWN_DOMAINS = ("airline", "retail", "telecom", "mock")
-
-# REHEARSE budget per tool: max(p95 of its gold calls' real results, longest wrong-call error) + 1 (eos), in
-# tokens of the bundled SmolLM2 tokenizer under the canonical rendering; 701 gold actions of airline + retail
-# train + test and their 671 wrong calls (benchmarks/observation_lengths.py, results/observation_lengths.json).
-REHEARSE_TOKENS_PER_TOOL: dict[str, int] = {
-    "book_reservation": 422, "calculate": 21, "cancel_pending_order": 560, "cancel_reservation": 380,
-    "exchange_delivered_order_items": 665, "find_user_id_by_email": 29, "find_user_id_by_name_zip": 33,
-    "get_order_details": 610, "get_product_details": 956, "get_reservation_details": 361, "get_user_details": 410,
-    "modify_pending_order_address": 520, "modify_pending_order_items": 583, "modify_pending_order_payment": 327,
-    "modify_user_address": 184, "return_delivered_order_items": 651, "search_direct_flight": 481,
-    "send_certificate": 33, "transfer_to_human_agents": 27, "update_reservation_baggages": 354,
-    "update_reservation_flights": 354, "update_reservation_passengers": 285}
 
 
 class _Strict(BaseModel):
@@ -438,6 +427,10 @@ class TrainConfig(_Strict):
         "and the error it gets, then the gold call as target (sft.act_recovery_examples)")
     sft_act_memory: bool = Field(False, description="ACT warm-up examples also with a rehearsal memory (faithful or "
                                  "misleading, rendered as rehearsal.* sets it) and the same target (rehearsal.memory_examples)")
+    sft_act_memory_kinds: list[Literal["faithful", "imagined_error", "wrong_call"]] = Field(
+        default_factory=lambda: list(ACT_MEMORY_KINDS), min_length=1, description="the imagined "
+        "rehearsals those memories are drawn from (two per task): the gold calls with real results; the first gold call "
+        "with an imagined error; a wrong variant of it with its real error (rehearsal.memory_examples)")
     sft_learning_rate: float = Field(1e-4, gt=0, description="AdamW learning rate of the SFT warm-up")
     sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
     sft_max_tokens: int = Field(4096, ge=16, description="SFT warm-up examples longer than this (prompt + target, "
@@ -446,6 +439,11 @@ class TrainConfig(_Strict):
     @classmethod
     def _init_adapter(cls, v: Optional[str]) -> Optional[str]:
         return location(v, "train.init_adapter", ("registry",))
+
+    @field_validator("sft_act_memory_kinds")
+    @classmethod
+    def _memory_kinds(cls, v: list[str]) -> list[str]:
+        return check_unique(v, "train.sft_act_memory_kinds")
 
     init_adapter: Optional[str] = Field(
         None, description="start a fresh run from this LoRA adapter (a local directory or s3:// URI, e.g. "

@@ -90,3 +90,39 @@ def test_a_task_whose_memory_renders_to_nothing_gets_no_example(tasks, tok, monk
     monkeypatch.setattr(me, "rehearsal_kinds", lambda task, *a: {} if task.id == tasks[0].id else real(task, *a))
     ex = act_memory_examples(tasks, tok, policy_max_chars=300, memory_max_tokens=400)
     assert {e.task_id for e in ex} == {t.id for t in tasks[1:]}
+
+
+def test_wrong_call_memories_name_a_call_the_target_does_not_make(tasks, tok):
+    """kinds=("wrong_call",) under "pitfalls": one rehearsal per task, its one failed call a wrong variant
+    of the first gold call, never the call the first target makes; unknown or no kinds are refused."""
+    from envace_core.rehearsal.memory_examples import KINDS
+
+    ex = act_memory_examples(tasks, tok, policy_max_chars=300, memory_max_tokens=400, memory_content="pitfalls",
+                             kinds=("wrong_call",))
+    assert ex
+    by_task = {t.id: t for t in tasks}
+    for e in ex:
+        m = notes(tok, e.prompt_ids)
+        calls = re.findall(r"- called (\w+)\((\{.*?\})\) -> ERROR ", m)
+        assert "[rehearsal 2]" not in m and len(calls) == 1
+        first = by_task[e.task_id].gold_actions[0]
+        assert calls[0][0] == first.name and json.loads(calls[0][1]) != first.arguments
+    default = act_memory_examples(tasks, tok, policy_max_chars=300, memory_max_tokens=400)
+    assert [e.prompt_ids for e in act_memory_examples(tasks, tok, policy_max_chars=300, memory_max_tokens=400,
+                                                      kinds=KINDS)] == [e.prompt_ids for e in default]
+    for bad in ((), ("wrong_calls",)):
+        with pytest.raises(SFTError, match="rehearsal kinds"):
+            act_memory_examples(tasks, tok, kinds=bad)
+
+
+def test_memory_kinds_config_is_checked():
+    from envace_core.config import ConfigError, load_config
+    from envace_core.config_checks import UnusedSettingWarning
+
+    cfg = load_config("test", "train.sft_warmup_steps=2,train.sft_act_memory=true,train.sft_act_memory_kinds=[wrong_call]")
+    assert cfg.train.sft_act_memory_kinds == ["wrong_call"]
+    for bad in ("[wrong]", "[]", "[wrong_call,wrong_call]"):
+        with pytest.raises(ConfigError, match="sft_act_memory_kinds"):
+            load_config("test", f"train.sft_act_memory_kinds={bad}")
+    with pytest.warns(UnusedSettingWarning, match="sft_act_memory_kinds.*no effect"):
+        load_config("test", "train.sft_warmup_steps=2,train.sft_act_memory_kinds=[faithful]")

@@ -12,7 +12,12 @@ import envace_core  # noqa: F401  (offline environment before tau2)
 import envace_core.training.sft as sft_mod
 from envace_core.config import load_config
 from envace_core.stages.curate import curate
-from envace_core.stages.warm_start import WARM_START_KEY, warm_start, warm_start_id
+from envace_core.stages.warm_start import (
+    WARM_START_KEY,
+    warm_start,
+    warm_start_id,
+    warm_start_settings,
+)
 
 
 def _cfg(model_dir, root: Path, train: dict | None = None, **sections):
@@ -70,6 +75,13 @@ def test_warm_start_trains_once_and_a_rerun_reuses_the_stored_adapter(setup, tin
     mem = _cfg(tiny_model_dir, root, {"sft_act_memory": True})
     assert warm_start_id(mem, ds, sha) != warm_start_id(mem.model_copy(update={"rehearsal": mem.rehearsal.model_copy(
         update={"memory_content": "calls"})}), ds, sha)
+    # so do the rehearsal kinds its memories are drawn from, and only where they differ from all three
+    wrong = _cfg(tiny_model_dir, root, {"sft_act_memory": True, "sft_act_memory_kinds": ["wrong_call"]})
+    assert warm_start_settings(wrong, ds)["train.sft_act_memory_kinds"] == ["wrong_call"]
+    assert warm_start_id(wrong, ds, sha) != warm_start_id(mem, ds, sha)
+    every = _cfg(tiny_model_dir, root, {"sft_act_memory": True,
+                                        "sft_act_memory_kinds": ["wrong_call", "faithful", "imagined_error"]})
+    assert warm_start_id(every, ds, sha) == warm_start_id(mem, ds, sha)
     from envace_core.config_checks import UnusedSettingWarning
     for extra in ({"sft_roles": ["act"]}, {"policy_per_role": True}):
         with pytest.warns(UnusedSettingWarning, match="sft_act_repeats=2 has no effect"):

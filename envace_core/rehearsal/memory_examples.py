@@ -30,6 +30,7 @@ import random
 from collections.abc import Callable, Collection, Sequence
 from typing import TYPE_CHECKING
 
+from envace_core.config_checks import ACT_MEMORY_KINDS
 from envace_core.rehearsal.agent import MEMORY_CONTENTS, summarise
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS
 from envace_core.roles.memory import memory_text
@@ -39,7 +40,7 @@ from envace_core.types import Observation, Step, Task, TaskContext, ToolCall, Tr
 if TYPE_CHECKING:
     from envace_core.envs.base import ToolEnvironment
 
-KINDS = ("faithful", "imagined_error", "wrong_call")
+KINDS = ACT_MEMORY_KINDS  # train.sft_act_memory_kinds' choices
 SUCCESS_CLAIMS = ("Done.", "All set, it is done.", "Your request is complete.")
 
 
@@ -85,30 +86,39 @@ def act_memory_examples(tasks: Sequence[Task], tokenizer, policy_max_chars: int 
                         forbid_splits: Collection[str] = ("test",), seed: int = 0,
                         memory_max_tokens: int = 256, memory_content: str = "episode",
                         env_factory: Callable[[str], "ToolEnvironment"] | None = None,
-                        max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS) -> list[SFTExample]:
+                        max_observation_tokens: int | None = MAX_OBSERVATION_TOKENS,
+                        kinds: Collection[str] = KINDS) -> list[SFTExample]:
     """`training.sft.act_examples`' turns with a rehearsal memory in every prompt (module docstring).
 
-    Per task: two rehearsal kinds drawn with `seed` (only the faithful one when the error kinds do not
-    apply), summarised with `memory_content` (one of `agent.MEMORY_CONTENTS`, `agent.summarise`) and joined by
+    Per task: two rehearsal kinds drawn with `seed` among those of `kinds` that apply (one when only one
+    does; none, so no example, when none does: the error kinds need a wrong variant of the first gold
+    call that the real environment refuses), summarised with `memory_content` (one of `agent.MEMORY_CONTENTS`, `agent.summarise`) and joined by
     `roles.memory_text` under `memory_max_tokens` tokens, in the order drawn. The history and targets are
     those of `act_examples` (real results, first `max_turns` turns, the final answer after the last gold
     call when it fits). A task whose drawn rehearsals render to nothing (under "pitfalls" the faithful
     one does) gets no example here: it would repeat the plain one. Arguments and raises as
-    `act_examples`; also `SFTError` for an unknown `memory_content`.
+    `act_examples`; also `SFTError` for an unknown `memory_content` or an empty or unknown `kinds`.
+
+    With ``kinds=("wrong_call",)`` under "pitfalls" every memory names a call that the target does not
+    make: the examples teach that a call the notes mark as failed is one to avoid, where the default mix
+    (the imagined error's failed call *is* the target) also rewards copying it.
     """
     from envace_core.envs.tau2.environment import Tau2Environment
 
     if memory_content not in MEMORY_CONTENTS:
         raise SFTError(f"unknown rehearsal memory content {memory_content!r}; choose one of {MEMORY_CONTENTS}")
+    if not kinds or set(kinds) - set(KINDS):
+        raise SFTError(f"rehearsal kinds {sorted(kinds)!r} for memory examples: choose one or more of {KINDS}")
 
     without: set[str] = set()  # tasks whose drawn rehearsals render to nothing under `memory_content`
 
     def memory(task: Task, ctx: TaskContext) -> str | None:
         rng = random.Random(f"memory:{seed}:{task.id}")
         env = (env_factory or Tau2Environment)(task.domain)
-        kinds = rehearsal_kinds(task, env, {t.name: t.parameters for t in ctx.tools}, rng)
-        drawn = rng.sample(sorted(kinds), min(2, len(kinds)))
-        blocks = [summarise(kinds[k], i + 1, tokenizer, max_observation_tokens, memory_content)
+        made = rehearsal_kinds(task, env, {t.name: t.parameters for t in ctx.tools}, rng)
+        made = {k: v for k, v in made.items() if k in kinds}
+        drawn = rng.sample(sorted(made), min(2, len(made)))
+        blocks = [summarise(made[k], i + 1, tokenizer, max_observation_tokens, memory_content)
                   for i, k in enumerate(drawn)]
         text = memory_text(blocks, memory_max_tokens, tokenizer)
         if not text:

@@ -4,7 +4,9 @@ One canonical cut (`bound_text`) serves every prompt that shows a tool result: A
 REHEARSE's transcript and grounding examples (real and imagined observations alike), the SELF-EVAL
 summary and rehearsal memory lines (`rehearsal.agent.summarise`) and the judge's transcript. A prompt
 that still exceeds its limit after the cuts raises `PromptTooLong`; rollouts turn that into a masked
-trajectory (termination "prompt_too_long"), never an exception out of the rollout.
+trajectory (termination "prompt_too_long"), never an exception out of the rollout. The generation budgets
+of REHEARSE per tool (`REHEARSE_TOKENS_PER_TOOL`, the default of rollout.max_new_tokens_rehearse_per_tool)
+live here too.
 """
 
 from __future__ import annotations
@@ -14,6 +16,18 @@ from envace_core.types import Message
 
 MAX_OBSERVATION_TOKENS = 1024  # default budget of one tool result in a prompt (rollout.max_observation_tokens)
 TRUNCATION_MARKER = "…[{what} truncated: {shown} of {total} tokens shown]"
+
+# REHEARSE budget per tool: max(p95 of its gold calls' real results, longest wrong-call error) + 1 (eos), in
+# tokens of the bundled SmolLM2 tokenizer under the canonical rendering; 701 gold actions of airline + retail
+# train + test and their 671 wrong calls (benchmarks/observation_lengths.py, results/observation_lengths.json).
+REHEARSE_TOKENS_PER_TOOL: dict[str, int] = {
+    "book_reservation": 422, "calculate": 21, "cancel_pending_order": 560, "cancel_reservation": 380,
+    "exchange_delivered_order_items": 665, "find_user_id_by_email": 29, "find_user_id_by_name_zip": 33,
+    "get_order_details": 610, "get_product_details": 956, "get_reservation_details": 361, "get_user_details": 410,
+    "modify_pending_order_address": 520, "modify_pending_order_items": 583, "modify_pending_order_payment": 327,
+    "modify_user_address": 184, "return_delivered_order_items": 651, "search_direct_flight": 481,
+    "send_certificate": 33, "transfer_to_human_agents": 27, "update_reservation_baggages": 354,
+    "update_reservation_flights": 354, "update_reservation_passengers": 285}
 
 
 class PromptTooLong(EnvaceError):

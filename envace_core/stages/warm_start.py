@@ -35,7 +35,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
-from envace_core.config_checks import effective_act_final_steps, effective_act_repeats
+from envace_core.config_checks import (
+    ACT_MEMORY_KINDS,
+    effective_act_final_steps,
+    effective_act_repeats,
+)
 from envace_core.store.files import CHECKSUMS, dir_checksums, sha256_bytes
 from envace_core.store.uri import open_store
 from envace_core.types import Task
@@ -94,6 +98,8 @@ def warm_start_settings(cfg: RunConfig, dataset: dict[str, Any]) -> dict[str, An
             out["train.sft_act_memory"] = True
             out["rehearsal.memory_content"] = cfg.rehearsal.memory_content
             out["rehearsal.memory_max_tokens"] = cfg.rehearsal.memory_max_tokens
+            if sorted(cfg.train.sft_act_memory_kinds) != sorted(ACT_MEMORY_KINDS):  # other kinds, other examples
+                out["train.sft_act_memory_kinds"] = sorted(cfg.train.sft_act_memory_kinds)
         out.update({f"{sec}.{f}": getattr(getattr(cfg, sec), f) for sec, f in PROMPT_FIELDS})
         out["sft.batching"] = SFT_BATCHING  # how steps draw their examples: same settings, other weights
     return out
@@ -130,7 +136,8 @@ def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutP
     `tasks` (first rollout.max_turns turns, tool results cut to rollout.max_observation_tokens as rollouts
     cut them; each final-answer example train.sft_answer_repeats times; with train.sft_act_recovery also
     `sft.act_recovery_examples`, seed train.seed; with train.sft_act_memory also
-    `rehearsal.memory_examples.act_memory_examples` under the rehearsal memory settings), "rehearse" =
+    `rehearsal.memory_examples.act_memory_examples` under the rehearsal memory settings and
+    train.sft_act_memory_kinds), "rehearse" =
     `sft.rehearse_examples` of `transitions`
     (`loop.real_train_transitions`; prompts as rollouts build them with `params`, grounding included;
     targets cut to the per-tool budgets), both within train.sft_max_tokens; REHEARSE errors capped at
@@ -150,7 +157,8 @@ def warm_examples(cfg: RunConfig, tasks: list[Task], tokenizer, params: RolloutP
 
             out["act"] += act_memory_examples(tasks, tokenizer, cfg.data.policy_max_chars, seed=cfg.train.seed,
                                               memory_max_tokens=cfg.rehearsal.memory_max_tokens,
-                                              memory_content=cfg.rehearsal.memory_content, **kw)
+                                              memory_content=cfg.rehearsal.memory_content,
+                                              kinds=cfg.train.sft_act_memory_kinds, **kw)
     if "rehearse" in cfg.train.sft_roles:
         p = params
         out["rehearse"] = rehearse_examples(
