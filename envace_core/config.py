@@ -191,7 +191,7 @@ def apply_setting(cfg: RunConfig, key: str, value: str, flag: str) -> None:
 
 def _error_line(err: dict[str, Any]) -> str:
     """One pydantic error as 'key: message', a list item's key
-    with its position (data.synthetic_levels[1]); a string field given a number or boolean (by a JSON file
+    with its position (data.synthetic_levels[1]); an unknown key with the closest known one (`_unknown_key`); a string field given a number or boolean (by a JSON file
     or a dict: YAML text keeps what was typed) says to write it as a JSON string."""
     key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
     msg = err["msg"].removeprefix("Value error, ")
@@ -199,10 +199,31 @@ def _error_line(err: dict[str, Any]) -> str:
     if isinstance(item, ItemError):  # a list item's or mapping value's problem: name its position
         key, msg = key + item.at, item.reason
     value = err.get("input")
+    if err["type"] == "extra_forbidden":
+        msg = _unknown_key(err["loc"])
     if err["type"] == "string_type" and isinstance(value, (bool, int, float)):
         kind = "boolean" if isinstance(value, bool) else "number"
         msg = f'expects a string, but was given the {kind} {value!r}: write it in double quotes, e.g. "{value}"'
     return f"{key}: {msg}" if key else msg
+
+
+def _unknown_key(loc: tuple) -> str:
+    """The message for a setting no section has at `loc` (a pydantic error location): the closest known
+    name (`difflib`, as for tool names) or the section's settings."""
+    import difflib
+
+    model: type[BaseModel] = RunConfig
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return "unknown setting"
+        model = field.annotation
+    names = sorted(model.model_fields)
+    where = ".".join(map(str, loc[:-1]))
+    close = difflib.get_close_matches(str(loc[-1]), names, n=1)
+    if close:
+        return f"unknown setting; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?"
+    return f"unknown setting; {where or 'a config'} has: {', '.join(names)}"
 
 
 def config_from_json(text: str) -> RunConfig:

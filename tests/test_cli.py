@@ -9,7 +9,8 @@ from envace_core.cli import main
 
 @pytest.mark.parametrize("override, fragment", [
     ("model.ref=/no/such/model", "not a directory with config.json"),
-    ("train.iteratons=2", "train.iteratons: Extra inputs are not permitted"),
+    ("train.iteratons=2", "train.iteratons: unknown setting; did you mean train.iterations?"),
+    ("train.zzz=2", "train.zzz: unknown setting; train has: advantage_scale, "),
     ("rollout.group_size=0", "rollout.group_size"),
     ("data.domains=[nope]", "unknown domain"),
     ("{not yaml: [", "neither a file"),

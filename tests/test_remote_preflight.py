@@ -153,7 +153,8 @@ def test_the_schedule_overrides_are_refused_at_registration_not_at_the_first_run
     from workflows.train import SCHEDULE_OVERRIDES_ENV, schedule_overrides
 
     assert schedule_overrides({}) == ""
-    with pytest.raises(ConfigError, match=r"(?s)" + SCHEDULE_OVERRIDES_ENV + r".*stor: Extra inputs"):
+    with pytest.raises(ConfigError,
+                       match=r"(?s)" + SCHEDULE_OVERRIDES_ENV + r".*stor: unknown setting; did you mean store\?"):
         schedule_overrides({SCHEDULE_OVERRIDES_ENV: "stor.root=s3://bkt/x"})
     with pytest.raises(ConfigError) as err:
         schedule_overrides({SCHEDULE_OVERRIDES_ENV: "store.root=/local/store"})
