@@ -478,8 +478,9 @@ class RehearsalConfig(_Strict):
     grounded_errors: bool = Field(False, description="verifier: also drop rehearsals with an imagined error for a call whose "
                                   "arguments all come from the request or a real result (verifier.grounded_error_check)")
     reenter: bool = Field(False, description="rehearse again before every real step, from the real history so far")
-    memory_content: Literal["episode", "calls", "pitfalls"] = Field("pitfalls", description="a kept rehearsal in m_x: "
-        "'episode' = calls, imagined results, messages, ending; 'calls' = calls and results; 'pitfalls' = only calls with an imagined error")
+    memory_content: Literal["episode", "calls", "pitfalls", "consensus"] = Field("pitfalls", description="a kept rehearsal "
+        "in m_x: 'episode' = calls, imagined results, messages, ending; 'calls' = calls and results; 'pitfalls' = only calls "
+        "with an imagined error; 'consensus' = m_x is the grounded first call most rehearsals made (rehearsal.consensus)")
     memory_max_tokens: int = Field(
         256, ge=16, description="token budget of the rehearsal memory m_x, in the policy's tokens: the "
         "kept rehearsals' summaries, newest first, are added a whole line at a time while they fit "

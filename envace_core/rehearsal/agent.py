@@ -27,6 +27,7 @@ from typing import TypeVar
 from envace_core import EnvaceError
 from envace_core.engines.base import Engine, SamplingParams
 from envace_core.envs.base import Check, ToolEnvironment
+from envace_core.rehearsal.consensus import consensus_memory
 from envace_core.rehearsal.verifier import verify
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, PromptTooLong, bound_text, check_prompt, prompt_limit
 from envace_core.roles.memory import memory_text
@@ -42,7 +43,7 @@ from envace_core.training.rollout import (
 from envace_core.types import Message, Role, Step, TaskContext, Trajectory
 
 MODES = ("none", "parallel", "sequential")
-MEMORY_CONTENTS = ("episode", "calls", "pitfalls")  # what a kept rehearsal puts in the memory (`summarise`)
+MEMORY_CONTENTS = ("episode", "calls", "pitfalls", "consensus")  # what the memory holds (`summarise`, `consensus`)
 _ROUND_SEED_STRIDE = 7919  # re-entry round r rehearses with seed + r * stride (round 0: `seed`)
 
 T = TypeVar("T")
@@ -93,10 +94,13 @@ def summarise(traj: Trajectory, k: int, tokenizer=None,
     calls its imagined environment answered with an error, with those errors ("" when none failed):
     METHOD.md §4's memory holds "constraints discovered, pitfalls", and everything else a rehearsal holds
     is imagined values (results, the answer it gave the user) that the committed run, on held-out tasks,
-    copied in place of the real ones. Raises `EnvaceError` for another `content`.
+    copied in place of the real ones. "consensus" renders as "calls" here (what a sequential rehearsal
+    sees of the earlier ones); the round's memory is then `consensus.consensus_memory`. Raises
+    `EnvaceError` for another `content`.
     """
     if content not in MEMORY_CONTENTS:
         raise EnvaceError(f"unknown rehearsal memory content {content!r}; choose one of {MEMORY_CONTENTS}")
+    content = "calls" if content == "consensus" else content
     lines = [f"Rehearsal {k}:"]
     for s in traj.steps:
         if s.action is not None:
@@ -234,6 +238,10 @@ class RehearsalAgent:
                 t.group_index = k
                 judge([t])
         rnd.memory = memory_text(blocks, self.memory_max_tokens, tok)
+        if self.memory_content == "consensus":
+            rnd.memory = consensus_memory(rnd.rehearsals, ctx, prefix, self.verifier)
+            if len(tok.encode(rnd.memory, add_special_tokens=False)) > self.memory_max_tokens:
+                rnd.memory = ""  # a call longer than the budget: no memory rather than half a call
         return rnd
 
     @staticmethod

@@ -106,6 +106,13 @@ def _stated(value: str, text: str) -> bool:
     return re.search(rf"(?<!\w){re.escape(value)}(?!\w)", text) is not None
 
 
+def grounded(arguments: Any, told: str) -> bool:
+    """A call's `arguments` are grounded in `told` (case-folded text): it has at least one scalar value
+    (`_leaves`) and every one occurs there as a whole word or number (`_stated`)."""
+    leaves = _leaves(arguments)
+    return bool(leaves) and all(_stated(v, told) for v in leaves)
+
+
 def grounded_error_check(traj: Trajectory, ctx: TaskContext) -> list[str]:
     """Imagined error responses to calls whose arguments all come from what the agent was told.
 
@@ -130,8 +137,7 @@ def grounded_error_check(traj: Trajectory, ctx: TaskContext) -> list[str]:
             if not s.observation.error:  # a real error repeats the refused value: that grounds nothing
                 grounding += "\n" + s.observation.content.casefold()
             continue
-        leaves = _leaves(s.action.arguments)
-        if s.schema_error is None and s.observation.error and leaves and all(_stated(v, grounding) for v in leaves):
+        if s.schema_error is None and s.observation.error and grounded(s.action.arguments, grounding):
             out.append(f"imagined error at step {k} for {call_text(s)}, whose arguments all come from the "
                        f"request or a real result: {s.observation.content[:80]!r}")
     return out
