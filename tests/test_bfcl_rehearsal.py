@@ -233,3 +233,16 @@ def test_eval_cli_rehearses_bfcl_multi_turn_and_resumes_per_entry(tiny_model_dir
     plain = json.loads((out / "results.json").read_text())
     assert plain["fingerprint"] != first["fingerprint"] and plain["work"]["bfcl:multi_turn_base"]["ran"] == 1
     assert plain["benches"][0]["report"]["categories"]["multi_turn_base"]["entries"][0]["rehearsal"] is None
+
+
+def test_a_consensus_memory_reaches_only_the_step_after_its_round(tok, entry, watched):
+    """rehearsal.memory_content="consensus" names the call to make next: the committed step right after a round
+    reads it, the later steps of the same user turn do not (any other memory stays until the next round)."""
+    engine = TurnEngine(tok, entry)
+    agent = RehearsalAgent(engine, "parallel", 2, 128, act=P, rehearse=P, seed=0, memory_content="consensus")
+    evaluate_bfcl(engine, ["multi_turn_base"], 1, rehearsal=agent)
+    commits = engine.seen["commit"]
+    noted = [k for k, p in enumerate(commits) if NOTES in p]
+    assert noted and len(commits) > len(entry.question)  # some round had a consensus; more steps than rounds
+    assert all("Rehearsal consensus:" in commits[k] for k in noted)
+    assert all(k == 0 or NOTES not in commits[k - 1] for k in noted)  # never two steps in a row

@@ -101,7 +101,13 @@ def test_the_agent_commits_with_the_consensus_in_acts_prompt(task, tiny_model_di
     res = agent.run(ctx, env)
     assert res.memory.startswith("Rehearsal consensus: 3 of 3 rehearsals began with\n- called find_user_id_by_email(")
     assert res.isolation == {"real_calls_during_rehearsal": 0, "db_hash_unchanged": True}
-    assert any("Rehearsal consensus: 3 of 3" in p for p in engine.prompts[-2:])  # the committed ACT read it
+    first, second = engine.prompts[-2:]  # the committed run's two ACT turns: the call, then the answer
+    assert "Rehearsal consensus: 3 of 3" in first and "# Notes from rehearsal" not in second  # its turn only
+    assert [s.action.name for s in res.committed.steps if s.action] == ["find_user_id_by_email"]
+    calls = RehearsalAgent(engine, "parallel", 3, 256, act=P, rehearse=P, seed=0, memory_content="calls")
+    env.reset(t)
+    calls.run(ctx, env)
+    assert all("# Notes from rehearsal" in p for p in engine.prompts[-2:])  # other memories stay every turn
     short = RehearsalAgent(engine, "parallel", 3, 16, act=P, rehearse=P, seed=0, memory_content="consensus")
     assert short.rehearse_round(ctx).memory == ""  # over the budget: no memory rather than half a call
     assert load_config("test", "rehearsal.memory_content=consensus").rehearsal.memory_content == "consensus"

@@ -295,3 +295,29 @@ def test_a_trace_that_fails_leaves_the_scored_episode_as_it_is(tok, monkeypatch)
     monkeypatch.setattr(trace, "episode", broken)
     [r] = run_tau2([_task19()], plain(ScriptedEngine(tok, [GOLD, FINAL])), OPENING_REQUEST)["results"]
     assert r["error"] is None and r["reward"] == 1.0 and r["trace"] == {"error": "ValueError: cannot serialise"}
+
+
+def test_a_consensus_memory_reaches_only_the_act_turn_after_its_round(tok):
+    """rehearsal.memory_content="consensus": the first ACT turn reads the consensus call, the next one (no
+    re-entry) does not; the consensus is the grounded call both rehearsals began with."""
+
+    class Recording(ScriptedEngine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.act_prompts: list[str] = []
+
+        def generate(self, prompts, params):
+            texts = [self.tokenizer.decode(p) for p in prompts]
+            self.act_prompts += [t for t in texts if "You simulate the" not in t]
+            return super().generate(prompts, params)
+
+    engine = Recording(tok, [GOLD, FINAL])
+    reh = RehearsalAgent(engine, "parallel", 2, 200, act=RP, rehearse=RP, memory_content="consensus")
+    orch, agent, _ = build_orchestrator(_task19(), reh, SimulatedUser(engine=UserEngine(tok, USER)))
+    orch.initialize()
+    while not orch.done:
+        orch.step()
+    assert agent.rounds[0].memory.startswith("Rehearsal consensus: 2 of 2 rehearsals began with\n- called "
+                                             'cancel_reservation({"reservation_id": "Z7GOZK"})')
+    committed = engine.act_prompts[-2:]  # the committed turns: the cancellation, then the answer
+    assert "Rehearsal consensus" in committed[0] and "Notes from rehearsal" not in committed[1]

@@ -158,6 +158,8 @@ class _Episode:
         return bfcl_prompt_ids(tokenizer, self.env.tools(), self.history, multi_turn=True, memory=self.memory or None)
 
     def advance(self, text: str, finish: str) -> None:
+        if self.rehearsal is not None and self.rehearsal.memory_turns == 1:
+            self.memory = ""  # a consensus memory serves the ACT step after its round only
         self.truncated += finish == "length"
         self.history.append({"role": "assistant", "content": text})
         try:

@@ -214,6 +214,8 @@ class EnvaceTau2Agent(LocalAgent[EnvaceAgentState]):
             state.memory = self._rehearse(ctx, history, turn)
         tok, act = self.engine.tokenizer, self.agent.act
         prompt = act_prompt_ids(tok, ctx, history, state.memory or None, act.max_observation_tokens)
+        if self.agent.memory_turns == 1:  # a consensus memory serves the turn after its round only
+            state.memory = ""
         try:
             check_prompt("act", prompt, prompt_limit(self.engine, act.max_new_tokens_act, act.max_prompt_tokens))
         except PromptTooLong as e:

@@ -150,7 +150,8 @@ class RehearsalAgent:
             "pitfalls" a rehearsal that met no imagined error still adds its SELF-EVAL line when that names a
             blocker or advice (a constraint it found), so sequential rehearsals see it. The keyword's default
             renders the whole episode; the config's ``rehearsal.memory_content`` (what every stage, CLI and
-            benchmark passes) is "pitfalls".
+            benchmark passes) is "pitfalls". A "consensus" memory (the call to make next) is shown to the ACT
+            turn right after its round only (`memory_turns` = 1); any other stays until the next round.
     Raises:
         EnvaceError: unknown mode or memory content; n < 1 with a rehearsing mode; a verifier entry that
             is not callable.
@@ -173,6 +174,8 @@ class RehearsalAgent:
         self.memory_max_tokens, self.act, self.rehearse_params, self.seed = memory_max_tokens, act, rehearse, seed
         self.verifier = list(verifier) if verifier is not None else None
         self.reenter, self.memory_content = reenter, memory_content
+        # a consensus memory names the call to make next: the ACT turn after its round reads it, later ones do not
+        self.memory_turns = 1 if memory_content == "consensus" else None
         self.self_eval = (mode == "sequential") if self_eval is None else self_eval
         self.self_eval_max_tokens, self.self_eval_temperature = self_eval_max_tokens, self_eval_temperature
 
@@ -289,7 +292,8 @@ class RehearsalAgent:
         iso = {"real_calls_during_rehearsal": 0, "db_hash_unchanged": True}  # else IsolationError
         if not self.reenter or self.mode == "none":
             rnd = isolated(env, lambda: self.rehearse_round(ctx))
-            committed = real_rollout(self.engine, ctx, env, self.act, seed=self.seed, memory=rnd.memory or None)
+            committed = real_rollout(self.engine, ctx, env, self.act, seed=self.seed, memory=rnd.memory or None,
+                                     memory_turns=self.memory_turns)
             return RehearsalResult(committed, rnd.rehearsals, rnd.memory, iso, rnd.rejected, [rnd])
         # Re-entry: real_rollout's loop, with a rehearsal round from the real history before each ACT step.
         traj = Trajectory(task_id=ctx.task_id, imagined=False)

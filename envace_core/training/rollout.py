@@ -326,7 +326,8 @@ def rehearsal_rollouts(engine: Engine, ctx: TaskContext, group_size: int, p: Rol
 
 
 def real_rollouts(engine: Engine, ctx: TaskContext, envs: list[ToolEnvironment], p: RolloutParams,
-                  seed: Optional[int] = None, memory: Optional[str] = None) -> list[Trajectory]:
+                  seed: Optional[int] = None, memory: Optional[str] = None,
+                  memory_turns: Optional[int] = None) -> list[Trajectory]:
     """len(envs) trajectories, trajectory g against the real environment ``envs[g]`` (each already
     `reset` to the task, each its own private copy): ACT only, each tool call executed by `step`.
 
@@ -334,13 +335,15 @@ def real_rollouts(engine: Engine, ctx: TaskContext, envs: list[ToolEnvironment],
     turn is one prompt sampled G ways when G > 1), and end by the same rules: "agent_message",
     "parse_error", "prompt_too_long", "max_turns". Observations are real (`observation` =
     `real_observation`), kept whole in the trajectory; prompts show them cut to
-    `p.max_observation_tokens` (the same cut as imagined ones).
+    `p.max_observation_tokens` (the same cut as imagined ones). `memory` is in the first `memory_turns` ACT
+    prompts (None: in all of them).
     """
     trajs = [Trajectory(task_id=ctx.task_id, group_index=g, imagined=False) for g in range(len(envs))]
     histories = [[Message(role="user", content=ctx.first_user_message)] for _ in envs]
     seeds = SeedStream(seed)
     for turn in range(p.max_turns):
-        calling = act_turn(engine, ctx, trajs, histories, p, seeds, memory, first=turn == 0)
+        shown = memory if memory_turns is None or turn < memory_turns else None
+        calling = act_turn(engine, ctx, trajs, histories, p, seeds, shown, first=turn == 0)
         for i in calling:
             obs: Observation = envs[i].step(trajs[i].steps[-1].action)
             trajs[i].steps[-1].observation = obs
@@ -354,13 +357,14 @@ def real_rollouts(engine: Engine, ctx: TaskContext, envs: list[ToolEnvironment],
 
 
 def real_rollout(engine: Engine, ctx: TaskContext, env: ToolEnvironment, p: RolloutParams,
-                 seed: Optional[int] = None, memory: Optional[str] = None) -> Trajectory:
+                 seed: Optional[int] = None, memory: Optional[str] = None,
+                 memory_turns: Optional[int] = None) -> Trajectory:
     """One trajectory against the real environment `env` (already `reset` to the task): ACT only.
 
     Used for evaluation (Committed Execution when `memory` holds a rehearsal memory); the group
     version `real_rollouts` serves the standard-GRPO ablation. Each tool call is executed by `env.step`.
     """
-    return real_rollouts(engine, ctx, [env], p, seed, memory)[0]
+    return real_rollouts(engine, ctx, [env], p, seed, memory, memory_turns)[0]
 
 
 def params_from_config(cfg: RunConfig, p: RolloutParams) -> RolloutParams:
