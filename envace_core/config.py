@@ -214,16 +214,17 @@ def _unknown_key(loc: tuple) -> str:
 
     model: type[BaseModel] = RunConfig
     for part in loc[:-1]:
-        field = model.model_fields.get(part) if isinstance(part, str) else None
+        fields = {f.alias or n: f for n, f in model.model_fields.items()}  # what a user writes: validate, not validate_
+        field = fields.get(part) if isinstance(part, str) else None
         if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
             return "unknown setting"
         model = field.annotation
-    names = sorted(model.model_fields)
+    names = sorted(f.alias or n for n, f in model.model_fields.items())
     where = ".".join(map(str, loc[:-1]))
     close = difflib.get_close_matches(str(loc[-1]), names, n=1)
     if close:
         return f"unknown setting; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?"
-    return f"unknown setting; {where or 'a config'} has: {', '.join(names)}"
+    return f"unknown setting; {where or 'the config'} has: {', '.join(names)}"
 
 
 def config_from_json(text: str) -> RunConfig:

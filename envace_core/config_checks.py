@@ -296,3 +296,33 @@ def plain_number(value: Any, annotation: Any) -> Any:
         raise ValueError(f"{value!r} is not a plain decimal number: write e.g. 0.5, 2 or 1e-5 (no '_', "
                          "0x/0o/0b or ':')")
     return value
+
+
+def warn_memory_warmup(train: Any, rehearsal: Any) -> None:
+    """Warn (`UnusedSettingWarning`) where train.sft_act_memory's examples do not show the memory of test time:
+    only faithful rehearsals under rehearsal.memory_content=pitfalls render to nothing (no example at all), and
+    under "consensus" the examples' memories render as "calls" (`rehearsal.memory_examples`), not as the
+    one-line consensus the committed ACT reads."""
+    if not train.sft_act_memory or train.sft_warmup_steps == 0 or "act" not in train.sft_roles:
+        return
+    if rehearsal.memory_content == "pitfalls" and set(train.sft_act_memory_kinds) == {"faithful"}:
+        warnings.warn("train.sft_act_memory_kinds=[faithful] adds no example under rehearsal.memory_content=pitfalls: "
+                      "a faithful rehearsal has no failed call, so its memory is empty; add imagined_error or "
+                      "wrong_call", UnusedSettingWarning, stacklevel=3)
+    if rehearsal.memory_content == "consensus":
+        warnings.warn("train.sft_act_memory=true with rehearsal.memory_content=consensus: the warm-up's memories "
+                      "render as 'calls' (each rehearsal's calls and results), not as the one-line consensus the "
+                      "committed ACT reads at test time", UnusedSettingWarning, stacklevel=3)
+
+
+def check_across_sections(cfg: Any) -> Any:
+    """The checks of a `RunConfig` that read more than one section (`check_trained_roles`,
+    `warn_unused_constraint`, `warn_unknown_budget_tools`, `warn_memory_warmup`); returns `cfg` (a pydantic
+    after-validator)."""
+    from envace_core.roles.bounds import REHEARSE_TOKENS_PER_TOOL
+
+    check_trained_roles(cfg.train.trained_roles, cfg.rollout.source, cfg.rollout.user_rehearse)
+    warn_unused_constraint(cfg.rollout.constrained_decoding, cfg.rehearsal.constrained_decoding)
+    warn_unknown_budget_tools(cfg.rollout.max_new_tokens_rehearse_per_tool, cfg.data.domains, REHEARSE_TOKENS_PER_TOOL)
+    warn_memory_warmup(cfg.train, cfg.rehearsal)
+    return cfg

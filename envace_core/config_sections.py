@@ -16,17 +16,15 @@ from pydantic import BaseModel, ConfigDict, Field, PositiveInt, field_validator,
 from envace_core.config_checks import (
     ACT_MEMORY_KINDS,
     MAX_ACT_REPEATS,
+    check_across_sections,
     check_hidden_tools,
     check_model_name,
     check_rollout,
-    check_trained_roles,
     check_unique,
     location,
     off_word,
     plain_number,
-    warn_unknown_budget_tools,
     warn_unused_act_settings,
-    warn_unused_constraint,
     warn_unused_rehearsal_settings,
 )
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, REHEARSE_TOKENS_PER_TOOL
@@ -587,13 +585,7 @@ class RunConfig(_Strict):
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
-    @model_validator(mode="after")
-    def _across_sections(self) -> RunConfig:
-        check_trained_roles(self.train.trained_roles, self.rollout.source, self.rollout.user_rehearse)
-        warn_unused_constraint(self.rollout.constrained_decoding, self.rehearsal.constrained_decoding)
-        warn_unknown_budget_tools(self.rollout.max_new_tokens_rehearse_per_tool, self.data.domains,
-                                  REHEARSE_TOKENS_PER_TOOL)
-        return self
+    _across_sections = model_validator(mode="after")(check_across_sections)
 
     def to_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json", by_alias=True)

@@ -11,6 +11,8 @@ from envace_core.cli import main
     ("model.ref=/no/such/model", "not a directory with config.json"),
     ("train.iteratons=2", "train.iteratons: unknown setting; did you mean train.iterations?"),
     ("train.zzz=2", "train.zzz: unknown setting; train has: advantage_scale, "),
+    ("validat.min_fidelity=0.1", "validat: unknown setting; did you mean validate?"),
+    ("validate.min_fidelty=0.1", "validate.min_fidelty: unknown setting; did you mean validate.min_fidelity?"),
     ("rollout.group_size=0", "rollout.group_size"),
     ("data.domains=[nope]", "unknown domain"),
     ("{not yaml: [", "neither a file"),

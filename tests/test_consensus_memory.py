@@ -111,3 +111,11 @@ def test_the_agent_commits_with_the_consensus_in_acts_prompt(task, tiny_model_di
     short = RehearsalAgent(engine, "parallel", 3, 16, act=P, rehearse=P, seed=0, memory_content="consensus")
     assert short.rehearse_round(ctx).memory == ""  # over the budget: no memory rather than half a call
     assert load_config("test", "rehearsal.memory_content=consensus").rehearsal.memory_content == "consensus"
+
+
+def test_a_call_with_no_argument_value_is_eligible(task):
+    _, ctx = task
+    bare = rehearsal("list_all_product_types")
+    assert first_call_consensus([bare, bare], ctx) == (bare.steps[0].action, 2)
+    flags = rehearsal("find_user_id_by_email", flag=True, other=None)
+    assert first_call_consensus([flags], ctx)[1] == 1

@@ -126,3 +126,14 @@ def test_memory_kinds_config_is_checked():
             load_config("test", f"train.sft_act_memory_kinds={bad}")
     with pytest.warns(UnusedSettingWarning, match="sft_act_memory_kinds.*no effect"):
         load_config("test", "train.sft_warmup_steps=2,train.sft_act_memory_kinds=[faithful]")
+
+
+def test_memory_warmups_that_differ_from_test_time_warn():
+    from envace_core.config import load_config
+    from envace_core.config_checks import UnusedSettingWarning
+
+    on = "train.sft_warmup_steps=2,train.sft_act_memory=true"
+    with pytest.warns(UnusedSettingWarning, match=r"kinds=\[faithful\] adds no example"):
+        load_config("test", f"{on},train.sft_act_memory_kinds=[faithful]")
+    with pytest.warns(UnusedSettingWarning, match="render as 'calls'"):
+        load_config("test", f"{on},rehearsal.memory_content=consensus")

@@ -7,9 +7,13 @@ rehearsals made, among those
 - that pass the round's verifier on that call alone (the call's schema and the domain's policy rules;
   what REHEARSE imagined after it is not what is voted on), and
 - whose argument values all occur in what the agent was told (`verifier.grounded`: the user's request
-  and the real results of a re-entry prefix), so that an identifier the policy made up cannot win.
+  and the real results of a re-entry prefix), so that an identifier the policy made up cannot win (a call
+  with no argument value, e.g. a tool without parameters, is eligible). The match is case-folded and by
+  whole words, as `verifier.grounded_error_check`'s: a case-changed identifier still counts as stated, and
+  equal values written differently (2 and 2.0, a trailing space) vote apart.
 
-Ties go to the call made first. A round with no such call has an empty memory (the committed run is
+"Most" is a plurality: one vote wins when every eligible call differs, and the memory says how many of
+the N rehearsals agreed. Ties go to the call made first. A round with no such call has an empty memory (the committed run is
 the one without rehearsal). The rest of each rehearsal (imagined results, later calls built on imagined
 values, messages) is left out: on held-out tasks the committed ACT of a 135M policy copies the calls a
 memory names, imagined values included (benchmarks/RESULTS.md, "An ACT warmed with pitfall memories").
@@ -55,7 +59,7 @@ def first_call_consensus(rehearsals: Sequence[Trajectory], ctx: TaskContext, pre
         if not t.steps or t.steps[0].action is None or t.steps[0].schema_error is not None:
             continue
         call = t.steps[0].action
-        if not grounded(call.arguments, told):
+        if not grounded(call.arguments, told, empty=True):  # a call with no value to make up is eligible
             continue
         if checks is not None:
             alone = t.model_copy(update={"steps": [*prefix, t.steps[0].model_copy(update={"observation": None})],

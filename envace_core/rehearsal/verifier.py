@@ -106,11 +106,12 @@ def _stated(value: str, text: str) -> bool:
     return re.search(rf"(?<!\w){re.escape(value)}(?!\w)", text) is not None
 
 
-def grounded(arguments: Any, told: str) -> bool:
-    """A call's `arguments` are grounded in `told` (case-folded text): it has at least one scalar value
-    (`_leaves`) and every one occurs there as a whole word or number (`_stated`)."""
+def grounded(arguments: Any, told: str, empty: bool = False) -> bool:
+    """A call's `arguments` are grounded in `told` (case-folded text): every scalar value (`_leaves`) occurs
+    there as a whole word or number (`_stated`). A call with no such value (no arguments, or only booleans
+    and nulls) gives `empty`."""
     leaves = _leaves(arguments)
-    return bool(leaves) and all(_stated(v, told) for v in leaves)
+    return all(_stated(v, told) for v in leaves) if leaves else empty
 
 
 def grounded_error_check(traj: Trajectory, ctx: TaskContext) -> list[str]:
