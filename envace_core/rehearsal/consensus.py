@@ -1,8 +1,8 @@
 """The consensus memory of a rehearsal round: the grounded first call most rehearsals began with.
 
 METHOD.md §4 condenses the N rehearsals of a round into a memory m_x for the committed ACT. Under
-``rehearsal.memory_content="consensus"`` m_x is one line: the first tool call that most of the round's
-rehearsals made, among those
+``rehearsal.memory_content="consensus"`` m_x names one call (`HEADER` and the call's line): the first tool
+call that most of the round's rehearsals made, among those
 
 - that pass the round's verifier on that call alone (the call's schema and the domain's policy rules;
   what REHEARSE imagined after it is not what is voted on), and
@@ -13,8 +13,8 @@ rehearsals made, among those
   equal values written differently (2 and 2.0, a trailing space) vote apart.
 
 "Most" is a plurality: one vote wins when every eligible call differs, and the memory says how many of
-the N rehearsals agreed. Ties go to the call made first. A round with no such call has an empty memory (the committed run is
-the one without rehearsal). The rest of each rehearsal (imagined results, later calls built on imagined
+the N rehearsals agreed. Ties go to the call made first. A round with no such call has an empty memory
+(the committed run is the one without rehearsal). The rest of each rehearsal (imagined results, later calls built on imagined
 values, messages) is left out: on held-out tasks the committed ACT of a 135M policy copies the calls a
 memory names, imagined values included (benchmarks/RESULTS.md, "An ACT warmed with pitfall memories").
 The vote over sampled first actions is self-consistency (Wang et al. 2022, §2) applied to one tool
