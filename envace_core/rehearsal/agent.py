@@ -240,11 +240,12 @@ class RehearsalAgent:
                 t = unroll(self.engine, ctx, history, 1, p, seeds, memory or None)[0]
                 t.group_index = k
                 judge([t])
-        rnd.memory = memory_text(blocks, self.memory_max_tokens, tok)
-        if self.memory_content == "consensus":
-            rnd.memory = consensus_memory(rnd.rehearsals, ctx, prefix, self.verifier)
-            if len(tok.encode(rnd.memory, add_special_tokens=False)) > self.memory_max_tokens:
-                rnd.memory = ""  # a call longer than the budget: no memory rather than half a call
+        if self.memory_content != "consensus":
+            rnd.memory = memory_text(blocks, self.memory_max_tokens, tok)
+            return rnd
+        rnd.memory = consensus_memory(rnd.rehearsals, ctx, prefix, self.verifier)
+        if len(tok.encode(rnd.memory, add_special_tokens=False)) > self.memory_max_tokens:
+            rnd.memory = ""  # a call longer than the budget: no memory rather than half a call
         return rnd
 
     @staticmethod
