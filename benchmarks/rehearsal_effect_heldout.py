@@ -455,6 +455,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
     """Every condition (in order) × model over the held-out tasks (module docstring); writes the JSON to
     ``--json`` after every finished condition and when ``--max-minutes`` stops the run; returns the report."""
     from envace_core.config import load_config
+    from envace_core.evaluation.code_ledger import code_version, record, reuse_note
     from envace_core.models import resolve_model_ref
     from envace_core.training.policy import load_engine
     from rehearsal_effect import parse_models
@@ -466,7 +467,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
     out = Path(args.out)
     all_tasks, task_info = heldout_tasks(args.dataset, args.heldout, seed, levels, out, log)
     tasks = limit_per_domain(all_tasks, args.limit)
-    t_start, load0 = time.monotonic(), os.getloadavg()
+    t_start, load0, code = time.monotonic(), os.getloadavg(), code_version()
     deadline = None if args.max_minutes is None else t_start + 60 * args.max_minutes
     resolved = {label: resolve_model_ref(ref, cfg.store.registry, base_ref=cfg.model.ref) for label, ref in models}
     engines: dict[str, Any] = {}
@@ -481,7 +482,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
                  "overrides": args.overrides, "n_boot": args.n_boot, "conditions": [c["name"] for c in conditions],
                  "verifier": {c["name"]: c["verifier"] for c in conditions if c["mode"] != "none"},
                  "models": {label: {"ref": ref, "label": resolved[label].label} for label, ref in models},
-                 "task_ids": [t.id for t in tasks], "stopped_early": False,
+                 "task_ids": [t.id for t in tasks], "stopped_early": False, "code": code, "cache_notes": {},
                  "success": "tau2 is_successful (reward 1) of the committed trajectory",
                  "ci": f"95% percentile bootstrap over tasks ({args.n_boot} resamples); paired_vs_none: same tasks"}
 
@@ -508,6 +509,11 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
             cdir = cache_dir(out, cfg, ref, resolved[label], cond, args.protocol, args.seed, args.profile, args.overrides)
             recs, now, stopped = run_cell(cfg, engine_for(label), tasks, cond, cdir, args.protocol, args.seed, deadline)
             records[label][cond["name"]], fresh[label][cond["name"]] = recs, now
+            note = reuse_note(cdir, len(recs) - len(now), code)  # cached episodes from other code, if any
+            record(cdir, len(now), code)
+            if note:
+                run_block["cache_notes"][f"{label} {cond['name']}"] = note
+                log(f"[effect] note: {note}")
             timings[label][cond["name"]] = read_timings(cdir / "timing.jsonl")
             log(f"[effect] {label} {cond['name']}: {len(recs)}/{len(tasks)} tasks ({len(now)} run now), "
                 f"success {sum(outcomes(recs).values())}/{len(outcomes(recs))}")
@@ -533,6 +539,8 @@ def results_section(report: dict[str, Any]) -> str:
          f"{r['cpus']} CPUs, load average (1/5/15 min) {load(r['load_avg_start'])} at start, "
          f"{load(r['load_avg_end'])} at end" + (f"; stopped early: {r['stopped_early']}" if r["stopped_early"] else "")
          + f". Success: {r['success']}; CIs: {r['ci']}. `+noverify`: rehearsal.verifier off."), "",
+        *[f"- note ({cell}): {note}" for cell, note in (r.get("cache_notes") or {}).items()],
+        *([""] if r.get("cache_notes") else []),
         markdown(report), "", changed_markdown(report)])
 
 

@@ -163,10 +163,18 @@ def test_tiny_model_end_to_end_then_resume(tiny_model_dir, over, tmp_path, capsy
     printed = capsys.readouterr().out
     assert "report: " + str(out / "report.md") in printed and "simple_python" in printed
 
+    assert first["code"]["cache_note"] is None and first["code"]["cache_history"][0]["episodes_ran"] > 0
+
     calls[0] = 0  # the same command again: everything comes from the cache, nothing is generated
+    from envace_core.evaluation import code_ledger
+
+    monkeypatch.setattr(code_ledger, "_process_code", lambda: ("f" * 40, False))  # as after an upgrade
     assert main(argv) == 0
     again = json.loads((out / "results.json").read_text())
     assert calls[0] == 0
+    note = again["code"]["cache_note"]  # the reused episodes were played by the first run's code
+    assert again["code"]["commit"] == "f" * 40 and note and "the code now: ffffffffffff" in note
+    assert "**note**" in (out / "report.md").read_text() and "note: " in capsys.readouterr().out
     assert {k: w["cached"] for k, w in again["work"].items()} == {k: w["ran"] for k, w in first["work"].items()}
     assert all(w["ran"] == 0 for w in again["work"].values())
     assert [b.get("summary", b.get("report", b.get("micro"))) for b in again["benches"]] == \

@@ -283,8 +283,15 @@ def test_tiny_model_end_to_end_then_resume(tiny_model_dir, tmp_path, monkeypatch
     from envace_core.training import policy
 
     monkeypatch.setattr(policy, "load_engine", lambda *a, **k: pytest.fail("a model loaded for cached episodes"))
+    assert rep["run"]["cache_notes"] == {}
+    from envace_core.evaluation import code_ledger
+
+    monkeypatch.setattr(code_ledger, "_process_code", lambda: ("f" * 40, False))  # as after an upgrade
     assert h.main(argv + ["--no-append"]) == 0
     again = json.loads(out_json.read_text())
+    notes = again["run"]["cache_notes"]  # every cell reused episodes the first run's code played
+    assert sorted(notes) == ["tiny none", "tiny parallel:2", "tiny parallel:2+noverify"]
+    assert all("2 episodes reused" in n and "the code now: ffffffffffff" in n for n in notes.values())
     for name, c in again["tiny"].items():
         assert c["outcomes"] == rep["tiny"][name]["outcomes"]
         assert c["seconds_per_episode"] == pytest.approx(rep["tiny"][name]["seconds_per_episode"])

@@ -15,6 +15,7 @@ from typing import Any
 
 from envace_core import EnvaceError
 from envace_core.config import RunConfig, load_config
+from envace_core.evaluation.code_ledger import code_version, history, record, reuse_note
 from envace_core.evaluation.options import (
     REHEARSAL_APPLIES_TO,
     EvalOptions,
@@ -415,17 +416,24 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
     benches: list[dict] = []
     bench_seconds: dict[str, float] = {}
     bfcl_cats = [s.arg for s in specs if s.bench == "bfcl"]
-    for s in specs:
-        t1 = time.perf_counter()
-        if s.bench == "tau2":
-            benches.append(run_tau2_bench(ctx, s.arg))
-        elif s.bench == "vita":
-            benches.append(run_vita_bench(ctx, s.arg))
-        elif s.bench == "finmcp":
-            benches.append(run_finmcp_bench(ctx, s.arg))
-        elif s.arg == bfcl_cats[0]:  # all BFCL categories in one report (bfcl's overall spans them)
-            benches.append(run_bfcl_benches(ctx, bfcl_cats))
-        bench_seconds[s.label] = time.perf_counter() - t1
+    code = code_version()
+    try:
+        for s in specs:
+            t1 = time.perf_counter()
+            if s.bench == "tau2":
+                benches.append(run_tau2_bench(ctx, s.arg))
+            elif s.bench == "vita":
+                benches.append(run_vita_bench(ctx, s.arg))
+            elif s.bench == "finmcp":
+                benches.append(run_finmcp_bench(ctx, s.arg))
+            elif s.arg == bfcl_cats[0]:  # all BFCL categories in one report (bfcl's overall spans them)
+                benches.append(run_bfcl_benches(ctx, bfcl_cats))
+            bench_seconds[s.label] = time.perf_counter() - t1
+        cache_note = reuse_note(cache, sum(w["cached"] for w in ctx.work.values()), code)
+        if cache_note:
+            log(f"[eval] note: {cache_note}")
+    finally:  # the episodes a stopped run cached are still this code's
+        record(cache, sum(w["ran"] for w in ctx.work.values()), code)
     tau2_limits = {"max_steps": opts.max_steps, "user_model": user_desc} if opts.protocol == TAU2_ORCHESTRATOR \
         else {"max_turns": cfg.eval.max_turns}
     return {
@@ -437,6 +445,7 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
                      "max_steps": opts.max_steps,
                      "seed": opts.seed, "profile": opts.profile, "overrides": opts.overrides},
         "user_simulator": user_desc, "judge": judge_desc, "fingerprint": fp, "cache": str(cache),
+        "code": {**code, "cache_history": history(cache), "cache_note": cache_note},
         "protocol": {"tau2": describe(opts.protocol, trials=opts.trials, seed=opts.seed, **tau2_limits),
                      "bfcl": "bfcl-eval AST / multi-turn checkers; Private Rehearsal (as --rehearsal) in "
                              "multi-turn categories only, single-turn categories never rehearse",

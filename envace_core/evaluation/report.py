@@ -222,6 +222,17 @@ def published_md(results: dict) -> list[str]:
             *_table(["model", "FinMCP TF1 %", "FinMCP tool precision %"], fin), ""]
 
 
+def _code_md(results: dict) -> list[str]:
+    """The code line: the commit that ran, and the cache's note when reused episodes came from other code
+    (`code_ledger.reuse_note`). Reports written before the ledger have no "code" entry: no line."""
+    code = results.get("code")
+    if not code:
+        return []
+    commit = code.get("commit")
+    line = f"- code: {commit[:12] if commit else 'unknown commit'}" + (" (uncommitted changes)" if code.get("dirty") else "")
+    return [line] + ([f"- **note**: {code['cache_note']}"] if code.get("cache_note") else [])
+
+
 def markdown(results: dict, plots: list[str]) -> str:
     """The whole ``report.md``."""
     m, s = results["model"], results["settings"]
@@ -237,6 +248,7 @@ def markdown(results: dict, plots: list[str]) -> str:
              f"- trials k = {s['trials']}; split {s['split']}; limit {s['limit'] or 'none'} per bench; "
              f"tau2 max steps {s['max_steps']}; seed {s['seed']}",
              "- work: " + ", ".join(f"{b}: {w['ran']} ran, {w['cached']} from cache" for b, w in results["work"].items()),
+             *_code_md(results),
              f"- wall time: {results['seconds']['total']:.1f}s (model load {results['seconds']['load']:.1f}s)", "",
              "## Summary", "", *_table(SUMMARY_HEAD, summary_rows(results)), "",
              *published_md(results), *_tau2_md(results), *_bfcl_md(results), *_vita_md(results), *_finmcp_md(results),
@@ -360,3 +372,5 @@ def print_summary(results: dict, console=None) -> None:
         c.print(f"no rehearsal ran for {', '.join(not_rehearsed(results))} (they never rehearse)")
     c.print(f"user simulator: {results['user_simulator']}; work: "
             + ", ".join(f"{b} {w['ran']} ran / {w['cached']} cached" for b, w in results["work"].items()))
+    if (results.get("code") or {}).get("cache_note"):
+        c.print(f"note: {results['code']['cache_note']}")
