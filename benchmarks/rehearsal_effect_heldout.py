@@ -587,6 +587,11 @@ def check_args(args: argparse.Namespace) -> None:
     if not (Path(args.dataset) / "tasks.parquet").is_file():
         raise BenchmarkError(f"--dataset {args.dataset}: no tasks.parquet there")
     cfg = load_config(args.profile, args.overrides)
+    profile = load_config(args.profile, "").rehearsal
+    for key in ("mode", "n", "verifier"):  # each condition sets these: an override would be silently replaced
+        if getattr(cfg.rehearsal, key) != getattr(profile, key):
+            raise BenchmarkError(f"--overrides sets rehearsal.{key}, which every condition sets itself: give it in "
+                                 "--conditions instead (MODE:N, with +noverify for the verifier off)")
     for label, ref in models:
         try:
             check_model_ref(ref, cfg)

@@ -238,10 +238,17 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     re_ = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(re_)
     (tmp_path / "ds").mkdir()
+    ok = tmp_path / "ok"  # a dataset folder as far as the argument check looks
+    ok.mkdir()
+    (ok / "tasks.parquet").write_bytes(b"")
     for argv, msg in ((["--heldout", "0", "--dataset", str(tmp_path)], "--heldout must be >= 1"),
                       (["--heldout", "2", "--dataset", str(tmp_path / "ds")], "no tasks.parquet"),
                       (["--heldout", "2", "--dataset", str(tmp_path), "--conditions", "none+noverify"], "no verifier"),
-                      (["--heldout", "2", "--dataset", str(tmp_path), "--models", "run=x"], "labelled 'run'")):
+                      (["--heldout", "2", "--dataset", str(tmp_path), "--models", "run=x"], "labelled 'run'"),
+                      (["--heldout", "2", "--dataset", str(ok), "--overrides", "rehearsal.verifier=false"],
+                       "sets rehearsal.verifier, which every condition sets itself"),
+                      (["--heldout", "2", "--dataset", str(ok), "--overrides", "rehearsal.n=8"],
+                       "give it in --conditions")):
         assert re_.main(argv) == 2  # rehearsal_effect.py hands --heldout runs over
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1
