@@ -455,6 +455,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
     """Every condition (in order) × model over the held-out tasks (module docstring); writes the JSON to
     ``--json`` after every finished condition and when ``--max-minutes`` stops the run; returns the report."""
     from envace_core.config import load_config
+    from envace_core.evaluation.code_ledger import begin as ledger_begin
     from envace_core.evaluation.code_ledger import code_version, record, reuse_note
     from envace_core.models import resolve_model_ref
     from envace_core.training.policy import load_engine
@@ -507,6 +508,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
     for cond in conditions:
         for label, ref in models:
             cdir = cache_dir(out, cfg, ref, resolved[label], cond, args.protocol, args.seed, args.profile, args.overrides)
+            ledger_begin(cdir)
             recs, now, stopped = run_cell(cfg, engine_for(label), tasks, cond, cdir, args.protocol, args.seed, deadline)
             records[label][cond["name"]], fresh[label][cond["name"]] = recs, now
             note = reuse_note(cdir, len(recs) - len(now), code)  # cached episodes from other code, if any
@@ -572,6 +574,7 @@ def check_args(args: argparse.Namespace) -> None:
     """Everything checkable before synthesis or a model load: numbers, conditions, models (labels and
     `models.check_model_ref`), the dataset folder, the profile. Raises `EnvaceError`."""
     from envace_core.config import load_config
+    from envace_core.config_text import parse_overrides
     from envace_core.models import check_model_ref
     from rehearsal_effect import parse_models
 
@@ -587,9 +590,9 @@ def check_args(args: argparse.Namespace) -> None:
     if not (Path(args.dataset) / "tasks.parquet").is_file():
         raise BenchmarkError(f"--dataset {args.dataset}: no tasks.parquet there")
     cfg = load_config(args.profile, args.overrides)
-    profile = load_config(args.profile, "").rehearsal
+    reh = parse_overrides(args.overrides).get("rehearsal")
     for key in ("mode", "n", "verifier"):  # each condition sets these: an override would be silently replaced
-        if getattr(cfg.rehearsal, key) != getattr(profile, key):
+        if isinstance(reh, dict) and key in reh:
             raise BenchmarkError(f"--overrides sets rehearsal.{key}, which every condition sets itself: give it in "
                                  "--conditions instead (MODE:N, with +noverify for the verifier off)")
     for label, ref in models:

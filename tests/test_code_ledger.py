@@ -60,3 +60,36 @@ def test_code_version_is_this_checkout_or_the_image_build_file():
     code = L.code_version()
     assert set(code) == {"commit", "dirty"}
     assert code["commit"] is None or len(code["commit"]) == 40
+
+
+def test_episodes_cached_before_the_ledger_began_are_always_noted(tmp_path):
+    (tmp_path / "tau2_airline.jsonl").write_text('{"task_id": "old"}\n')
+    L.begin(tmp_path)  # the folder held episodes: the ledger's first line marks them
+    L.begin(tmp_path)  # once
+    L.record(tmp_path, 5, A)
+    assert [h.get("before_ledger", False) for h in L.history(tmp_path)] == [True, False]
+    note = L.reuse_note(tmp_path, 5, A)  # as many as the running commit played, yet some may be the old ones
+    assert note and "before this ledger began" in note
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    L.begin(empty)
+    assert not (empty / L.LEDGER_NAME).exists()
+
+
+def test_lines_with_wrong_types_are_skipped_and_a_cut_line_does_not_swallow_the_next(tmp_path):
+    bad = [{"date": "d", "commit": 12345, "dirty": False, "episodes_ran": 1},
+           {"date": "d", "commit": ["x"], "dirty": False, "episodes_ran": 1},
+           {"date": "d", "commit": "c" * 40, "dirty": "no", "episodes_ran": 1},
+           {"date": "d", "commit": "c" * 40, "dirty": False, "episodes_ran": -100},
+           {"date": "d", "commit": "c" * 40, "dirty": False, "episodes_ran": "3"},
+           {"date": "d", "commit": "c" * 40, "dirty": False, "episodes_ran": True}]
+    path = tmp_path / L.LEDGER_NAME
+    path.write_text("\n".join(json.dumps(b) for b in bad) + '\n{"date": "d", "episodes_ran": 1e400}\n{"date": "d", "comm')
+    L.record(tmp_path, 2, A)  # appended on a line of its own
+    assert [(h["commit"], h["episodes_ran"]) for h in L.history(tmp_path)] == [("a" * 40, 2)]
+    assert L.reuse_note(tmp_path, 2, A) is None
+
+
+def test_a_dirty_flag_that_is_unknown_is_never_taken_for_clean(tmp_path):
+    L.record(tmp_path, 1, {"commit": "a" * 40, "dirty": None})
+    assert "uncommitted changes unknown" in L.reuse_note(tmp_path, 1, A)

@@ -247,7 +247,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
                       (["--heldout", "2", "--dataset", str(tmp_path), "--models", "run=x"], "labelled 'run'"),
                       (["--heldout", "2", "--dataset", str(ok), "--overrides", "rehearsal.verifier=false"],
                        "sets rehearsal.verifier, which every condition sets itself"),
-                      (["--heldout", "2", "--dataset", str(ok), "--overrides", "rehearsal.n=8"],
+                      (["--heldout", "2", "--dataset", str(ok), "--overrides", "rehearsal.n=2"],  # = the profile's
                        "give it in --conditions")):
         assert re_.main(argv) == 2  # rehearsal_effect.py hands --heldout runs over
         err = capsys.readouterr().err

@@ -8,11 +8,16 @@ there::
 
     {"date": "<ISO 8601 UTC>", "commit": "<40 hex>" | null, "dirty": true | false | null, "episodes_ran": n}
 
-`code_version` is the `buildinfo.build_info` commit (an image's BUILD_INFO.json, else the checkout's
-``git rev-parse HEAD``) and its dirty flag. `reuse_note` says, after a run that reused cached episodes,
-when the folder holds episodes played by other code than the running one, by code with uncommitted changes
-(the commit does not identify it), or that the ledger does not account for; the caller shows the note and
-keeps the episodes (a resumed run must not replay what it paid for). Pass a new ``--out`` to replay them.
+A folder that already held episodes when its ledger began gets a first line marking them
+(``"before_ledger": true``, commit null, 0 episodes; `begin`). `code_version` is the `buildinfo.build_info`
+commit (an image's BUILD_INFO.json, else the checkout's ``git rev-parse HEAD``) and whether Python sources
+differ from it. `reuse_note` says, after a run that reused cached episodes, when the folder holds episodes
+played by other code than the running one, by code with uncommitted changes (the commit does not identify
+it), before its ledger began, or more than the ledger accounts for; the caller shows the note and keeps the
+episodes (a resumed run must not replay what it paid for). Pass a new ``--out`` to replay them.
+
+The ledger counts episodes per folder, not per episode: when a folder holds episodes of several code
+versions, the note names them all, whichever of them a run reused.
 """
 
 from __future__ import annotations
@@ -20,10 +25,12 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
 LEDGER_NAME = "code_versions.jsonl"
+_BEFORE = "before_ledger"  # the marker line's key: the folder held episodes when its ledger began
 
 
 @functools.lru_cache(maxsize=1)
@@ -31,56 +38,106 @@ def _process_code() -> tuple[str | None, bool | None]:
     from envace_core.buildinfo import build_info
 
     info = build_info()
-    return info.get("commit"), info.get("dirty")
+    if info.get("commit_source") != "git":
+        return info.get("commit"), info.get("dirty")
+    try:  # a checkout: only changed Python sources make the code differ from the commit (not results or docs)
+        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "*.py"],
+                             cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
+                             check=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        return info.get("commit"), None
+    return info.get("commit"), bool(out.strip())
 
 
 def code_version() -> dict[str, Any]:
-    """{"commit": 40-hex or None, "dirty": bool or None} of the running code (read once per process)."""
+    """{"commit": 40-hex or None, "dirty": bool or None} of the running code, read once per process: the
+    `buildinfo.build_info` commit; in a git checkout "dirty" means a tracked ``*.py`` file differs from
+    it (result files and docs a benchmark rewrites do not count), in an image BUILD_INFO.json's flag."""
     commit, dirty = _process_code()
     return {"commit": commit, "dirty": dirty}
 
 
 def _label(commit: str | None, dirty: bool | None) -> str:
-    if commit is None:
+    if not commit:
         return "an unknown commit"
-    return commit[:12] + (" with uncommitted changes" if dirty or dirty is None else "")
+    return commit[:12] + {True: " with uncommitted changes", None: " (uncommitted changes unknown)"}.get(dirty, "")
+
+
+def _entry(line: str) -> dict[str, Any] | None:
+    """A ledger line as {"commit", "dirty", "episodes_ran", "date", "before"}, or None when it is not one."""
+    try:
+        rec = json.loads(line)
+    except ValueError:
+        return None
+    if not isinstance(rec, dict):
+        return None
+    commit, dirty, ran, date = rec.get("commit"), rec.get("dirty"), rec.get("episodes_ran"), rec.get("date")
+    if not (commit is None or isinstance(commit, str)) or not (dirty is None or isinstance(dirty, bool)):
+        return None
+    if isinstance(ran, bool) or not isinstance(ran, int) or ran < 0 or not isinstance(date, str):
+        return None
+    return {"commit": commit or None, "dirty": dirty, "episodes_ran": ran, "date": date,
+            "before": rec.get(_BEFORE) is True}
 
 
 def history(cache_dir: str | Path) -> list[dict[str, Any]]:
     """The ledger's runs merged per code version, oldest first: [{"commit", "dirty", "episodes_ran",
-    "first", "last"}] (first/last: the runs' dates). [] when there is no ledger. A line that is not a
-    ledger record (a damaged file) is skipped."""
+    "first", "last"}] (first/last: the runs' dates), plus {"before_ledger": True, "first"} when the folder
+    already held episodes as its ledger began (their code and number unknown). [] when there is no ledger.
+    A line that is not a ledger record (damaged, wrong types, a negative count) is skipped."""
     path = Path(cache_dir) / LEDGER_NAME
-    if not path.is_file():
+    try:
+        text = path.read_text(encoding="utf-8-sig", errors="replace")
+    except OSError:
         return []
     merged: dict[tuple, dict[str, Any]] = {}
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            rec = json.loads(line)
-            key = (rec["commit"], rec["dirty"])
-            ran = int(rec["episodes_ran"])
-            date = str(rec["date"])
-        except (ValueError, TypeError, KeyError):
+    for line in text.splitlines():
+        e = _entry(line)
+        if e is None:
             continue
-        m = merged.setdefault(key, {"commit": key[0], "dirty": key[1], "episodes_ran": 0,
-                                    "first": date, "last": date})
-        m["episodes_ran"] += ran
-        m["last"] = date
+        if e["before"]:
+            merged.setdefault(("before",), {_BEFORE: True, "first": e["date"]})
+            continue
+        m = merged.setdefault((e["commit"], e["dirty"]), {"commit": e["commit"], "dirty": e["dirty"],
+                                                          "episodes_ran": 0, "first": e["date"], "last": e["date"]})
+        m["episodes_ran"] += e["episodes_ran"]
+        m["last"] = e["date"]
     return list(merged.values())
+
+
+def _append(path: Path, line: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a+b") as f:
+        f.seek(0, 2)
+        if f.tell():  # a line cut by a crash must not swallow this one
+            f.seek(-1, 2)
+            if f.read(1) != b"\n":
+                f.write(b"\n")
+        f.write((json.dumps(line) + "\n").encode())
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def begin(cache_dir: str | Path) -> None:
+    """Call before a run plays into `cache_dir`: a folder that holds cached episodes (any file) but no
+    ledger gets one whose first line marks them as played by unknown code, so that every later reuse
+    there is noted (which of them a run reuses cannot be told)."""
+    d = Path(cache_dir)
+    if (d / LEDGER_NAME).exists() or not d.is_dir() or not any(p.is_file() for p in d.iterdir()):
+        return
+    _append(d / LEDGER_NAME, {"date": _now(), "commit": None, "dirty": None, "episodes_ran": 0, _BEFORE: True})
 
 
 def record(cache_dir: str | Path, episodes_ran: int, code: dict[str, Any] | None = None) -> None:
     """Append this run to the folder's ledger (nothing when it played no episode). `code`: default
-    `code_version()`."""
+    `code_version()`. Raises OSError when the ledger cannot be written (callers warn and go on)."""
     if episodes_ran <= 0:
         return
     code = code_version() if code is None else code
-    path = Path(cache_dir) / LEDGER_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
-    line = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": code.get("commit"), "dirty": code.get("dirty"), "episodes_ran": int(episodes_ran)}
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(line) + "\n")
+    _append(Path(cache_dir) / LEDGER_NAME, {"date": _now(), "commit": code.get("commit"), "dirty": code.get("dirty"),
+                                            "episodes_ran": int(episodes_ran)})
 
 
 def reuse_note(cache_dir: str | Path, reused: int, code: dict[str, Any] | None = None) -> str | None:
@@ -88,22 +145,25 @@ def reuse_note(cache_dir: str | Path, reused: int, code: dict[str, Any] | None =
     or None. Call it before `record` adds the run itself.
 
     None when nothing was reused, or when every episode the ledger counts was played by the running commit
-    with a clean tree and the ledger counts at least `reused` episodes. Otherwise one sentence naming the
-    other code versions with their episode counts, and how many reused episodes the ledger does not account
-    for."""
+    with a clean tree, the ledger counts at least `reused` episodes and it began on an empty folder
+    (`begin`). Otherwise one sentence naming the other code versions with their episode counts, episodes
+    cached before the ledger began, and how many reused episodes the ledger does not account for (also
+    counted: a run that stopped before recording, or trials that failed and were replayed)."""
     if reused <= 0:
         return None
     code = code_version() if code is None else code
     runs = history(cache_dir)
-    same = code.get("commit") is not None and code.get("dirty") is False
-    other = [r for r in runs if not (same and r["commit"] == code["commit"] and r["dirty"] is False)]
-    parts = [f"{r['episodes_ran']} at {_label(r['commit'], r['dirty'])} ({r['first'][:10]})" for r in other]
-    unaccounted = reused - sum(r["episodes_ran"] for r in runs)
-    if unaccounted > 0:
+    same = bool(code.get("commit")) and code.get("dirty") is False
+    parts = [f"some cached before this ledger began ({r['first'][:10]}; their code is unknown)"
+             for r in runs if r.get(_BEFORE)]
+    counted = [r for r in runs if not r.get(_BEFORE)]
+    parts += [f"{r['episodes_ran']} at {_label(r['commit'], r['dirty'])} ({r['first'][:10]})" for r in counted
+              if not (same and r["commit"] == code["commit"] and r["dirty"] is False)]
+    unaccounted = reused - sum(r["episodes_ran"] for r in counted)
+    if unaccounted > 0 and not any(r.get(_BEFORE) for r in runs):
         parts.append(f"{unaccounted} the ledger does not account for (played before it existed, or by a run "
                      "that stopped early)")
     if not parts:
         return None
-    return (f"{reused} episodes reused from cache {cache_dir} were played by other or unidentified code "
-            f"({'; '.join(parts)}); the code now: {_label(code.get('commit'), code.get('dirty'))}; "
-            "pass a new --out to replay them")
+    return (f"{reused} episodes reused from cache {cache_dir} may come from other code ({'; '.join(parts)}); "
+            f"the code now: {_label(code.get('commit'), code.get('dirty'))}; pass a new --out to replay them")

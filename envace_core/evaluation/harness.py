@@ -15,6 +15,7 @@ from typing import Any
 
 from envace_core import EnvaceError
 from envace_core.config import RunConfig, load_config
+from envace_core.evaluation.code_ledger import begin as ledger_begin
 from envace_core.evaluation.code_ledger import code_version, history, record, reuse_note
 from envace_core.evaluation.options import (
     REHEARSAL_APPLIES_TO,
@@ -417,6 +418,7 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
     bench_seconds: dict[str, float] = {}
     bfcl_cats = [s.arg for s in specs if s.bench == "bfcl"]
     code = code_version()
+    ledger_begin(cache)
     try:
         for s in specs:
             t1 = time.perf_counter()
@@ -433,7 +435,10 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
         if cache_note:
             log(f"[eval] note: {cache_note}")
     finally:  # the episodes a stopped run cached are still this code's
-        record(cache, sum(w["ran"] for w in ctx.work.values()), code)
+        try:
+            record(cache, sum(w["ran"] for w in ctx.work.values()), code)
+        except OSError as e:  # the results stand; only their code version goes unrecorded
+            warnings.warn(f"eval cache {cache}: code version not recorded ({type(e).__name__}: {e})", RuntimeWarning)
     tau2_limits = {"max_steps": opts.max_steps, "user_model": user_desc} if opts.protocol == TAU2_ORCHESTRATOR \
         else {"max_turns": cfg.eval.max_turns}
     return {

@@ -229,7 +229,8 @@ def _code_md(results: dict) -> list[str]:
     if not code:
         return []
     commit = code.get("commit")
-    line = f"- code: {commit[:12] if commit else 'unknown commit'}" + (" (uncommitted changes)" if code.get("dirty") else "")
+    line = f"- code: {commit[:12] if isinstance(commit, str) and commit else 'unknown commit'}" + \
+        {True: " (uncommitted changes)", None: " (uncommitted changes unknown)"}.get(code.get("dirty"), "")
     return [line] + ([f"- **note**: {code['cache_note']}"] if code.get("cache_note") else [])
 
 
