@@ -51,14 +51,15 @@ IMAGE_ENV_VARS = ("FLYTE_INTERNAL_IMAGE", "ENVACE_IMAGE")  # first set one wins
 IMAGE_SPEC_ID_ENV = "_F_IMG_ID"  # flytekit.image_spec.image_spec._F_IMG_ID (not a public name, so spelled here)
 
 
-def git_state(repo_dir: str | Path | None = None) -> dict[str, Any]:
+def git_state(repo_dir: str | Path | None = None, pathspec: tuple[str, ...] = ()) -> dict[str, Any]:
     """{"commit": sha, "dirty": bool} of the git checkout at `repo_dir` (default: this package's
-    parent directory), or {"commit": None, "dirty": None, "note": why} when git or the checkout is absent."""
+    parent directory), or {"commit": None, "dirty": None, "note": why} when git or the checkout is absent.
+    `pathspec` (git pathspecs, e.g. ``("*.py",)``): "dirty" counts changed tracked files among those only."""
     cwd = str(repo_dir or Path(__file__).resolve().parent.parent)
     try:
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd, capture_output=True,
                                 text=True, check=True, timeout=10).stdout.strip()
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", *pathspec],
                                     cwd=cwd, capture_output=True, text=True, check=True, timeout=10).stdout.strip())
     except (OSError, subprocess.SubprocessError):
         return {"commit": None, "dirty": None, "note": f"{cwd} is not a git checkout (or git is not installed)"}

@@ -25,7 +25,6 @@ from __future__ import annotations
 import datetime
 import functools
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -35,18 +34,13 @@ _BEFORE = "before_ledger"  # the marker line's key: the folder held episodes whe
 
 @functools.lru_cache(maxsize=1)
 def _process_code() -> tuple[str | None, bool | None]:
-    from envace_core.buildinfo import build_info
+    from envace_core.buildinfo import git_state, read_build_file
 
-    info = build_info()
-    if info.get("commit_source") != "git":
-        return info.get("commit"), info.get("dirty")
-    try:  # a checkout: only changed Python sources make the code differ from the commit (not results or docs)
-        out = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "*.py"],
-                             cwd=Path(__file__).resolve().parents[2], capture_output=True, text=True,
-                             check=True, timeout=10).stdout
-    except (OSError, subprocess.SubprocessError):
-        return info.get("commit"), None
-    return info.get("commit"), bool(out.strip())
+    baked = read_build_file()  # an image's BUILD_INFO.json, as `buildinfo.build_info` reads it first
+    if baked is not None and "error" not in baked:
+        return baked["commit"], baked["dirty"]
+    git = git_state(pathspec=("*.py",))  # only changed Python sources make the code differ (not results or docs)
+    return git["commit"], git["dirty"]
 
 
 def code_version() -> dict[str, Any]:
@@ -154,13 +148,13 @@ def reuse_note(cache_dir: str | Path, reused: int, code: dict[str, Any] | None =
     code = code_version() if code is None else code
     runs = history(cache_dir)
     same = bool(code.get("commit")) and code.get("dirty") is False
-    parts = [f"some cached before this ledger began ({r['first'][:10]}; their code is unknown)"
-             for r in runs if r.get(_BEFORE)]
+    before = [r for r in runs if r.get(_BEFORE)]
     counted = [r for r in runs if not r.get(_BEFORE)]
+    parts = [f"some cached before this ledger began ({r['first'][:10]}; their code is unknown)" for r in before]
     parts += [f"{r['episodes_ran']} at {_label(r['commit'], r['dirty'])} ({r['first'][:10]})" for r in counted
               if not (same and r["commit"] == code["commit"] and r["dirty"] is False)]
     unaccounted = reused - sum(r["episodes_ran"] for r in counted)
-    if unaccounted > 0 and not any(r.get(_BEFORE) for r in runs):
+    if unaccounted > 0 and not before:
         parts.append(f"{unaccounted} the ledger does not account for (played before it existed, or by a run "
                      "that stopped early)")
     if not parts:
