@@ -62,6 +62,9 @@ class Recorder:
     """Wraps one engine's `generate` (and, when present, its prefill and decode phases) to record every call."""
 
     def __init__(self, engine: Any):
+        if not isinstance(getattr(engine, "stats", None), dict):
+            raise EnvaceError(f"{type(engine).__name__} keeps no token counts (`stats`): this profile needs the "
+                              "transformers engine (rollout.engine=hf)")
         self.engine, self.calls, self.phase = engine, [], "committed"
         self._timers = {"prefill_s": 0.0, "decode_s": 0.0}
         for name, key in (("_prefill_padded", "prefill_s"), ("_prefill_unpadded", "prefill_s"), ("_decode", "decode_s")):
