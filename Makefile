@@ -22,9 +22,11 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 # The config and model are checked first, so a bad override or model path fails with one message.
+# PROFILE and OVERRIDES reach the recipe through the environment, so any text (an apostrophe, a $) is one argument.
+export PROFILE OVERRIDES
 train: install
-	$(VENV)/bin/envace --profile '$(PROFILE)' --overrides '$(OVERRIDES)' config --check > /dev/null
-	PYTHONUNBUFFERED=1 $(VENV)/bin/pyflyte run workflows/train.py train --profile '$(PROFILE)' --overrides '$(OVERRIDES)'
+	$(VENV)/bin/envace --profile "$$PROFILE" --overrides "$$OVERRIDES" config --check > /dev/null
+	PYTHONUNBUFFERED=1 $(VENV)/bin/pyflyte run workflows/train.py train --profile "$$PROFILE" --overrides "$$OVERRIDES"
 
 # Two pytest-xdist workers, one thread each (two torch processes of 2 threads on 2 cores stall each
 # other); worksteal keeps both busy while the long cluster and crash tests run.

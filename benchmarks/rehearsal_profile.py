@@ -247,6 +247,24 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """What can fail before tasks are synthesized or a model loads: the profile and overrides, the model
+    reference (`models.check_model_ref`), and the ``--json`` folder (made now, so that a finished run is never
+    lost to it). Raises `EnvaceError`."""
+    from envace_core.config import load_config
+    from envace_core.models import check_model_ref
+
+    cfg = load_config(args.profile, args.overrides)
+    check_model_ref(args.model, cfg)
+    out = Path(args.json)
+    if out.is_dir():
+        raise EnvaceError(f"--json {out} is a folder; give a file path")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise EnvaceError(f"--json {out}: cannot make its folder ({e.strerror})") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -255,13 +273,13 @@ def main(argv: list[str] | None = None) -> int:
     if not (Path(args.dataset) / "tasks.parquet").is_file():
         ap.error(f"--dataset {args.dataset}: no tasks.parquet there")
     try:
+        check_args(args)
         rep = run(args)
     except EnvaceError as e:
         print(f"{ap.prog}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     from envace_core.store.files import atomic_write_text
 
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(Path(args.json), json.dumps(rep, indent=2))
     print(markdown(rep))
     r = rep["run"]

@@ -175,8 +175,9 @@ class RolloutConfig(_Strict):
     """
 
     group_size: int = Field(
-        4, ge=1, description="G: rollouts per task per iteration, one GRPO group; advantages are taken "
-        "against the mean reward of the group's rows of the same role (METHOD.md §3)")
+        4, ge=2, description="G: rollouts per task per iteration, one GRPO group; advantages are taken "
+        "against the mean reward of the group's rows of the same role (METHOD.md §3), so G ≥ 2 (with one "
+        "rollout every advantage is 0)")
     tasks_per_iteration: int = Field(
         2, ge=1, description="train tasks drawn per iteration, in a seeded order reshuffled every epoch "
         "(tasks_per_iteration × G trajectories per iteration); with data parallel, split across workers by task")

@@ -64,3 +64,19 @@ def test_tiny_model_profile_end_to_end(tiny_model_dir, tmp_path, monkeypatch, ca
     assert par["seconds_ratio_vs_none"] > 0 and par["decode_steps_ratio_vs_none"] > 0
     assert set(rep["decode_ms_per_step"]) == {"prompt_tokens", "rows=1", "rows=2"}
     assert "**episode**" in capsys.readouterr().out
+
+
+def test_bad_model_or_json_path_fail_before_any_work(tmp_path, capsys, monkeypatch):
+    """A wrong --model or an unwritable --json is refused before tasks are synthesized or a model loads."""
+    ds = tmp_path / "ds"
+    ds.mkdir()
+    (ds / "tasks.parquet").write_bytes(b"")  # only its presence is checked before the run
+    monkeypatch.setattr(prof, "run", lambda args: pytest.fail("the run started"))
+    base = ["--dataset", str(ds), "--profile", "test", "--json", str(tmp_path / "p.json")]
+    assert prof.main([*base, "--model", str(tmp_path / "nope")]) == 2
+    assert "error" in capsys.readouterr().err
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    assert prof.main([*base[:-1], str(blocker / "p.json"), "--model", "bundled:smollm2-135m-instruct"]) == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and len(err.strip().splitlines()) == 1
