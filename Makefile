@@ -22,7 +22,8 @@ $(STAMP): pyproject.toml Makefile
 	touch $@
 
 # The config and model are checked first, so a bad override or model path fails with one message.
-# PROFILE and OVERRIDES reach the recipe through the environment, so any text (an apostrophe, a $) is one argument.
+# PROFILE and OVERRIDES reach the recipe through the environment, so their text (apostrophes, quotes, spaces) is one
+# argument; make itself still expands a $ in them (write $$).
 export PROFILE OVERRIDES
 train: install
 	$(VENV)/bin/envace --profile "$$PROFILE" --overrides "$$OVERRIDES" config --check > /dev/null
