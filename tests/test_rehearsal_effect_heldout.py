@@ -15,6 +15,7 @@ import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
 from envace_core.types import Task, ToolCall
+from tests.heldout_stand_in import stand_in_heldout
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -257,19 +258,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
 def test_tiny_model_end_to_end_then_resume(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """The real harness (evaluate_policy, opening_request) on two tau2 test tasks standing in for the
     synthesized ones (synthesis is covered by the main job's tests and takes minutes)."""
-    import pandas as pd
-
-    from envace_core.envs.tau2.tasks import load_tasks
-    from envace_core.stages.dataset import task_record
-
-    ds = tmp_path / "ds"
-    ds.mkdir()
-    pd.DataFrame([task_record(t) for t in load_tasks("airline", "train")[:2]]).to_parquet(ds / "tasks.parquet")
-    stand_in = [load_tasks("airline", "test")[0], load_tasks("retail", "test")[0]]
+    ds, stand_in, over = stand_in_heldout(tmp_path)
     monkeypatch.setattr(h, "build_heldout", lambda train, n, levels, seed: stand_in)
-    over = json.dumps({"model": {"compute_dtype": "float32"}, "rollout": {"max_new_tokens_act": 4},
-                       "eval": {"max_turns": 2},
-                       "store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "registry")}})
     md, out_json = tmp_path / "RESULTS.md", tmp_path / "r.json"
     md.write_text("# Measured results\n")
     argv = ["--heldout", "1", "--dataset", str(ds), "--models", f"tiny={tiny_model_dir}", "--conditions",

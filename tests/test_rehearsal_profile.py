@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
+from tests.heldout_stand_in import stand_in_heldout
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
@@ -30,20 +31,10 @@ def test_summarise_calls_adds_by_phase_and_role():
 
 
 def test_tiny_model_profile_end_to_end(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    import pandas as pd
-
-    from envace_core.envs.tau2.tasks import load_tasks
     from envace_core.rehearsal.agent import RehearsalAgent
-    from envace_core.stages.dataset import task_record
 
-    ds = tmp_path / "ds"
-    ds.mkdir()
-    pd.DataFrame([task_record(t) for t in load_tasks("airline", "train")[:2]]).to_parquet(ds / "tasks.parquet")
-    stand_in = [load_tasks("airline", "test")[0], load_tasks("retail", "test")[0]]
+    ds, stand_in, over = stand_in_heldout(tmp_path)
     monkeypatch.setattr(heldout, "build_heldout", lambda train, n, levels, seed: stand_in)
-    over = json.dumps({"model": {"compute_dtype": "float32"}, "rollout": {"max_new_tokens_act": 4},
-                       "eval": {"max_turns": 2},
-                       "store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "registry")}})
     out_json = tmp_path / "p.json"
     before = RehearsalAgent.rehearse_round
     argv = ["--dataset", str(ds), "--model", str(tiny_model_dir), "--heldout", "1", "--tasks", "1",
