@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
-from envace_core.stages.compare import summarize
+from envace_core.stages.compare import regressions, summarize
 
 
 def test_paired_differences_use_the_tasks_scored_under_both_models():
@@ -28,6 +28,18 @@ def test_paired_differences_use_the_tasks_scored_under_both_models():
     assert tw["n"] == 2 and tw["mean"] == 0.5 and tw["ci95"][0] <= 0.0 <= 0.5 <= tw["ci95"][1]
     wb = s["paired"]["warm_start - base"]
     assert wb["n"] == 3 and wb["mean"] == pytest.approx(1 / 3)
+
+
+def test_a_trained_policy_below_its_base_is_named_with_its_ci():
+    worse = {"test": {"base": {"a": 1.0, "b": 1.0, "c": 0.0}, "warm_start": {"a": 0.0, "b": 0.0, "c": 0.0},
+                      "trained": {"a": 0.0, "b": 0.0, "c": 0.0}},
+             "heldout": {"base": {"x": 1.0, "y": 1.0}, "trained": {"x": 0.0, "y": 0.0}}}
+    lines = regressions(summarize(worse, {"test": 3, "heldout": 2}))
+    assert len(lines) == 2  # trained − warm start is 0 on test: not a regression
+    assert lines[0].startswith("test: trained - base = -0.667") and "includes 0" in lines[0]
+    assert lines[1].startswith("heldout: trained - base = -1.000 [-1.000, -1.000]") and "below 0" in lines[1]
+    better = {"test": {"base": {"a": 0.0}, "trained": {"a": 1.0}}}
+    assert regressions(summarize(better, {"test": 1})) == [] and regressions(None) == []
 
 
 def test_held_out_synthesized_tasks_are_disjoint_and_leave_the_train_tasks_unchanged():

@@ -91,7 +91,7 @@ def test_signed_manifest_detects_an_edited_metric(tmp_path, monkeypatch):
     assert reg.verify("m", "1") == ["manifest.json (signature)"]  # wrong key: not trusted
 
 
-def test_register_writes_every_lineage_field_the_auditors_need(tmp_path, monkeypatch):
+def test_register_writes_every_lineage_field_the_auditors_need(tmp_path, monkeypatch, capsys):
     """Issue item 5: name+version, base model+hash, dataset DVC hash, git commit+dirty, full config,
     Flyte execution id, metrics, both gates, and sha256 of every artifact (gate reports included)."""
     from envace_core.config import load_config
@@ -114,8 +114,13 @@ def test_register_writes_every_lineage_field_the_auditors_need(tmp_path, monkeyp
     trained = {"adapter_dir": str(adapter), "base_model_dir": str(base), "run_id": "r1",
                "history": [{"iteration": 1, "train/loss": 0.5}], "learning_signal": True}
     validation = {"metrics": {"fidelity": 0.7}, "gate": {"fidelity": True}, "gate_key": "validation/r1/gate.json"}
-    evaluation = {"summary": {"no_rehearsal|all": {"pass^1": 0.25}}}
+    from envace_core.stages.compare import summarize
+
+    comparison = summarize({"test": {"base": {"a": 1.0, "b": 0.0}, "trained": {"a": 0.0, "b": 0.0}}}, {"test": 2})
+    evaluation = {"summary": {"no_rehearsal|all": {"pass^1": 0.25}}, "comparison": {"summary": comparison}}
     out = register(cfg, dataset, trained, validation, evaluation, execution_id="f1234-n0-0")
+    # a model below its base is registered (the record shows what the run made), with a warning saying so
+    assert "WARNING: the registered model scores below" in capsys.readouterr().out
 
     m = json.loads(Path(out["manifest"]).read_text())
     assert (m["name"], m["version"]) == (cfg.store.model_name, out["version"])
@@ -126,6 +131,8 @@ def test_register_writes_every_lineage_field_the_auditors_need(tmp_path, monkeyp
     assert m["config"] == cfg.to_dict() and m["execution_id"] == "f1234-n0-0"
     assert m["metrics"]["training"]["train/loss"] == 0.5 and m["metrics"]["validation"]["fidelity"] == 0.7
     assert m["metrics"]["evaluation"] == {"no_rehearsal|all": 0.25}
+    assert m["metrics"]["comparison"] == comparison and len(m["metrics"]["regressions"]) == 1
+    assert m["metrics"]["regressions"][0].startswith("test: trained - base = -0.500")
     assert m["gates"] == {"dataset": {"schema": True}, "rehearsal": {"fidelity": True}}
     vdir = Path(out["path"])
     assert json.loads((vdir / "artifacts/gates/dataset.json").read_text())["checks"] == {"schema": True}

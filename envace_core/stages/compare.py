@@ -80,6 +80,24 @@ def summarize(success: dict[str, dict[str, dict[str, float]]], n_tasks: dict[str
     return out
 
 
+def regressions(summary: dict[str, Any]) -> list[str]:
+    """One line per (task set, pair) of `summarize`'s result where the trained policy scores below the
+    model it is compared with (trained − base or trained − warm start: mean < 0), saying whether the
+    paired 95 % CI lies wholly below 0 ("significant") or includes 0 ("within noise"). Empty when the
+    trained policy is at least as good everywhere or nothing was compared."""
+    out = []
+    for set_name, s in (summary or {}).items():
+        for pair in ("trained - base", "trained - warm_start"):
+            d = s.get("paired", {}).get(pair) or {}
+            if d.get("mean") is None or d["mean"] >= 0:
+                continue
+            lo, hi = d["ci95"]
+            how = "significant: the CI is below 0" if hi < 0 else "within noise: the CI includes 0"
+            out.append(f"{set_name}: {pair.replace('_', ' ')} = {d['mean']:+.3f} [{lo:+.3f}, {hi:+.3f}] "
+                       f"over {d['n']} tasks ({how})")
+    return out
+
+
 def compare_models(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
                    trained_test_records: list[dict[str, Any]],
                    say: Callable[[str], None] = print) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from envace_core.config import RunConfig
+from envace_core.stages.compare import regressions
 from envace_core.store.files import dir_checksums, sha256_bytes
 from envace_core.store.uri import open_store
 
@@ -37,7 +38,9 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
     measured them (`evaluation.protocols.describe`: name, user, turns, scoring, skips, trials, seed;
     None when `evaluation` names none, e.g. tool learning's registration, which measures separately);
     ``metrics.comparison`` the base / warm start / trained comparison (`compare.summarize`; None when
-    not made).
+    not made) and ``metrics.regressions`` its lines where the trained policy scores below base or warm
+    start (`compare.regressions`; also printed as a warning: the model is registered all the same, so
+    the record shows what the run made).
     Works with a local or an s3:// registry (`store.registry`); returns {"name", "version", "path", "manifest"}.
     `extra_manifest` adds top-level manifest keys (tool learning: `parent`, `tools`, ...) and
     `extra_artifacts` ({relative path: text}) adds hashed artifact files.
@@ -75,7 +78,8 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
                         "validation": validation["metrics"],
                         "evaluation": {k: v["pass^1"] for k, v in evaluation["summary"].items()},
                         "evaluation_protocol": evaluation.get("protocol"),
-                        "comparison": (evaluation.get("comparison") or {}).get("summary")},
+                        "comparison": (evaluation.get("comparison") or {}).get("summary"),
+                        "regressions": regressions((evaluation.get("comparison") or {}).get("summary"))},
             "gates": {"dataset": dataset.get("gate"), "rehearsal": validation["gate"]},
             "run_id": trained["run_id"],
             "warm_start": trained.get("warm_start"),
@@ -87,5 +91,7 @@ def register(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any],
     print(f"[register] model {cfg.store.model_name}@{version}\n"
           f"  artifacts: {where}/artifacts\n  lineage manifest: {where}/manifest.json\n"
           f"  dataset DVC md5: {dvc.get('md5') or 'untracked (' + str(dvc.get('reason')) + ')'}")
+    for line in manifest["metrics"]["regressions"]:
+        print(f"[register] WARNING: the registered model scores below the model it started from or its base: {line}")
     return {"name": cfg.store.model_name, "version": version, "path": where,
             "manifest": f"{where}/manifest.json"}
