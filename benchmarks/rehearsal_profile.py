@@ -29,7 +29,6 @@ import argparse
 import collections
 import json
 import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -46,16 +45,6 @@ from envace_core import EnvaceError
 HERE = Path(__file__).resolve().parent
 FIELDS = ("calls", "rows", "tokens_fed", "tokens_cached", "tokens_generated", "decode_steps", "seconds",
           "prefill_s", "decode_s")
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
 
 
 class Recorder:
@@ -162,6 +151,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         limit_per_domain,
         parse_conditions,
     )
+    from speed import cpu_flags
 
     from envace_core.config import load_config
     from envace_core.models import resolve_model_ref
@@ -198,7 +188,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     commit = subprocess.run(["git", "-C", str(HERE.parent), "rev-parse", "--short=12", "HEAD"],
                             check=False, capture_output=True, text=True).stdout.strip()
     return {"run": {"command": " ".join(shlex.quote(a) for a in [sys.executable, *sys.argv]),
-                    "date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": commit, "cpu": cpu_model(),
+                    "date": time.strftime("%Y-%m-%d %H:%M %Z"), "commit": commit, "cpu": cpu_flags()["model"],
                     "cpus": os.cpu_count(), "torch_threads": __import__("torch").get_num_threads(),
                     "load_avg_start": list(load0), "load_avg_end": list(os.getloadavg()),
                     "model": {"ref": args.model, "label": resolved.label}, "heldout_file": info["file"],
