@@ -48,6 +48,9 @@ def test_specs_parse_normalise_and_dedupe():
     ("vita:/nonexistent/vita", ["/nonexistent/vita", "does not exist"]),
     ("finmcp:", ["finmcp needs the path"]),
     ("", ["empty"]),
+    ("tau2:airline,", ["'tau2:airline,'", "empty item (a stray comma)"]),
+    ("tau2:airline,,bfcl:simple", ["'tau2:airline,,bfcl:simple'", "empty item"]),
+    (",", ["empty item"]),
 ])
 def test_bad_specs_name_the_item_and_the_choices(spec, needles):
     with pytest.raises(BenchSpecError) as e:

@@ -55,12 +55,15 @@ def parse_benches(text: str) -> list[BenchSpec]:
     """Parse ``"tau2:airline,bfcl:simple,vita:/data/vita,finmcp:/data/fin.json"`` (duplicates dropped).
 
     BFCL categories are bfcl's names (``simple`` = ``simple_python``). Raises `BenchSpecError` naming the
-    offending item and the valid choices.
+    offending item and the valid choices, or an empty item (a stray comma: ``tau2:airline,``).
     """
     specs: list[BenchSpec] = []
-    items = [s.strip() for s in (text or "").split(",") if s.strip()]
-    if not items:
+    items = [s.strip() for s in (text or "").split(",")]
+    if not (text or "").strip():
         raise BenchSpecError(f"--bench is empty; give e.g. tau2:airline,bfcl:simple (benchmarks: {', '.join(BENCHES)})")
+    if "" in items:
+        raise BenchSpecError(f"--bench {text!r} has an empty item (a stray comma): separate BENCH:ARG items with "
+                             "single commas, nothing before the first or after the last, e.g. tau2:airline,bfcl:simple")
     for item in items:
         bench, sep, arg = item.partition(":")
         bench, arg = bench.strip(), arg.strip()
