@@ -71,6 +71,21 @@ def test_cli_reports_bad_spec_in_one_line_before_loading_a_model(capsys, tmp_pat
     assert "cobol" in err and "simple_python" in err and len(err.strip().splitlines()) == 1
 
 
+@pytest.mark.parametrize("bench, needle", [
+    ("vita", "no VitaBench task files named 'tasks_en.json' under"),
+    ("finmcp", "no .json / .jsonl files under"),
+])
+def test_a_data_folder_without_the_benchs_files_is_refused_before_any_model_loads(bench, needle, eval_loads_no_model,
+                                                                                over, tmp_path, capsys):
+    data = tmp_path / "data"  # exists, but holds none of the bench's task files
+    (data / "notes").mkdir(parents=True)
+    argv = ["--profile", "test", "--overrides", over, "eval", "--model", "bundled:smollm2-135m-instruct",
+            "--bench", f"{bench}:{data}", "--out", str(tmp_path / "out"), "--limit", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"envace: error: --bench item '{bench}:{data}': {needle}"), err
+
+
 # ----------------------------------------------------------------------------------------- registry
 @pytest.fixture
 def registered(tiny_model_dir, tmp_path):

@@ -95,7 +95,8 @@ def load_vitabench(path: str | Path, pattern: str = "tasks_en.json") -> list[Tas
         raise EnvaceError(f"VitaBench path {p} does not exist")
     files = sorted(p.rglob(pattern)) if p.is_dir() else [p]
     if not files:
-        raise EnvaceError(f"no VitaBench task files named {pattern!r} under {p}")
+        raise EnvaceError(f"no VitaBench task files named {pattern!r} under {p} (VitaBench's data folder has "
+                          f"one per domain, e.g. delivery/{pattern})")
     tasks: list[Task] = []
     seen: dict[str, str] = {}
     for f in files:

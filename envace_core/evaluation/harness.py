@@ -20,6 +20,7 @@ from envace_core.evaluation.code_ledger import code_version, history, record, re
 from envace_core.evaluation.options import (
     REHEARSAL_APPLIES_TO,
     EvalOptions,
+    check_bench_data,
     fingerprint,
     parse_benches,
     parse_rehearsal,
@@ -382,7 +383,8 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
     """Evaluate `opts.model` on `opts.benches` and return the JSON-able results (what `report.write_report`
     renders). `engine`: an already-built policy engine (tests); default: loaded from `opts.model`.
 
-    Raises, before any model loads: `BenchSpecError`, `EnvaceError` (bad options: `EvalOptions.check`, an
+    Raises, before any model loads: `BenchSpecError` (a bad --bench, or a vita: / finmcp: path whose data does
+    not load: `check_bench_data`), `EnvaceError` (bad options: `EvalOptions.check`, an
     empty --model; `options.UnusedOptionError` for a user or judge flag no selected bench uses), `ModelRefError` /
     `AdapterError` / `ModelNotFoundError` for a bad --model, --user-model or --judge-model (naming that flag),
     and `roles.user.EndpointError` for a --user-url / --judge-url the run needs that does not answer
@@ -394,6 +396,7 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
                           "adapter folder, s3://... or registry:NAME@VERSION")
     specs = parse_benches(opts.benches)
     opts.check(specs)
+    check_bench_data(specs)
     mode, n = parse_rehearsal(opts.rehearsal)
     cfg = load_config(opts.profile, opts.overrides)
     model = resolve_model_ref(opts.model, opts.registry or cfg.store.registry, base_ref=cfg.model.ref)

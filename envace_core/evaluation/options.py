@@ -91,6 +91,23 @@ def parse_benches(text: str) -> list[BenchSpec]:
     return specs
 
 
+def check_bench_data(specs: list[BenchSpec]) -> None:
+    """Load the data of every vita:PATH and finmcp:PATH in `specs` (cheap next to a model), so that a path
+    with no task files or a malformed one is refused before any model loads. Raises `BenchSpecError`
+    naming the --bench item and the loader's reason (`envs.vita.load_vitabench`, `finmcp.load_finmcp`)."""
+    for s in specs:
+        if s.bench not in ("vita", "finmcp"):
+            continue
+        if s.bench == "vita":
+            from envace_core.envs.vita import load_vitabench as load
+        else:
+            from envace_core.evaluation.finmcp import load_finmcp as load
+        try:
+            load(s.arg)
+        except EnvaceError as e:
+            raise BenchSpecError(f"--bench item {s.label!r}: {e}") from None
+
+
 def parse_rehearsal(text: str) -> tuple[str, int]:
     """``none`` | ``parallel:N`` | ``sequential:N`` (N >= 1) -> (mode, n); raises `EnvaceError`."""
     mode, _, n = (text or "none").strip().partition(":")
