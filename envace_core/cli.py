@@ -365,7 +365,8 @@ def main(argv: list[str] | None = None) -> int:
                    "BFCL multi-turn; single-turn BFCL and FinMCP never rehearse)")
     e.add_argument("--out", default=".envace/eval", help="output folder (report, results, resume cache)")
     e.add_argument("--trials", type=int, default=1, help="k trials per task (pass^k)")
-    e.add_argument("--split", default="test", choices=["test", "full"], help="tau2 split (full = every task)")
+    e.add_argument("--split", default="test", choices=["test", "full"],
+                   help="tau2 split (full = every task; tau2:mock has only full)")
     e.add_argument("--limit", type=int, help="first N tasks / entries / samples per bench (smoke runs)")
     e.add_argument("--protocol", default=TAU2_ORCHESTRATOR, choices=list(PROTOCOLS),
                    help="how tau2 runs: tau2_orchestrator = tau2's Orchestrator with a simulated user (tau2-bench's "

@@ -71,6 +71,19 @@ def test_a_flag_no_selected_bench_uses_is_an_error_naming_it_and_why(bench, extr
     assert not out.exists()  # refused before --out is made, and no endpoint was probed (port 9 would refuse)
 
 
+def test_mock_with_split_test_is_refused_naming_its_only_split_before_any_work(eval_loads_no_model, over, tmp_path,
+                                                                              capsys):
+    out = tmp_path / "out"
+    for split in (["--split", "test"], []):  # test is the default
+        rc = _eval(over, "--model", MODEL, "--bench", "tau2:airline,tau2:mock", "--limit", "1", "--out", str(out), *split)
+        err = capsys.readouterr().err.strip()
+        assert rc == 2 and len(err.splitlines()) == 1, err
+        assert err == ("envace: error: --split test: tau2 domain 'mock' has no test split (its only split is base, "
+                       "all its tasks): give --split full to run them"), err
+        assert not out.exists()
+    EvalOptions(model=MODEL, benches="tau2:mock", out=str(out), split="full").check(parse_benches("tau2:mock"))
+
+
 def test_used_flags_still_pass_the_check(tmp_path):
     vita = str(tmp_path)
     for kw, benches in [({"user_url": DEAD}, "tau2:airline"), ({"judge_url": DEAD}, f"vita:{vita}"),

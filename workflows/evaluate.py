@@ -3,7 +3,7 @@
     pyflyte run workflows/evaluate.py evaluate --model registry:envace-policy@VERSION \
         --bench tau2:airline,bfcl:simple --rehearsal parallel:4
     pyflyte run workflows/evaluate.py evaluate --model bundled:smollm2-135m-instruct \
-        --bench tau2:mock,bfcl:simple --limit 2 --out /tmp/evalrun
+        --bench tau2:mock,bfcl:simple --split full --limit 2 --out /tmp/evalrun
     pyflyte run --remote workflows/evaluate.py evaluate_on_gpu --model registry:envace-policy@VERSION \
         --bench tau2:airline --overrides "$ENVACE_CLUSTER_OVERRIDES"
 

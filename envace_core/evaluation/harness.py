@@ -80,8 +80,8 @@ def _append_jsonl(path: Path, rec: dict) -> None:
 
 
 def _tau2_split(domain: str, split: str) -> str:
-    if domain == "mock":
-        return "base"
+    """tau2's split for --split `split` (test | full): full is every task ("full" for telecom, else "base";
+    mock has only "base", and no test split: `EvalOptions.check` refuses --split test with tau2:mock)."""
     if split == "full":
         return "full" if domain == "telecom" else "base"
     return "test"

@@ -153,7 +153,8 @@ class EvalOptions:
         """Raises EnvaceError for an empty or blank --out, --rehearsal, --user-url, --user-model, --judge-url,
         --judge-model or --user-url-model (given but with no text: never read as "not given"), an option out
         of range, a malformed --user-url / --judge-url, with the selected benches `specs` a flag they do not
-        use (`check_used`), or an --out folder that cannot be created or written (it is created here, last)."""
+        use (`check_used`) or --split test with tau2:mock (mock has only tau2's base split, which --split full
+        runs), or an --out folder that cannot be created or written (it is created here, last)."""
         for flag, value in (("--out", self.out), ("--rehearsal", self.rehearsal), ("--user-url", self.user_url),
                             ("--user-model", self.user_model), ("--judge-url", self.judge_url),
                             ("--judge-model", self.judge_model), ("--user-url-model", self.user_url_model)):
@@ -177,6 +178,9 @@ class EvalOptions:
                 check_url(flag, url)
         if specs is not None:
             check_used(self, specs)
+            if self.split == "test" and BenchSpec("tau2", "mock") in specs:
+                raise EnvaceError("--split test: tau2 domain 'mock' has no test split (its only split is base, all "
+                                  "its tasks): give --split full to run them")
         out = Path(self.out).expanduser()
         blocker = next((q for q in (out, *out.parents) if q.exists()), None)
         if blocker is not None and not blocker.is_dir():
