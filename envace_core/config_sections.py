@@ -30,6 +30,7 @@ from envace_core.config_checks import (
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, REHEARSE_TOKENS_PER_TOOL
 
 KNOWN_DOMAINS = ("airline", "retail", "telecom", "mock")
+CURATED_DOMAINS = ("airline", "retail", "telecom")  # data.domains: mock has no train/test splits (DataConfig._splits)
 
 
 class _Strict(BaseModel):
@@ -144,10 +145,10 @@ class DataConfig(_Strict):
     @classmethod
     def _known(cls, v: list[str]) -> list[str]:
         if not v:
-            raise ValueError(f"data.domains is empty: give one or more of {list(KNOWN_DOMAINS)}")
+            raise ValueError(f"data.domains is empty: give one or more of {list(CURATED_DOMAINS)}")
         bad = [d for d in v if d not in KNOWN_DOMAINS]
         if bad:
-            raise ValueError(f"unknown domain(s) {bad}; choose from {list(KNOWN_DOMAINS)}")
+            raise ValueError(f"unknown domain(s) {bad}; choose from {list(CURATED_DOMAINS)}")
         return check_unique(v, "data.domains")
 
     @model_validator(mode="after")

@@ -204,6 +204,19 @@ def test_settings_that_would_fail_late_or_train_nothing_are_refused_at_load(over
     assert not missing, str(err.value)
 
 
+@pytest.mark.parametrize("override", ["data.domains=[]", "data.domains=[mars]"])
+def test_the_domains_an_error_lists_are_exactly_those_accepted(override):
+    with pytest.raises(ConfigError) as err:
+        load_config("cpu-smoke", override)
+    listed = re.search(r"\[('[a-z]+'(?:, '[a-z]+')*)\]\s*$", str(err.value).splitlines()[1]).group(1)
+    domains = [d.strip("'") for d in listed.split(", ")]
+    assert domains == ["airline", "retail", "telecom"], str(err.value)  # not mock: it has no train/test split
+    for d in domains:
+        assert load_config("cpu-smoke", f"data.domains=[{d}]").data.domains == [d]
+    with pytest.raises(ConfigError, match="only the 'base' split"):
+        load_config("cpu-smoke", "data.domains=[mock]")
+
+
 def test_fine_combinations_still_load():
     cfg = load_config("cpu-smoke", "rollout.user_rehearse=true,train.trained_roles=[act,rehearse,user]")
     assert cfg.train.trained_roles == ["act", "rehearse", "user"]
