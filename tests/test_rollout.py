@@ -8,7 +8,7 @@ from envace_core.config import load_config
 from envace_core.engines.hf import HFEngine
 from envace_core.envs.tau2.tasks import load_tasks, task_context
 from envace_core.models import load_model, load_tokenizer
-from envace_core.training.loop import score
+from envace_core.training.loop import rollout_metrics, score
 from envace_core.training.rollout import RolloutParams, rehearsal_rollouts
 from envace_core.training.rows import TrainingRow
 from envace_core.training.trainer import PolicyTrainer
@@ -171,7 +171,36 @@ def test_training_group_default_is_rehearsal_rollouts_plus_replay_score(tiny_mod
 
     got = training_group(ScriptedEngine(tok, texts), task, cfg, p, seed=5)
     ref = [score(task, t) for t in rehearsal_rollouts(ScriptedEngine(tok, texts), task_context(task, 300), 2, p, seed=5)]
+    steps = [t.reward_info.pop("env_steps") for t in got]
     assert [t.model_dump() for t in got] == [t.model_dump() for t in ref]
+    # World Rehearsal's rollouts touch no environment; scoring replays the one call (and tau2 scores on a copy)
+    assert all(s["rollout"] == 0 and s["reward"] >= 1 for s in steps)
+    assert rollout_metrics(got)["env_steps/rollout"] == 0
+
+
+def test_env_steps_are_counted_per_thread_once_per_call():
+    import threading
+
+    from envace_core.envs.base import env_steps_in_thread
+    from envace_core.envs.tau2.environment import Tau2Environment
+
+    class Wrapped(Tau2Environment):  # a step that calls its parent's step counts once
+        def step(self, call):
+            return super().step(call)
+
+    env = Wrapped("airline")
+    env.reset(load_tasks("airline", "test")[0])
+    before = env_steps_in_thread()
+    from envace_core.types import ToolCall
+
+    env.step(ToolCall(id="c", name="list_all_airports", arguments={}))
+    env.step(ToolCall(id="c", name="no_such_tool", arguments={}))  # an error result is a real call too
+    assert env_steps_in_thread() - before == 2 == env.calls_made
+    other = []
+    th = threading.Thread(target=lambda: other.append(env_steps_in_thread()))
+    th.start()
+    th.join()
+    assert other == [0]  # another thread's count starts at 0
 
 
 def test_real_source_is_act_only_against_private_environments(tiny_model_dir, one_call_task):
@@ -191,6 +220,8 @@ def test_real_source_is_act_only_against_private_environments(tiny_model_dir, on
     trajs = training_group(engine, task, cfg, p, seed=0, env_factory=factory)
     assert "rehearse" not in engine.calls and len(made) == 3  # one fresh private copy per trajectory
     assert all(env.calls_made == 1 for env in made)
+    assert [t.reward_info["env_steps"]["rollout"] for t in trajs] == [1, 1, 1]
+    assert rollout_metrics(trajs)["env_steps/rollout"] == 3 and rollout_metrics(trajs)["env_steps/reward"] >= 3
     for t in trajs:
         assert not t.imagined and [g.role for g in t.generations] == [Role.ACT, Role.ACT]
         s = t.steps[0]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -28,15 +30,48 @@ class RewardResult(BaseModel):
     info: dict[str, Any] = Field(default_factory=dict)
 
 
+_THREAD_STEPS = threading.local()
+
+
+def env_steps_in_thread() -> int:
+    """Real tool calls executed in this thread so far by any `ToolEnvironment` (every instance, every
+    subclass: the count sits on `step` itself). Callers take differences around a phase (e.g. the
+    training loop: rollouts vs reward replays); a `step` that calls another `step` counts once."""
+    return getattr(_THREAD_STEPS, "n", 0)
+
+
+def _counted(step: Callable) -> Callable:
+    @functools.wraps(step)
+    def counted_step(self, *args, **kwargs):
+        depth = getattr(_THREAD_STEPS, "depth", 0)
+        if depth == 0:
+            _THREAD_STEPS.n = getattr(_THREAD_STEPS, "n", 0) + 1
+        _THREAD_STEPS.depth = depth + 1
+        try:
+            return step(self, *args, **kwargs)
+        finally:
+            _THREAD_STEPS.depth = depth
+
+    counted_step.env_step_counted = True
+    return counted_step
+
+
 class ToolEnvironment(ABC):
     """A real, executable tool environment for one task at a time.
 
     Every instance owns private state: `reset` builds a fresh copy of the domain database, so two
     instances never share state. Rehearsal never receives an instance (it gets a `TaskContext`).
+    A subclass's `step` is counted per thread (`env_steps_in_thread`).
     """
 
     domain: str
     calls_made: int = 0  # real tool calls executed since construction (isolation tests read it)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        own = cls.__dict__.get("step")
+        if callable(own) and not getattr(own, "env_step_counted", False):
+            cls.step = _counted(own)
 
     @abstractmethod
     def tools(self) -> list[ToolSpec]:

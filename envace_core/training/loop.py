@@ -277,7 +277,10 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
     unknown tool or with invalid arguments, answered as tool errors: not parse errors),
     ``parse_error_rate`` over all generations,
     ``termination/<name>`` = trajectories ended that way (``termination/prompt_too_long`` always, 0
-    when none), and ``masked_trajectories`` (reward None: their rows carry no loss)."""
+    when none), ``masked_trajectories`` (reward None: their rows carry no loss), and the real
+    environment's tool calls ``env_steps/rollout`` (made by the rollouts: standard GRPO's; World
+    Rehearsal's are 0) and ``env_steps/reward`` (made while scoring: replays, gold transpositions),
+    summed from each trajectory's ``reward_info["env_steps"]`` (`rollout.training_group`)."""
     from envace_core.training.rollout import PROMPT_TOO_LONG
 
     gens = [g for t in trajs for g in t.generations]
@@ -299,6 +302,8 @@ def rollout_metrics(trajs: list[Trajectory]) -> dict[str, Any]:
         key = f"termination/{t.termination or 'unknown'}"
         out[key] = out.get(key, 0) + 1
     out["masked_trajectories"] = sum(t.reward is None for t in trajs)
+    for phase in ("rollout", "reward"):
+        out[f"env_steps/{phase}"] = sum(int((t.reward_info.get("env_steps") or {}).get(phase, 0)) for t in trajs)
     return out
 
 

@@ -408,7 +408,12 @@ def training_group(engine: Engine, task: Task, cfg: RunConfig, p: RolloutParams,
     names, `rewards.reward_fn_from_config`, judge engine built on `engine`'s model),
     ``cfg.train.format_penalty`` and ``cfg.reward.replay_fidelity``; one ended "prompt_too_long" is
     then masked (`mask_unjudgeable`). Same `seed` -> same group.
+    Each trajectory's ``reward_info["env_steps"]`` = {"rollout": real tool calls its rollout made (its own
+    environment's; imagined: 0, or whatever this thread's environments executed during the group's
+    rollouts, on the first trajectory), "reward": real tool calls made while scoring it (replays, gold
+    transpositions)}, counted by `envs.base.env_steps_in_thread`.
     """
+    from envace_core.envs.base import env_steps_in_thread
     from envace_core.envs.tau2.environment import Tau2Environment
     from envace_core.envs.tau2.tasks import task_context
 
@@ -419,16 +424,22 @@ def training_group(engine: Engine, task: Task, cfg: RunConfig, p: RolloutParams,
         envs = [(env_factory or Tau2Environment)(task.domain) for _ in range(G)]
         for env in envs:
             env.reset(task)
+        steps0 = [env.calls_made for env in envs]
         group = real_rollouts(engine, ctx, envs, p, seed=seed)
+        rollout_steps = [env.calls_made - s0 for env, s0 in zip(envs, steps0)]
     else:
         user = user_instructions(task.user_scenario) \
             if cfg.rollout.user_rehearse and task.user_scenario else None
+        before = env_steps_in_thread()
         group = rehearsal_rollouts(engine, ctx, G, p, seed=seed, user=user)
+        rollout_steps = [env_steps_in_thread() - before] + [0] * (len(group) - 1)  # World Rehearsal: 0
     fn = reward_fn if reward_fn is not None else reward_fn_from_config(cfg, engine)
     out = []
-    for t in group:
+    for t, n_rollout in zip(group, rollout_steps):
         rollout_info = dict(t.reward_info)  # e.g. the prompt_too_long sizes; reward functions replace reward_info
+        before = env_steps_in_thread()
         score_trajectory(task, t, fn, cfg.train.format_penalty, cfg.reward.replay_fidelity)
-        t.reward_info = {**rollout_info, **t.reward_info}
+        t.reward_info = {**rollout_info, **t.reward_info,
+                         "env_steps": {"rollout": n_rollout, "reward": env_steps_in_thread() - before}}
         out.append(mask_unjudgeable(t))
     return out
