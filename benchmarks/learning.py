@@ -34,6 +34,14 @@ the stage's own checkpoint (copied to the next chunk's run id; LR schedule force
 * ``standard_grpo``   rollout.source=real (ACT only, against private copies of the real env)
 * ``per_role``        rollout.source=imagined, train.policy_per_role=true (two LoRA adapters, each
                       warmed on its own role)
+* ``shared_baseline`` rollout.source=imagined, train.shared_baseline=true (one GRPO baseline over both
+                      roles' rows of a group instead of one per role: the role-wise baseline's ablation,
+                      METHOD.md §3)
+
+Real-environment tool calls each trained run made, from the training loop's ``env_steps/rollout`` and
+``env_steps/reward`` (`loop.rollout_metrics`): rollouts (standard GRPO's; World Rehearsal's are 0) and
+reward scoring (replays in private environments, gold transpositions) counted apart. The warm start's
+gold replays (the same for every condition of a seed) are not in them.
 
 Metrics per condition and seed: held-out ACT success in the real environment (`stages.evaluate`,
 rehearsal.mode=none, greedy, success = tau2 reward 1) and REHEARSE fidelity on held-out real
@@ -73,6 +81,7 @@ CONDITIONS: dict[str, dict[str, Any] | None] = {
     "world_rehearsal": {"rollout": {"source": "imagined"}},
     "standard_grpo": {"rollout": {"source": "real"}},
     "per_role": {"rollout": {"source": "imagined"}, "train": {"policy_per_role": True}},
+    "shared_baseline": {"rollout": {"source": "imagined"}, "train": {"shared_baseline": True}},
 }
 
 # full: sized to ~1.5 h on an idle 2-core box (RESULTS.md, "Learning benchmark"); level-2 retail tasks
@@ -88,6 +97,14 @@ PRESETS: dict[str, dict[str, Any]] = {
                                      "sft_warmup_steps": 60, "sft_batch_rows": 2, "sft_learning_rate": 5e-4,
                                      "sft_roles": ["act", "rehearse"]},
                            "eval": {"max_turns": 3}, "rehearsal": {"mode": "none"}}},
+    # seeds3: the product's own settings (profile cpu-smoke: the main job's G, turns, budgets, reward,
+    # warm start), 3 seeds, levels 1-3, 22 tasks per level and domain (132) of which ~1/3 held out (>= 40),
+    # the same generated-token budget per trained run; no rehearsal and no base/warm-start comparison
+    # inside the evaluation (the benchmark measures those conditions itself).
+    "seeds3": {"seeds": [0, 1, 2], "levels": [1, 2, 3], "tasks_per_level": 22, "heldout_mod": 3,
+               "token_budget": 6000, "max_iterations": 30, "eval_every": 0, "max_transitions": 16,
+               "overrides": {"train": {"lr_scheduler": "constant", "warmup_iterations": 0},
+                             "eval": {"compare": []}, "rehearsal": {"mode": "none"}}},
     "quick": {"seeds": [0], "levels": [1], "tasks_per_level": 4, "heldout_mod": 2,
               "token_budget": 200, "max_iterations": 2, "eval_every": 0, "max_transitions": 4,
               "overrides": {"data": {"policy_max_chars": 200},
@@ -392,13 +409,17 @@ def markdown(report: dict[str, Any]) -> str:
     paired differences against the warm start ("sft") and standard GRPO."""
     rows = [("| condition | seeds | held-out ACT success (95% CI over tasks) | t-CI over seeds | "
              "REHEARSE fidelity (95% CI over transitions) | t-CI over seeds | JSON validity | "
-             "iterations (per seed) | generated tokens (per seed) | train frac_zero_std (mean) |"),
-            "|---|---|---|---|---|---|---|---|---|---|"]
+             "iterations (per seed) | generated tokens (per seed) | train frac_zero_std (mean) | "
+             "real env steps in training, rollouts / reward (per seed) |"),
+            "|---|---|---|---|---|---|---|---|---|---|---|"]
     for cond, s in report["summary"].items():
+        steps = [env_steps(r["history"]) for r in report["runs"][cond].values()]
+        shown = ", ".join(f"{'—' if x['rollouts'] is None else x['rollouts']} / "
+                          f"{'—' if x['reward_replays'] is None else x['reward_replays']}" for x in steps)
         rows.append(f"| {cond} | {s['success'].get('seeds', 1)} | {_fmt(s['success'])} (n={s['success']['n']}) | "
                     f"{_seed_ci(s['success'])} | {_fmt(s['fidelity'])} (n={s['fidelity']['n']}) | "
                     f"{_seed_ci(s['fidelity'])} | {_fmt(s['json_validity'])} | {s['iterations']} | "
-                    f"{s['tokens']} | {s['frac_zero_std']} |")
+                    f"{s['tokens']} | {s['frac_zero_std']} | {shown} |")
     diffs = [(cond, k, v) for cond, s in report["summary"].items() for k, v in s.items() if "_vs_" in k]
     if diffs:
         rows += ["", "| condition | difference (same held-out items, 95% bootstrap CI) | mean [CI] | n |",
@@ -411,7 +432,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 # -------------------------------------------------------------------------------------------- run
 def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[[str], None] = print,
-        model_ref: str | None = None, merge: list[Path] = ()) -> dict[str, Any]:
+        model_ref: str | None = None, merge: list[Path] = (), results_json: Path | None = None) -> dict[str, Any]:
     """The whole benchmark for one preset; returns the JSON-able report (also written to out/).
 
     Each trained condition first gets its warm start from the warm_start stage (module docstring;
@@ -421,7 +442,8 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
 
     `merge`: other output folders of the same preset, dataset and base model (e.g. conditions run
     in a second process); their finished runs count as done here. A folder whose report was made
-    with other settings raises BenchmarkError."""
+    with other settings raises BenchmarkError. `results_json`: where `results_summary` is also written,
+    after every finished run (so a partial measurement is on disk)."""
     from envace_core.models import base_model_lineage
     from envace_core.stages.train import warm_start_lineage
     from envace_core.stages.warm_start import warm_start
@@ -481,9 +503,9 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
                 f"held-out success {statistics.fmean(r['final']['success']):.3f}, fidelity "
                 f"{statistics.fmean(r['final']['fidelity'] or [0]):.3f}, {r['seconds']:.0f}s")
             _write_report(out, _report(preset, dataset, train, held, runs, report_key,
-                                       time.perf_counter() - t0, complete=False))
+                                       time.perf_counter() - t0, complete=False), results_json)
     report = _report(preset, dataset, train, held, runs, report_key, time.perf_counter() - t0, complete=True)
-    _write_report(out, report)
+    _write_report(out, report, results_json)
     return report
 
 
@@ -501,10 +523,70 @@ def _finished_runs(out: Path, key: dict[str, Any]) -> dict[str, dict[str, dict]]
     return {cond: {int(s): r for s, r in seeds.items()} for cond, seeds in old.get("runs", {}).items()}
 
 
-def _write_report(out: Path, report: dict[str, Any]) -> None:
-    """learning.json (atomically: temp file + rename) and learning_curve.png."""
+def _write_report(out: Path, report: dict[str, Any], results_json: Path | None = None) -> None:
+    """learning.json (atomically: temp file + rename) and learning_curve.png; with `results_json`, also
+    `results_summary` of the report there."""
     atomic_write_text(out / "learning.json", json.dumps(report, indent=1, default=str))
     plot_curve(report["runs"], out / "learning_curve.png")
+    if results_json is not None:
+        results_json.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(results_json, json.dumps(results_summary(report), indent=1, default=str))
+
+
+# the names the results file gives the conditions (the warm start is "sft" inside this script)
+RESULT_NAMES = {"sft": "warm_start"}
+
+
+def _ci(s: dict[str, Any] | None) -> dict[str, Any]:
+    """{"mean", "ci_low", "ci_high", "n"} of a `summarise` / `paired_difference` result (None parts when
+    it has no data)."""
+    s = s or {}
+    lo, hi = s.get("ci") or (None, None)
+    return {"mean": s.get("mean"), "ci_low": lo, "ci_high": hi, "n": s.get("n", 0)}
+
+
+def env_steps(history: list[dict[str, Any]]) -> dict[str, int | None]:
+    """Real-environment tool calls of one trained run: {"rollouts", "reward_replays"} summed over its
+    iterations (`loop.rollout_metrics`'s ``env_steps/rollout`` and ``env_steps/reward``); None for a
+    phase some iteration did not record (a run made before they were counted)."""
+    out: dict[str, int | None] = {}
+    for key, name in (("env_steps/rollout", "rollouts"), ("env_steps/reward", "reward_replays")):
+        vals = [h.get(key) for h in history]
+        out[name] = int(sum(vals)) if all(v is not None for v in vals) else None
+    return out
+
+
+def results_summary(report: dict[str, Any]) -> dict[str, Any]:
+    """The committed results file: {"run": what was measured and how, <condition>: {"success": held-out
+    ACT success {mean, ci_low, ci_high, n} (95 % bootstrap over tasks, each task averaged over seeds) with
+    "seed_ci" (Student-t over seed means, >= 2 seeds), "paired": {"vs_warm_start", "vs_standard_grpo"}:
+    {mean, ci_low, ci_high, n} (same tasks), "fidelity" (REHEARSE on held-out real transitions), "seeds",
+    "n_tasks", "real_env_steps": {"rollouts", "reward_replays"} mean per seed (and "per_seed"),
+    "generated_tokens" per seed}}. Conditions are named as `RESULT_NAMES` says (sft → warm_start)."""
+    out: dict[str, Any] = {"run": {
+        "complete": report["complete"], "preset": report["preset"], "dataset": report["dataset"]["version"],
+        "n_train_tasks": report["dataset"]["n_train"], "n_heldout_tasks": report["dataset"]["n_test"],
+        "token_budget": report["preset"].get("token_budget"), "wall_seconds": report["wall_seconds"],
+        "ci": "success/fidelity: 95% percentile bootstrap over held-out items (each averaged over seeds); "
+              "seed_ci: Student-t over seed means; paired: bootstrap over the same items",
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}}
+    for cond, s in report["summary"].items():
+        seeds = report["runs"][cond]
+        steps = {str(k): env_steps(r["history"]) for k, r in seeds.items()}
+        mean_steps = {}
+        for name in ("rollouts", "reward_replays"):
+            vals = [v[name] for v in steps.values()]
+            mean_steps[name] = statistics.fmean(vals) if vals and None not in vals else None
+        seed_ci = s["success"].get("seed_ci")
+        out[RESULT_NAMES.get(cond, cond)] = {
+            "success": {**_ci(s["success"]),
+                        "seed_ci": {"ci_low": seed_ci[0], "ci_high": seed_ci[1]} if seed_ci else None},
+            "paired": {"vs_warm_start": _ci(s.get("success_vs_sft")) if cond != "sft" else None,
+                       "vs_standard_grpo": _ci(s.get("success_vs_standard_grpo")) if cond != "standard_grpo" else None},
+            "fidelity": _ci(s["fidelity"]), "seeds": sorted(int(k) for k in seeds),
+            "n_tasks": s["success"]["n"], "real_env_steps": {**mean_steps, "per_seed": steps},
+            "generated_tokens": s["tokens"]}
+    return out
 
 
 def _report(preset, dataset, train, held, runs, key, wall: float, complete: bool) -> dict[str, Any]:
@@ -578,6 +660,9 @@ def main() -> int:
                     help="another --out of the same preset (e.g. conditions run in a second process): "
                          "its finished runs are kept; repeatable")
     ap.add_argument("--probe", action="store_true", help="only measure the base model's tool-call rate")
+    ap.add_argument("--results-json", default="", metavar="FILE",
+                    help="also write the summary in the committed format here after every finished run "
+                         "(e.g. benchmarks/results/learning.json); default: none")
     args = ap.parse_args()
     if args.probe:
         print(json.dumps(probe(3, 8, PRESETS["full"]["overrides"]), indent=1))
@@ -595,6 +680,14 @@ def main() -> int:
     if bad or not conds or len(set(conds)) != len(conds):
         ap.error(f"--conditions {args.conditions!r}: give distinct names from {list(CONDITIONS)}"
                  + (f" (unknown: {bad})" if bad else ""))
+    if args.results_json:  # a bad place fails now, not after hours of training
+        rj = Path(args.results_json)
+        if rj.is_dir():
+            ap.error(f"--results-json {rj}: a folder; give a file path, e.g. benchmarks/results/learning.json")
+        try:
+            rj.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            ap.error(f"--results-json {rj}: cannot make its folder ({e})")
     for m in args.merge:  # cheap checks first: the full key check needs the curriculum and base model
         f = Path(m) / "learning.json"
         try:
@@ -604,7 +697,8 @@ def main() -> int:
         if other.get("key", {}).get("preset") != preset_key(preset):
             ap.error(f"--merge {m}: its report was made with another preset than --preset {args.preset}")
     try:
-        report = run(preset, Path(args.out), conds, merge=[Path(m) for m in args.merge])
+        report = run(preset, Path(args.out), conds, merge=[Path(m) for m in args.merge],
+                     results_json=Path(args.results_json) if args.results_json else None)
     except EnvaceError as e:
         print(f"learning.py: error: {e}", file=sys.stderr)
         return 1

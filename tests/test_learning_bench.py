@@ -87,7 +87,8 @@ def test_whole_run_with_tiny_model(tmp_path, tiny_model_dir, sft_units):
 
     preset = _preset()
     # one GRPO condition keeps this under a minute; the others differ only in config overrides
-    report = lb.run(preset, tmp_path, ["sft", "world_rehearsal"], model_ref=str(tiny_model_dir))
+    results = tmp_path / "results" / "learning.json"
+    report = lb.run(preset, tmp_path, ["sft", "world_rehearsal"], model_ref=str(tiny_model_dir), results_json=results)
     sft, wr = report["runs"]["sft"][0], report["runs"]["world_rehearsal"][0]
     warm = sft["warm_start"]
     # the warm_start stage ran once: both conditions share its id (they differ only in GRPO settings)
@@ -120,6 +121,17 @@ def test_whole_run_with_tiny_model(tmp_path, tiny_model_dir, sft_units):
     assert (tmp_path / "learning_curve.png").read_bytes()[:4] == b"\x89PNG"
     assert "| world_rehearsal |" in lb.markdown(report)
     assert report["complete"] is True
+    # the committed results file: conditions by the field's names, paired CIs, real-environment steps
+    got = json.loads(results.read_text())
+    assert set(got) == {"run", "warm_start", "world_rehearsal"} and got["run"]["complete"] is True
+    w = got["world_rehearsal"]
+    assert w["success"]["mean"] == s["mean"] and w["success"]["ci_low"] <= w["success"]["mean"] <= w["success"]["ci_high"]
+    assert w["paired"]["vs_warm_start"]["mean"] == diff["mean"] and w["paired"]["vs_standard_grpo"]["mean"] is None
+    assert w["seeds"] == [0] and w["n_tasks"] == report["dataset"]["n_test"]
+    # imagined rollouts touch no environment; scoring replays ACT's calls in private copies
+    assert w["real_env_steps"]["rollouts"] == 0 and w["real_env_steps"]["reward_replays"] is not None
+    assert w["real_env_steps"]["reward_replays"] == sum(h["env_steps/reward"] for h in wr["history"])
+    assert got["warm_start"]["real_env_steps"]["rollouts"] == 0 and got["warm_start"]["paired"]["vs_warm_start"] is None
     # re-running the same command resumes: finished (condition, seed) runs are kept, not recomputed
     lines: list[str] = []
     again = lb.run(preset, tmp_path, ["sft", "world_rehearsal"], log=lines.append, model_ref=str(tiny_model_dir))
