@@ -51,6 +51,8 @@ def test_specs_parse_normalise_and_dedupe():
     ("tau2:airline,", ["'tau2:airline,'", "empty item (a stray comma)"]),
     ("tau2:airline,,bfcl:simple", ["'tau2:airline,,bfcl:simple'", "empty item"]),
     (",", ["empty item"]),
+    ("tau2", ["'tau2'", "tau2 needs a domain, e.g. tau2:airline"]),
+    ("vita", ["vita needs the path of its data"]),
 ])
 def test_bad_specs_name_the_item_and_the_choices(spec, needles):
     with pytest.raises(BenchSpecError) as e:
@@ -84,6 +86,17 @@ def test_a_data_folder_without_the_benchs_files_is_refused_before_any_model_load
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith(f"envace: error: --bench item '{bench}:{data}': {needle}"), err
+    assert not (tmp_path / "out").exists()  # a refused run leaves no --out folder behind
+
+
+def test_finmcp_data_that_is_not_utf8_is_one_line_error(eval_loads_no_model, over, tmp_path, capsys):
+    data = tmp_path / "fin.json"
+    data.write_bytes(b"\xff\xfe\x00")
+    argv = ["--profile", "test", "--overrides", over, "eval", "--model", "bundled:smollm2-135m-instruct",
+            "--bench", f"finmcp:{data}", "--out", str(tmp_path / "out"), "--limit", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "not UTF-8 text" in err and str(data) in err, err
 
 
 # ----------------------------------------------------------------------------------------- registry

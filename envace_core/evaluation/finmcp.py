@@ -253,7 +253,10 @@ def _sample(rec: Any, file: Path, index: int) -> tuple[FinMCPSample, bool]:
 
 
 def _read_records(file: Path) -> list[Any]:
-    text = file.read_text(encoding="utf-8")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise EnvaceError(f"{file}: not UTF-8 text ({e}); FinMCP-Bench data is JSON / JSONL") from None
     if file.suffix == ".jsonl":
         out = []
         for n, line in enumerate(text.splitlines(), 1):

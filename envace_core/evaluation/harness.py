@@ -395,10 +395,11 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
         raise EnvaceError("--model is empty: give bundled:smollm2-135m-instruct, a local HF model folder, a LoRA "
                           "adapter folder, s3://... or registry:NAME@VERSION")
     specs = parse_benches(opts.benches)
-    opts.check(specs)
+    opts.check(specs, make_out=False)
     check_bench_data(specs)
     mode, n = parse_rehearsal(opts.rehearsal)
     cfg = load_config(opts.profile, opts.overrides)
+    opts.make_out()  # after the cheap checks: a refused run leaves no --out folder behind
     model = resolve_model_ref(opts.model, opts.registry or cfg.store.registry, base_ref=cfg.model.ref)
     user_model = _side_model("--user-model", opts.user_model, opts, cfg) if opts.user_model else None
     needs_judge = any(s.bench == "vita" for s in specs)

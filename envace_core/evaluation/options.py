@@ -67,6 +67,10 @@ def parse_benches(text: str) -> list[BenchSpec]:
     for item in items:
         bench, sep, arg = item.partition(":")
         bench, arg = bench.strip(), arg.strip()
+        if bench in BENCHES and not sep:
+            what = {"tau2": "a domain, e.g. tau2:airline", "bfcl": "a category, e.g. bfcl:simple"}.get(
+                bench, f"the path of its data, e.g. {bench}:/data/{bench}")
+            raise BenchSpecError(f"--bench item {item!r}: {bench} needs {what} after a colon")
         if bench not in BENCHES or not sep:
             raise BenchSpecError(f"--bench item {item!r}: unknown benchmark {bench!r}; write BENCH:ARG with BENCH "
                                  f"one of {', '.join(BENCHES)} (e.g. tau2:airline, bfcl:simple, vita:PATH, finmcp:PATH)")
@@ -149,12 +153,13 @@ class EvalOptions:
     overrides: str = ""
     registry: str | None = None
 
-    def check(self, specs: list[BenchSpec] | None = None) -> None:
+    def check(self, specs: list[BenchSpec] | None = None, make_out: bool = True) -> None:
         """Raises EnvaceError for an empty or blank --out, --rehearsal, --user-url, --user-model, --judge-url,
         --judge-model or --user-url-model (given but with no text: never read as "not given"), an option out
         of range, a malformed --user-url / --judge-url, with the selected benches `specs` a flag they do not
         use (`check_used`) or --split test with tau2:mock (mock has only tau2's base split, which --split full
-        runs), or an --out folder that cannot be created or written (it is created here, last)."""
+        runs), or an --out folder that cannot be created or written (it is created here, last; with
+        `make_out` False only a non-folder in its way is refused, and `make_out()` creates it later)."""
         for flag, value in (("--out", self.out), ("--rehearsal", self.rehearsal), ("--user-url", self.user_url),
                             ("--user-model", self.user_model), ("--judge-url", self.judge_url),
                             ("--judge-model", self.judge_model), ("--user-url-model", self.user_url_model)):
@@ -186,6 +191,12 @@ class EvalOptions:
         if blocker is not None and not blocker.is_dir():
             raise EnvaceError(f"--out {self.out!r}: {str(blocker)!r} exists and is not a folder (the report and "
                               "the resume cache are written under --out)")
+        if make_out:
+            self.make_out()
+
+    def make_out(self) -> None:
+        """Create the --out folder and check it is writable; raises EnvaceError otherwise."""
+        out = Path(self.out).expanduser()
         try:  # creatable and writable, checked before any model loads
             out.mkdir(parents=True, exist_ok=True)
             tempfile.TemporaryFile(dir=out).close()
