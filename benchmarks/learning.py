@@ -648,6 +648,70 @@ def probe(n_tasks: int, group: int, overrides: dict[str, Any]) -> dict[str, Any]
             "success_rate": statistics.fmean(wins), "generated_tokens": engine.stats["generated_tokens"]}
 
 
+def _writable_file(path: Path) -> str | None:
+    """Why `path` cannot be written as a file (its folder made if missing), or None when it can."""
+    if path.is_dir():
+        return "a folder; give a file path"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as e:
+        return f"cannot write in its folder ({e})"
+    return None
+
+
+def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
+    """(preset, conditions) from the command line, every value checked before any work starts (a bad
+    one is `ap.error`, exit 2): seeds (distinct integers in [0, 2**32)), conditions, --out (a folder that
+    can be made), --results-json (a writable file that is not the resume report), --results-md (when
+    appended to), --merge (folders holding a report of the same preset)."""
+    preset = dict(PRESETS[args.preset])
+    if args.seeds:
+        try:
+            preset["seeds"] = [int(s) for s in args.seeds.split(",")]
+        except ValueError:
+            ap.error(f"--seeds {args.seeds!r}: give comma-separated integers, e.g. 0,1")
+        if len(set(preset["seeds"])) != len(preset["seeds"]):
+            ap.error(f"--seeds {args.seeds!r}: seeds repeat")
+        if any(not 0 <= x < 2 ** 32 for x in preset["seeds"]):
+            ap.error(f"--seeds {args.seeds!r}: each seed must be in [0, 2**32)")
+    conds = [c.strip() for c in args.conditions.split(",") if c.strip()]
+    bad = [c for c in conds if c not in CONDITIONS]
+    if bad or not conds or len(set(conds)) != len(conds):
+        ap.error(f"--conditions {args.conditions!r}: give distinct names from {list(CONDITIONS)}"
+                 + (f" (unknown: {bad})" if bad else ""))
+    if not args.out.strip():
+        ap.error("--out is empty: give the benchmark's folder, e.g. .envace/bench/learning")
+    out = Path(args.out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        ap.error(f"--out {args.out}: cannot make the folder ({e})")
+    if args.results_json:  # a bad place fails now, not after hours of training
+        rj = Path(args.results_json)
+        if rj.resolve() == (out / "learning.json").resolve():
+            ap.error(f"--results-json {rj}: that is the resume report under --out; give another file, "
+                     "e.g. benchmarks/results/learning.json")
+        why = _writable_file(rj)
+        if why:
+            ap.error(f"--results-json {rj}: {why}")
+    if not args.no_append:
+        why = _writable_file(Path(args.results_md))
+        if why or (Path(args.results_md).exists() and not os.access(args.results_md, os.W_OK)):
+            ap.error(f"--results-md {args.results_md}: {why or 'not writable'} (or pass --no-append)")
+    for m in args.merge:  # cheap checks first: the full key check needs the curriculum and base model
+        f = Path(m) / "learning.json"
+        try:
+            other = json.loads(f.read_text())
+        except (OSError, ValueError) as e:
+            ap.error(f"--merge {m}: cannot read {f} ({e})")
+        if not isinstance(other, dict) or not isinstance(other.get("key"), dict):
+            ap.error(f"--merge {m}: {f} is not a learning.py report (no key object)")
+        if other["key"].get("preset") != preset_key(preset):
+            ap.error(f"--merge {m}: its report was made with another preset than --preset {args.preset}")
+    return preset, conds
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="full")
@@ -665,37 +729,13 @@ def main() -> int:
                          "(e.g. benchmarks/results/learning.json); default: none")
     args = ap.parse_args()
     if args.probe:
-        print(json.dumps(probe(3, 8, PRESETS["full"]["overrides"]), indent=1))
+        given = [f for f, v in (("--seeds", args.seeds), ("--results-json", args.results_json),
+                                ("--merge", args.merge)) if v]
+        if given:
+            ap.error(f"--probe measures the base model only: {', '.join(given)} do not apply")
+        print(json.dumps(probe(3, 8, PRESETS[args.preset]["overrides"]), indent=1))
         return 0
-    preset = dict(PRESETS[args.preset])
-    if args.seeds:
-        try:
-            preset["seeds"] = [int(s) for s in args.seeds.split(",")]
-        except ValueError:
-            ap.error(f"--seeds {args.seeds!r}: give comma-separated integers, e.g. 0,1")
-        if len(set(preset["seeds"])) != len(preset["seeds"]):
-            ap.error(f"--seeds {args.seeds!r}: seeds repeat")
-    conds = [c.strip() for c in args.conditions.split(",") if c.strip()]
-    bad = [c for c in conds if c not in CONDITIONS]
-    if bad or not conds or len(set(conds)) != len(conds):
-        ap.error(f"--conditions {args.conditions!r}: give distinct names from {list(CONDITIONS)}"
-                 + (f" (unknown: {bad})" if bad else ""))
-    if args.results_json:  # a bad place fails now, not after hours of training
-        rj = Path(args.results_json)
-        if rj.is_dir():
-            ap.error(f"--results-json {rj}: a folder; give a file path, e.g. benchmarks/results/learning.json")
-        try:
-            rj.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            ap.error(f"--results-json {rj}: cannot make its folder ({e})")
-    for m in args.merge:  # cheap checks first: the full key check needs the curriculum and base model
-        f = Path(m) / "learning.json"
-        try:
-            other = json.loads(f.read_text())
-        except (OSError, ValueError) as e:
-            ap.error(f"--merge {m}: cannot read {f} ({e})")
-        if other.get("key", {}).get("preset") != preset_key(preset):
-            ap.error(f"--merge {m}: its report was made with another preset than --preset {args.preset}")
+    preset, conds = check_args(ap, args)
     try:
         report = run(preset, Path(args.out), conds, merge=[Path(m) for m in args.merge],
                      results_json=Path(args.results_json) if args.results_json else None)

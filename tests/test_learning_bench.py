@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import pytest
@@ -170,3 +171,33 @@ def test_per_role_warm_start_warms_each_adapter_on_its_own_role(tmp_path, tiny_m
     shared = lb.condition_config(over, "world_rehearsal", 0)
     assert warm["warm_start_id"] != warm_start_id(shared, ds, warm["base_model"]["sha256"])
     assert lb.condition_config(over, "world_rehearsal", 1).train.seed == 1
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--seeds", "100000000000000000000"], "each seed must be in [0, 2**32)"),
+    (["--seeds", "-1"], "each seed must be in [0, 2**32)"),
+    (["--out", ""], "--out is empty"),
+    (["--results-json", "{out}/learning.json"], "that is the resume report under --out"),
+    (["--results-json", "{tmp}"], "a folder; give a file path"),
+    (["--results-json", "{tmp}/afile/x.json"], "cannot write in its folder"),
+    (["--results-md", "{tmp}/afile/r.md"], "--results-md"),
+    (["--merge", "{tmp}/listreport"], "is not a learning.py report"),
+    (["--probe", "--seeds", "0"], "--probe measures the base model only: --seeds"),
+])
+def test_bad_arguments_are_refused_before_any_work(argv, needle, tmp_path, monkeypatch, capsys):
+    """Each bad value is one argparse error (exit 2) before the curriculum is synthesized or a model loads."""
+    (tmp_path / "afile").write_text("a regular file")
+    (tmp_path / "listreport").mkdir()
+    (tmp_path / "listreport" / "learning.json").write_text("[]")
+    out = tmp_path / "out"
+    argv = [a.format(tmp=tmp_path, out=out) for a in argv]
+    base = [] if "--out" in argv else ["--out", str(out)]
+    monkeypatch.setattr(lb, "run", lambda *a, **k: pytest.fail("the benchmark started"))
+    monkeypatch.setattr(lb, "probe", lambda *a, **k: pytest.fail("the probe started"))
+    monkeypatch.setattr(sys, "argv", ["learning.py", "--no-append", *base, *argv]
+                        if "--results-md" not in argv else ["learning.py", *base, *argv])
+    with pytest.raises(SystemExit) as e:
+        lb.main()
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err, err
