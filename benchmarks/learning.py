@@ -68,6 +68,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import envace_core  # noqa: F401  (offline environment first)
@@ -105,6 +106,16 @@ PRESETS: dict[str, dict[str, Any]] = {
                "token_budget": 6000, "max_iterations": 30, "eval_every": 0, "max_transitions": 16,
                "overrides": {"train": {"lr_scheduler": "constant", "warmup_iterations": 0},
                              "eval": {"compare": []}, "rehearsal": {"mode": "none"}}},
+    # from_adapter: every condition starts from one given adapter (--init-adapter, no SFT here) trained on a
+    # curated dataset's train split (--dataset); held out: rehearsal_effect.py's fresh synthesized tasks for
+    # that dataset (30 per domain, synthesis seed 1, levels 1-3, disjoint from its train split, checked).
+    # Seeds vary the GRPO phase only (the warm start is the adapter). The per-role policy gets the adapter
+    # in both of its adapters.
+    "from_adapter": {"seeds": [0, 1, 2], "levels": [1, 2, 3], "heldout_per_domain": 30, "heldout_seed": 1,
+                     "token_budget": 6000, "max_iterations": 30, "eval_every": 0, "max_transitions": 16,
+                     "overrides": {"train": {"lr_scheduler": "constant", "warmup_iterations": 0,
+                                             "sft_warmup_steps": 0},
+                                   "eval": {"compare": []}, "rehearsal": {"mode": "none"}}},
     "quick": {"seeds": [0], "levels": [1], "tasks_per_level": 4, "heldout_mod": 2,
               "token_budget": 200, "max_iterations": 2, "eval_every": 0, "max_transitions": 4,
               "overrides": {"data": {"policy_max_chars": 200},
@@ -148,6 +159,44 @@ def curriculum(domains: list[str], levels: list[int], per_level: int, seed: int,
     synthesize = synthesize or synth
     tasks = [t for d in domains for t in synthesize(d, per_level * len(levels), levels, seed)]
     return split_tasks(tasks, mod)
+
+
+def dataset_curriculum(preset: dict[str, Any], domains: list[str]) -> tuple[list, list]:
+    """(train, held_out) of a `from_adapter` preset: the train split of ``preset["dataset_dir"]`` (a curated
+    dataset folder) in `domains`, and ``heldout_per_domain`` fresh synthesized tasks per domain
+    (`rehearsal_effect_heldout.heldout_tasks`: read from, or built into, .envace/bench/rehearsal_effect,
+    disjoint from that train split or BenchmarkError)."""
+    from rehearsal_effect_heldout import (
+        heldout_tasks,
+        limit_per_domain,
+        load_dataset_dir,
+    )
+
+    train = [t for t in load_dataset_dir(preset["dataset_dir"]).get("train", []) if t.domain in domains]
+    held, _ = heldout_tasks(preset["dataset_dir"], preset["heldout_per_domain"], preset["heldout_seed"],
+                            preset["levels"], Path(preset.get("heldout_dir", ".envace/bench/rehearsal_effect")))
+    held = [t for t in limit_per_domain(held, preset["heldout_per_domain"]) if t.domain in domains]
+    if not train or not held:
+        raise BenchmarkError(f"{preset['dataset_dir']}: {len(train)} train / {len(held)} held-out tasks in {domains}")
+    return train, held
+
+
+def per_role_copy(adapter: str, root: Path) -> str:
+    """A per-role layout (act/ and rehearse/) of one shared LoRA adapter folder, made once under `root`
+    (named by the adapter's checksums): how a per-role policy starts from a shared warm start."""
+    import shutil
+
+    from envace_core.store.files import dir_checksums, sha256_bytes
+
+    dst = root / sha256_bytes(json.dumps(dir_checksums(Path(adapter)), sort_keys=True).encode())[:12]
+    if not (dst / "rehearse" / "adapter_config.json").is_file():
+        tmp = Path(tempfile.mkdtemp(dir=root.parent if root.parent.exists() else None))
+        for role in ("act", "rehearse"):
+            shutil.copytree(adapter, tmp / role)
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(dst, ignore_errors=True)
+        tmp.rename(dst)
+    return str(dst)
 
 
 def write_dataset(store_root: str, train: list, held: list, domains: list[str]) -> dict[str, Any]:
@@ -455,9 +504,14 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
     over["store"] = {"root": str(out / "store"), "registry": str(out / "registry")}
     if model_ref:
         over["model"] = {"ref": model_ref}
-    train, held = curriculum(domains, preset["levels"], preset["tasks_per_level"],
-                             preset.get("synthetic_seed", 0), preset["heldout_mod"],
-                             preset.get("synthesize"))
+    if preset.get("init_adapter"):
+        over.setdefault("train", {})["init_adapter"] = preset["init_adapter"]
+    if preset.get("dataset_dir"):
+        train, held = dataset_curriculum(preset, domains)
+    else:
+        train, held = curriculum(domains, preset["levels"], preset["tasks_per_level"],
+                                 preset.get("synthetic_seed", 0), preset["heldout_mod"],
+                                 preset.get("synthesize"))
     dataset = write_dataset(str(out / "store"), train, held, domains)
     log(f"[learning] curriculum: {len(train)} train / {len(held)} held-out synthesized tasks "
         f"(levels {preset['levels']}), dataset {dataset['version']}")
@@ -485,6 +539,9 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
                 log(f"[learning] {cond} seed {seed}: kept from the previous report")
                 continue
             cfg = condition_config(over, cond, seed)
+            if cfg.train.policy_per_role and cfg.train.init_adapter and \
+                    not (Path(cfg.train.init_adapter) / "act").is_dir():  # one shared adapter: in both roles
+                cfg.train.init_adapter = per_role_copy(cfg.train.init_adapter, out / "store" / "per_role_init")
             t1 = time.perf_counter()
             # one warm_start call per condition config; an id already in out/store is reused, not trained
             warm = warm_start(cfg, dataset, say=log) if spec is not None else None
@@ -675,6 +732,16 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[d
             ap.error(f"--seeds {args.seeds!r}: seeds repeat")
         if any(not 0 <= x < 2 ** 32 for x in preset["seeds"]):
             ap.error(f"--seeds {args.seeds!r}: each seed must be in [0, 2**32)")
+    if (args.preset == "from_adapter") != bool(args.init_adapter and args.dataset) or \
+            (args.preset != "from_adapter" and (args.init_adapter or args.dataset)):
+        ap.error("--init-adapter and --dataset go together with --preset from_adapter (and only with it)")
+    if args.init_adapter:
+        if not (Path(args.init_adapter) / "adapter_config.json").is_file():
+            ap.error(f"--init-adapter {args.init_adapter}: no adapter_config.json there (give a LoRA adapter folder)")
+        if not (Path(args.dataset) / "tasks.parquet").is_file():
+            ap.error(f"--dataset {args.dataset}: no tasks.parquet there (give .envace/store/datasets/<version>)")
+        preset["init_adapter"] = str(Path(args.init_adapter).resolve())
+        preset["dataset_dir"] = str(Path(args.dataset).resolve())
     conds = [c.strip() for c in args.conditions.split(",") if c.strip()]
     bad = [c for c in conds if c not in CONDITIONS]
     if bad or not conds or len(set(conds)) != len(conds):
@@ -724,6 +791,10 @@ def main() -> int:
                     help="another --out of the same preset (e.g. conditions run in a second process): "
                          "its finished runs are kept; repeatable")
     ap.add_argument("--probe", action="store_true", help="only measure the base model's tool-call rate")
+    ap.add_argument("--init-adapter", default="", metavar="DIR",
+                    help="preset from_adapter: the LoRA adapter every condition starts from (its warm start)")
+    ap.add_argument("--dataset", default="", metavar="DIR",
+                    help="preset from_adapter: the curated dataset folder whose train split the adapter and GRPO use")
     ap.add_argument("--results-json", default="", metavar="FILE",
                     help="also write the summary in the committed format here after every finished run "
                          "(e.g. benchmarks/results/learning.json); default: none")

@@ -183,6 +183,9 @@ def test_per_role_warm_start_warms_each_adapter_on_its_own_role(tmp_path, tiny_m
     (["--results-md", "{tmp}/afile/r.md"], "--results-md"),
     (["--merge", "{tmp}/listreport"], "is not a learning.py report"),
     (["--probe", "--seeds", "0"], "--probe measures the base model only: --seeds"),
+    (["--preset", "from_adapter"], "--init-adapter and --dataset go together with --preset from_adapter"),
+    (["--init-adapter", "{tmp}", "--dataset", "{tmp}"], "go together with --preset from_adapter (and only"),
+    (["--preset", "from_adapter", "--init-adapter", "{tmp}", "--dataset", "{tmp}"], "no adapter_config.json"),
 ])
 def test_bad_arguments_are_refused_before_any_work(argv, needle, tmp_path, monkeypatch, capsys):
     """Each bad value is one argparse error (exit 2) before the curriculum is synthesized or a model loads."""
@@ -201,3 +204,35 @@ def test_bad_arguments_are_refused_before_any_work(argv, needle, tmp_path, monke
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert needle in err, err
+
+
+def test_from_adapter_starts_every_condition_from_the_given_adapter(tmp_path, tiny_model_dir, monkeypatch):
+    """Preset from_adapter: the curated dataset's train split, held-out tasks from rehearsal_effect_heldout
+    (stood in by a tau2 test task), no SFT; the warm start is the adapter itself, and the per-role policy
+    starts from a copy of it in both roles."""
+    import rehearsal_effect_heldout as reh
+    from peft import LoraConfig, get_peft_model
+
+    from envace_core.models import load_model
+    from tests.heldout_stand_in import stand_in_heldout
+
+    ds, stand_in, _ = stand_in_heldout(tmp_path)
+    monkeypatch.setattr(reh, "heldout_tasks", lambda *a, **k: (stand_in, {}))
+    cfg = lb.condition_config({}, "sft", 0)
+    adapter = tmp_path / "adapter"
+    get_peft_model(load_model(tiny_model_dir), LoraConfig(
+        r=cfg.train.lora_r, lora_alpha=cfg.train.lora_alpha,
+        target_modules=list(cfg.train.lora_target_modules))).save_pretrained(adapter)
+    preset = _preset()
+    preset.update(dataset_dir=str(ds), init_adapter=str(adapter), heldout_per_domain=1, heldout_seed=1,
+                  max_iterations=1)
+    preset["overrides"]["train"]["sft_warmup_steps"] = 0
+    report = lb.run(preset, tmp_path / "out", ["sft", "per_role"], model_ref=str(tiny_model_dir))
+    assert report["dataset"]["n_train"] == 2 and report["held_out_ids"] == [stand_in[0].id]  # airline only
+    sft, per_role = report["runs"]["sft"][0], report["runs"]["per_role"][0]
+    assert sft["adapter_dir"] == str(adapter) and sft["warm_start"]["steps"] == 0
+    start = Path(per_role["warm_start"]["init_adapter"])
+    assert start.parent == tmp_path / "out" / "store" / "per_role_init"
+    assert {p.name for p in start.iterdir()} == {"act", "rehearse"}
+    assert (start / "act" / "adapter_model.safetensors").read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
+    assert per_role["iterations"] == 1 and len(per_role["final"]["success"]) == 1
