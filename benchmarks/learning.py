@@ -740,8 +740,10 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[d
             ap.error(f"--init-adapter {args.init_adapter}: no adapter_config.json there (give a LoRA adapter folder)")
         if not (Path(args.dataset) / "tasks.parquet").is_file():
             ap.error(f"--dataset {args.dataset}: no tasks.parquet there (give .envace/store/datasets/<version>)")
-        preset["init_adapter"] = str(Path(args.init_adapter).resolve())
-        preset["dataset_dir"] = str(Path(args.dataset).resolve())
+        # absolute but not resolved: a store's dataset folder is a link to its versioned copy, and the held-out
+        # file is named after the folder as given (rehearsal_effect_heldout.heldout_tasks)
+        preset["init_adapter"] = os.path.abspath(args.init_adapter)
+        preset["dataset_dir"] = os.path.abspath(args.dataset)
     conds = [c.strip() for c in args.conditions.split(",") if c.strip()]
     bad = [c for c in conds if c not in CONDITIONS]
     if bad or not conds or len(set(conds)) != len(conds):
