@@ -190,10 +190,10 @@ def per_role_copy(adapter: str, root: Path) -> str:
 
     dst = root / sha256_bytes(json.dumps(dir_checksums(Path(adapter)), sort_keys=True).encode())[:12]
     if not (dst / "rehearse" / "adapter_config.json").is_file():
-        tmp = Path(tempfile.mkdtemp(dir=root.parent if root.parent.exists() else None))
+        root.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root))  # beside dst, so the rename below stays on one file system
         for role in ("act", "rehearse"):
             shutil.copytree(adapter, tmp / role)
-        root.mkdir(parents=True, exist_ok=True)
         shutil.rmtree(dst, ignore_errors=True)
         tmp.rename(dst)
     return str(dst)
