@@ -101,3 +101,16 @@ def test_each_groups_freed_heap_goes_back_before_the_next_group_rolls_out(monkey
     groups = loop.roll_out(run, tasks, 0)
     assert [g[0].task_id for g in groups] == [t.id for t in tasks]
     assert events == [tasks[0].id, "trim", tasks[1].id, "trim", tasks[2].id, "trim"]
+
+
+def test_training_table_names_the_rollout_source(capsys):
+    """The per-iteration table says which method produced it: imagined rollouts are World Rehearsal, real
+    rollouts standard GRPO (the learning benchmark prints both in one log)."""
+    from envace_core.stages.console import print_training_table
+
+    rec = {"iteration": 1, "reward_mean/act": 0.5, "frac_zero_std": 0.0, "seconds": 1.0}
+    print_training_table([rec], "real")
+    out = capsys.readouterr().out
+    assert "standard GRPO (real rollouts) training" in out and "World Rehearsal" not in out
+    print_training_table([rec], "imagined")
+    assert "World Rehearsal training" in capsys.readouterr().out

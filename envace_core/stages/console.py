@@ -14,13 +14,16 @@ def _console():
     return Console() if sys.stdout.isatty() else Console(width=200)
 
 
-def print_training_table(history: list[dict[str, Any]]) -> None:
+def print_training_table(history: list[dict[str, Any]], source: str = "imagined") -> None:
+    """One row per iteration record of `training.loop`; `source` is `rollout.source`: 'imagined' titles it
+    World Rehearsal, 'real' standard GRPO (rollouts in the real environment, ACT rows only)."""
     from rich.table import Table
 
     def f(v: Any) -> str:
         return "—" if v is None else f"{v:.3f}" if isinstance(v, float) else str(v)
 
-    table = Table(title="World Rehearsal training (per iteration)",
+    method = "World Rehearsal" if source == "imagined" else "standard GRPO (real rollouts)"
+    table = Table(title=f"{method} training (per iteration)",
                   caption="— = no such rows (e.g. no REHEARSE rows when ACT never called a tool); wrong calls = "
                   "ACT calls of unknown tools or with invalid arguments, answered as tool errors")
     cols = [("it", "iteration"), ("reward ACT", "reward_mean/act"),

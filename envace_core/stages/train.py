@@ -111,7 +111,7 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any], warm: dict[str, A
     # the result
     history = state.history
     if world.is_main:
-        print_training_table(history)
+        print_training_table(history, cfg.rollout.source)
         run.say(f"[train] metrics: tensorboard --logdir {store.uri(TENSORBOARD_KEY.format(run_id=run_id))}")
     if history and all(r.get("frac_zero_std") == 1.0 or "train/loss" not in r for r in history):
         run.say("[train] WARNING: no learning signal in any iteration: every group's trajectories got "
