@@ -123,7 +123,7 @@ def load_tasks_file(path: str) -> list:
     for k, r in enumerate(records):
         try:
             task = task_from_record(r)
-        except Exception as e:  # noqa: BLE001 - any malformed record: name it
+        except Exception as e:
             raise BenchmarkError(f"--tasks {path}: record {k} is not a task record ({type(e).__name__}: {e})") from e
         if not task.gold_actions:
             raise BenchmarkError(f"--tasks {path}: task {task.id} has no gold action to compare the first call with")
@@ -243,7 +243,7 @@ def check_outputs(args: argparse.Namespace) -> tuple[Path, Path]:
     be written would lose the run. Raises `BenchmarkError` for a report path that is a folder, the task file,
     ``--out`` or a folder above it, and for a folder that cannot be made or written (tried with a temporary file:
     `os.access` says yes on /proc for root)."""
-    import tempfile
+    from envace_core.store.files import writable_dir_problem
 
     out, report_path = Path(args.out), Path(args.json)
     if report_path.is_dir():
@@ -253,15 +253,10 @@ def check_outputs(args: argparse.Namespace) -> tuple[Path, Path]:
         raise BenchmarkError(f"--json {args.json} is the --tasks file: the report would overwrite the tasks")
     if rp == op or rp in op.parents:
         raise BenchmarkError(f"--json {args.json} is --out {args.out} or a folder above it; give another file")
-    for d in (out, report_path.parent):
-        try:
-            d.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise BenchmarkError(f"cannot create the folder {d} ({e})") from e
-        try:
-            tempfile.TemporaryFile(dir=d).close()
-        except OSError as e:
-            raise BenchmarkError(f"the folder {d} is not writable ({e})") from e
+    for flag, d in (("--out", out), ("--json", report_path.parent)):
+        why = writable_dir_problem(d)
+        if why:
+            raise BenchmarkError(f"{flag}: {why}")
     return out, report_path
 
 

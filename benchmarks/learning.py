@@ -74,7 +74,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
 from envace_core.evaluation.stats import bootstrap_ci
-from envace_core.store.files import atomic_write_text
+from envace_core.store.files import atomic_write_text, writable_file_problem
 
 CONDITIONS: dict[str, dict[str, Any] | None] = {
     "base": None,
@@ -705,18 +705,6 @@ def probe(n_tasks: int, group: int, overrides: dict[str, Any]) -> dict[str, Any]
             "success_rate": statistics.fmean(wins), "generated_tokens": engine.stats["generated_tokens"]}
 
 
-def _writable_file(path: Path) -> str | None:
-    """Why `path` cannot be written as a file (its folder made if missing), or None when it can."""
-    if path.is_dir():
-        return "a folder; give a file path"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path.parent).close()
-    except OSError as e:
-        return f"cannot write in its folder ({e})"
-    return None
-
-
 def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[dict[str, Any], list[str]]:
     """(preset, conditions) from the command line, every value checked before any work starts (a bad
     one is `ap.error`, exit 2): seeds (distinct integers in [0, 2**32)), conditions, --out (a folder that
@@ -761,13 +749,13 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[d
         if rj.resolve() == (out / "learning.json").resolve():
             ap.error(f"--results-json {rj}: that is the resume report under --out; give another file, "
                      "e.g. benchmarks/results/learning.json")
-        why = _writable_file(rj)
+        why = writable_file_problem(rj)
         if why:
             ap.error(f"--results-json {rj}: {why}")
     if not args.no_append:
-        why = _writable_file(Path(args.results_md))
-        if why or (Path(args.results_md).exists() and not os.access(args.results_md, os.W_OK)):
-            ap.error(f"--results-md {args.results_md}: {why or 'not writable'} (or pass --no-append)")
+        why = writable_file_problem(args.results_md)
+        if why:
+            ap.error(f"--results-md {args.results_md}: {why} (or pass --no-append)")
     for m in args.merge:  # cheap checks first: the full key check needs the curriculum and base model
         f = Path(m) / "learning.json"
         try:

@@ -243,16 +243,13 @@ def check_args(args: argparse.Namespace) -> None:
     lost to it). Raises `EnvaceError`."""
     from envace_core.config import load_config
     from envace_core.models import check_model_ref
+    from envace_core.store.files import writable_file_problem
 
     cfg = load_config(args.profile, args.overrides)
     check_model_ref(args.model, cfg)
-    out = Path(args.json)
-    if out.is_dir():
-        raise EnvaceError(f"--json {out} is a folder; give a file path")
-    try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise EnvaceError(f"--json {out}: cannot make its folder ({e.strerror})") from None
+    why = writable_file_problem(args.json)
+    if why:
+        raise EnvaceError(f"--json {args.json}: {why}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -165,3 +165,21 @@ def test_build_info_reads_the_baked_file_in_a_pod_without_git(tmp_path, monkeypa
     baked.write_text("[1]")  # damaged: the checkout's own commit is used, with a note
     info = build_info(build_file=baked)
     assert info["commit_source"] == "git" and len(info["commit"]) == 40 and "not a JSON object" in info["note"]
+
+
+def test_writable_checks_name_what_cannot_be_written(tmp_path):
+    """The checks tools make before a model loads: a folder given as a file, a parent that is a file, a
+    read-only folder (tried with a real file: root passes os.access there) and a read-only file."""
+    from envace_core.store.files import writable_dir_problem, writable_file_problem
+
+    (tmp_path / "afile").write_text("x")
+    assert writable_file_problem(tmp_path / "new" / "r.json") is None and (tmp_path / "new").is_dir()
+    assert writable_file_problem(tmp_path) == "a folder; give a file path"
+    assert "cannot make the folder" in writable_file_problem(tmp_path / "afile" / "r.json")
+    assert "cannot make the folder" in writable_dir_problem(tmp_path / "afile")
+    assert "cannot write in the folder /proc" in writable_dir_problem("/proc")
+    assert writable_file_problem(tmp_path / "afile") is None
+    assert (tmp_path / "afile").read_text() == "x"  # tried, not touched
+    if os.geteuid() != 0:  # root writes read-only files
+        (tmp_path / "afile").chmod(0o444)
+        assert "cannot write the file" in writable_file_problem(tmp_path / "afile")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -20,6 +19,7 @@ from envace_core.evaluation.protocols import (
 from envace_core.models import (
     ResolvedModel,
 )
+from envace_core.store.files import writable_dir_problem
 
 BENCHES = ("tau2", "bfcl", "vita", "finmcp")
 TAU2_DOMAINS = ("airline", "retail", "telecom", "mock")
@@ -196,13 +196,10 @@ class EvalOptions:
 
     def make_out(self) -> None:
         """Create the --out folder and check it is writable; raises EnvaceError otherwise."""
-        out = Path(self.out).expanduser()
-        try:  # creatable and writable, checked before any model loads
-            out.mkdir(parents=True, exist_ok=True)
-            tempfile.TemporaryFile(dir=out).close()
-        except OSError as e:
-            raise EnvaceError(f"--out {self.out!r}: cannot write there ({e.strerror or e}): give a folder you can "
-                              "create and write (the report and the resume cache are written under --out)") from None
+        why = writable_dir_problem(self.out)  # checked before any model loads
+        if why:
+            raise EnvaceError(f"--out {self.out!r}: cannot write there ({why}): give a folder you can create and "
+                              "write (the report and the resume cache are written under --out)")
 
 
 def check_url(flag: str, url: str) -> None:

@@ -1,4 +1,5 @@
-"""Files: content hashes, per-directory checksums, atomic writes and the JSONL reader shared by the resume caches."""
+"""Files: content hashes, per-directory checksums, atomic writes, "can this be written" checks made before a run,
+and the JSONL reader shared by the resume caches."""
 
 from __future__ import annotations
 
@@ -41,6 +42,39 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     tmp.write_text(text)
     tmp.replace(path)
     return path
+
+
+def writable_dir_problem(directory: str | Path) -> str | None:
+    """Why files cannot be written in `directory` (made, with its parents, if missing), or None when they can.
+
+    Tried with a temporary file, not `os.access`, which says yes on read-only mounts and on /proc for root. A
+    tool calls this before any model loads, so that a report or a cache it cannot write never costs a run."""
+    d = Path(directory).expanduser()
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        return f"cannot make the folder {d} ({e.strerror or e})"
+    try:
+        tempfile.TemporaryFile(dir=d).close()
+    except OSError as e:
+        return f"cannot write in the folder {d} ({e.strerror or e})"
+    return None
+
+
+def writable_file_problem(path: str | Path) -> str | None:
+    """Why `path` cannot be written as a file, or None when it can: a folder is refused, its parent folder is
+    made and tried as `writable_dir_problem` does, and an existing file is opened for appending (nothing
+    written, its content and times unchanged)."""
+    p = Path(path).expanduser()
+    if p.is_dir():
+        return "a folder; give a file path"
+    why = writable_dir_problem(p.parent)
+    if why is None and p.exists():
+        try:
+            open(p, "a").close()
+        except OSError as e:
+            why = f"cannot write the file ({e.strerror or e})"
+    return why
 
 
 def read_jsonl(path: Path, check: Callable[[Any], Any] | None = None) -> list:
