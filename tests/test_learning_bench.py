@@ -184,7 +184,8 @@ def test_per_role_warm_start_warms_each_adapter_on_its_own_role(tmp_path, tiny_m
     (["--merge", "{tmp}/listreport"], "is not a learning.py report"),
     (["--probe", "--seeds", "0"], "--probe measures the base model only: --seeds"),
     (["--preset", "from_adapter"], "--init-adapter and --dataset go together with --preset from_adapter"),
-    (["--init-adapter", "{tmp}", "--dataset", "{tmp}"], "go together with --preset from_adapter (and only"),
+    (["--preset", "from_adapter_steps"], "go together with --preset from_adapter or from_adapter_steps"),
+    (["--init-adapter", "{tmp}", "--dataset", "{tmp}"], "go together with --preset from_adapter or from_adapter_steps (and only"),
     (["--preset", "from_adapter", "--init-adapter", "{tmp}", "--dataset", "{tmp}"], "no adapter_config.json"),
 ])
 def test_bad_arguments_are_refused_before_any_work(argv, needle, tmp_path, monkeypatch, capsys):
@@ -236,3 +237,16 @@ def test_from_adapter_starts_every_condition_from_the_given_adapter(tmp_path, ti
     assert {p.name for p in start.iterdir()} == {"act", "rehearse"}
     assert (start / "act" / "adapter_model.safetensors").read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
     assert per_role["iterations"] == 1 and len(per_role["final"]["success"]) == 1
+
+
+def test_from_adapter_steps_differs_from_from_adapter_only_in_the_update():
+    """Same curriculum, held-out tasks, rollouts and token budget; only the optimizer steps per iteration
+    (minibatches, PPO epochs) and the learning rate differ, so the two presets' runs are comparable."""
+    a, b = lb.PRESETS["from_adapter"], lb.PRESETS["from_adapter_steps"]
+    assert {k: v for k, v in a.items() if k != "overrides"} == {k: v for k, v in b.items() if k != "overrides"}
+    ta, tb = a["overrides"]["train"], b["overrides"]["train"]
+    assert {k: v for k, v in tb.items() if k not in ta} == {"mini_batch_rows": 8, "ppo_epochs": 2, "learning_rate": 1e-4}
+    cfg = lb.condition_config(b["overrides"], "world_rehearsal", 0)
+    assert (cfg.train.mini_batch_rows, cfg.train.ppo_epochs, cfg.train.learning_rate) == (8, 2, 1e-4)
+    assert {k: v for k, v in a["overrides"].items() if k != "train"} == \
+        {k: v for k, v in b["overrides"].items() if k != "train"}
