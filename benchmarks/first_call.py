@@ -112,7 +112,10 @@ def load_tasks_file(path: str) -> list:
 
     f = Path(path)
     if not f.is_file():
-        raise BenchmarkError(f"--tasks {path}: no such file (rehearsal_effect.py --heldout writes it)")
+        there = sorted(Path(DEFAULT_TASKS).parent.glob("*.json"))
+        raise BenchmarkError(f"--tasks {path}: " + ("a folder" if f.is_dir() else "no such file") + "; give the JSON "
+                             "task file rehearsal_effect.py --heldout writes" + (
+                                 f" (here: {', '.join(str(p) for p in there[:3])})" if there else ""))
     try:
         records = json.loads(f.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -245,6 +248,9 @@ def check_outputs(args: argparse.Namespace) -> tuple[Path, Path]:
     `os.access` says yes on /proc for root)."""
     from envace_core.store.files import writable_dir_problem
 
+    for flag in ("out", "json"):
+        if not getattr(args, flag).strip():
+            raise BenchmarkError(f"--{flag} is empty; give a " + ("folder" if flag == "out" else "file path"))
     out, report_path = Path(args.out), Path(args.json)
     if report_path.is_dir():
         raise BenchmarkError(f"--json {args.json} is a folder; give a file path")

@@ -740,6 +740,12 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[d
     if args.init_adapter:
         if not (Path(args.init_adapter) / "adapter_config.json").is_file():
             ap.error(f"--init-adapter {args.init_adapter}: no adapter_config.json there (give a LoRA adapter folder)")
+        from envace_core.models import check_adapter_dir
+
+        try:  # its weights and config, as `envace eval --model` checks them (no model loads)
+            check_adapter_dir(args.init_adapter)
+        except EnvaceError as e:
+            ap.error(f"--init-adapter {args.init_adapter}: {' '.join(str(e).split())}")
         if not (Path(args.dataset) / "tasks.parquet").is_file():
             ap.error(f"--dataset {args.dataset}: no tasks.parquet there (give .envace/store/datasets/<version>)")
         # absolute but not resolved: a store's dataset folder is a link to its versioned copy, and the held-out

@@ -440,12 +440,22 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_results_md(args: argparse.Namespace) -> None:
+    """Raises `BenchmarkError` unless --results-md can be appended to (or --no-append is given): checked
+    before any work, so that a finished run's section is never lost to a bad path."""
+    from envace_core.store.files import writable_file_problem
+
+    why = None if args.no_append else writable_file_problem(args.results_md)
+    if why:
+        raise BenchmarkError(f"--results-md {args.results_md}: {why} (or pass --no-append)")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Everything checkable before a model loads: the options, the profile and overrides
     (`config.load_config`), --max-steps (`EvalOptions.check`), and every model reference (--models,
     --trained, --user REF) with `models.check_model_ref` (registry versions verified, adapter folders
     checked, base model folders found). Raises `EnvaceError` (`BenchmarkError`, `config.ConfigError`,
-    `models.ModelRefError`, `models.ModelNotFoundError`)."""
+    `models.ModelRefError`, `models.ModelNotFoundError`); --results-md as `check_results_md`."""
     from envace_core.config import load_config
     from envace_core.evaluation.options import EvalOptions
     from envace_core.models import check_model_ref
@@ -460,6 +470,7 @@ def check_args(args: argparse.Namespace) -> None:
     cfg = load_config(args.profile, args.overrides)
     EvalOptions(model="", benches=args.benches, out=args.out, limit=args.limit, protocol=args.protocol,
                 max_steps=args.max_steps, seed=args.seed, **parse_user(args.user)).check()
+    check_results_md(args)
     user = parse_user(args.user).get("user_model")
     for what, ref in [(f"model {label}", ref) for label, ref in models] + ([("--user", user)] if user else []):
         try:

@@ -572,11 +572,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """Everything checkable before synthesis or a model load: numbers, conditions, models (labels and
-    `models.check_model_ref`), the dataset folder, the profile. Raises `EnvaceError`."""
+    `models.check_model_ref`), the dataset folder, --out (a folder made and written), --json (a file that can
+    be written), --results-md (unless --no-append), the profile. Raises `EnvaceError`."""
     from envace_core.config import load_config
     from envace_core.config_text import parse_overrides
     from envace_core.models import check_model_ref
-    from rehearsal_effect import parse_models
+    from envace_core.store.files import writable_dir_problem, writable_file_problem
+    from rehearsal_effect import check_results_md, parse_models
 
     for name, v, lo in (("--heldout", args.heldout, 1), ("--limit", args.limit, 1), ("--n-boot", args.n_boot, 100)):
         if v is not None and v < lo:
@@ -589,6 +591,10 @@ def check_args(args: argparse.Namespace) -> None:
         raise BenchmarkError("a model may not be labelled 'run' (the report's run block)")
     if not (Path(args.dataset) / "tasks.parquet").is_file():
         raise BenchmarkError(f"--dataset {args.dataset}: no tasks.parquet there")
+    for flag, why in (("--out", writable_dir_problem(args.out)), ("--json", writable_file_problem(args.json))):
+        if why:
+            raise BenchmarkError(f"{flag} {getattr(args, flag[2:])}: {why}")
+    check_results_md(args)
     cfg = load_config(args.profile, args.overrides)
     reh = parse_overrides(args.overrides).get("rehearsal")
     for key in ("mode", "n", "verifier"):  # each condition sets these: an override would be silently replaced

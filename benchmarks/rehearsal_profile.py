@@ -239,17 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace) -> None:
     """What can fail before tasks are synthesized or a model loads: the profile and overrides, the model
-    reference (`models.check_model_ref`), and the ``--json`` folder (made now, so that a finished run is never
-    lost to it). Raises `EnvaceError`."""
+    reference (`models.check_model_ref`), the ``--out`` folder and the ``--json`` file's folder (made and tried
+    now, so that a finished run is never lost to them). Raises `EnvaceError`."""
     from envace_core.config import load_config
     from envace_core.models import check_model_ref
-    from envace_core.store.files import writable_file_problem
+    from envace_core.store.files import writable_dir_problem, writable_file_problem
 
     cfg = load_config(args.profile, args.overrides)
     check_model_ref(args.model, cfg)
-    why = writable_file_problem(args.json)
-    if why:
-        raise EnvaceError(f"--json {args.json}: {why}")
+    for flag, why in (("--out", writable_dir_problem(args.out)), ("--json", writable_file_problem(args.json))):
+        if why:
+            raise EnvaceError(f"{flag} {getattr(args, flag[2:])}: {why}")
 
 
 def main(argv: list[str] | None = None) -> int:

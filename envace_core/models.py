@@ -543,8 +543,6 @@ def check_model_ref(ref: str, cfg: RunConfig, registry: str | None = None) -> Re
     (`models.resolve_model`): everything short of loading weights, so scripts can fail before hours of
     work. An ``s3://`` base is left to load time (checking it would download it). Raises `ModelRefError`,
     `AdapterError` or `models.ModelNotFoundError`."""
-    
-
     model = resolve_model_ref(ref, registry or cfg.store.registry, base_ref=cfg.model.ref)
     if not model.base_ref.startswith("s3://"):
         resolve_model(model.base_ref)

@@ -102,6 +102,9 @@ def test_bad_arguments_stop_before_any_model_loads(tmp_path, monkeypatch):
                       (["--models", ok, "--n-boot", "0"], "--n-boot must be >= 1"),
                       (["--models", ok + ",y=" + str(tmp_path / "nothere")], "no such file"),
                       (["--models", ok, "--json", str(tmp_path)], "is a folder"),
-                      (["--models", ok, "--json", str(tasks)], "is the --tasks file")]:
+                      (["--models", ok, "--json", str(tasks)], "is the --tasks file"),
+                      (["--models", ok, "--json", ""], "--json is empty"),
+                      (["--models", ok, "--out", "", "--json", str(tmp_path / "r.json")], "--out is empty"),
+                      (["--models", ok, "--tasks", str(tmp_path)], "a folder; give the JSON task file")]:
         with pytest.raises(Exception, match=msg):
             fc.main(base + argv if "--json" not in argv else base[:4] + argv)

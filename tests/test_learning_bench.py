@@ -187,10 +187,14 @@ def test_per_role_warm_start_warms_each_adapter_on_its_own_role(tmp_path, tiny_m
     (["--preset", "from_adapter_steps"], "go together with --preset from_adapter or from_adapter_steps"),
     (["--init-adapter", "{tmp}", "--dataset", "{tmp}"], "go together with --preset from_adapter or from_adapter_steps (and only"),
     (["--preset", "from_adapter", "--init-adapter", "{tmp}", "--dataset", "{tmp}"], "no adapter_config.json"),
+    (["--preset", "from_adapter", "--init-adapter", "{tmp}/cutadapter", "--dataset", "{tmp}"], "weights missing"),
 ])
 def test_bad_arguments_are_refused_before_any_work(argv, needle, tmp_path, monkeypatch, capsys):
     """Each bad value is one argparse error (exit 2) before the curriculum is synthesized or a model loads."""
     (tmp_path / "afile").write_text("a regular file")
+    (tmp_path / "cutadapter").mkdir()  # a config, no weights: refused before the curriculum is built
+    (tmp_path / "cutadapter" / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]}))
     (tmp_path / "listreport").mkdir()
     (tmp_path / "listreport" / "learning.json").write_text("[]")
     out = tmp_path / "out"

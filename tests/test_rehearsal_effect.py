@@ -48,7 +48,8 @@ def test_conditions_models_benches_and_user():
 def test_bad_arguments_stop_before_any_model_loads(capsys, monkeypatch):
     monkeypatch.setattr(re_, "run", lambda *a, **k: pytest.fail("ran despite bad arguments"))
     for argv, msg in ((["--limit", "0"], "--limit"), (["--conditions", "parallel:2"], "include none"),
-                      (["--n-boot", "10"], "--n-boot"), (["--benches", "bfcl:irrelevance"], "single-turn")):
+                      (["--n-boot", "10"], "--n-boot"), (["--benches", "bfcl:irrelevance"], "single-turn"),
+                      (["--results-md", "/proc/x/RESULTS.md"], "--results-md")):
         assert re_.main(argv) == 2
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1

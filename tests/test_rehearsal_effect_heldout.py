@@ -249,7 +249,14 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
                       (["--heldout", "2", "--dataset", str(ok), "--overrides", "rehearsal.verifier=false"],
                        "sets rehearsal.verifier, which every condition sets itself"),
                       (["--heldout", "2", "--dataset", str(ok), "--overrides", "rehearsal.n=2"],  # = the profile's
-                       "give it in --conditions")):
+                       "give it in --conditions"),
+                      # report paths: refused before synthesis (minutes) rather than after the run
+                      (["--heldout", "2", "--dataset", str(ok), "--out", str(ok / "tasks.parquet")],
+                       "--out"),
+                      (["--heldout", "2", "--dataset", str(ok), "--out", str(tmp_path / "o"), "--json",
+                        str(tmp_path)], "--json"),
+                      (["--heldout", "2", "--dataset", str(ok), "--out", str(tmp_path / "o"), "--json",
+                        str(tmp_path / "r.json"), "--results-md", str(tmp_path)], "(or pass --no-append)")):
         assert re_.main(argv) == 2  # rehearsal_effect.py hands --heldout runs over
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1

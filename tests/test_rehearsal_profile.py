@@ -71,3 +71,6 @@ def test_bad_model_or_json_path_fail_before_any_work(tmp_path, capsys, monkeypat
     assert prof.main([*base[:-1], str(blocker / "p.json"), "--model", "bundled:smollm2-135m-instruct"]) == 2
     err = capsys.readouterr().err
     assert "--json" in err and len(err.strip().splitlines()) == 1
+    assert prof.main([*base, "--out", str(blocker), "--model", "bundled:smollm2-135m-instruct"]) == 2
+    err = capsys.readouterr().err
+    assert "--out" in err and "cannot make the folder" in err and len(err.strip().splitlines()) == 1
