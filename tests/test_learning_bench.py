@@ -179,7 +179,7 @@ def test_per_role_warm_start_warms_each_adapter_on_its_own_role(tmp_path, tiny_m
     (["--out", ""], "--out is empty"),
     (["--results-json", "{out}/learning.json"], "that is the resume report under --out"),
     (["--results-json", "{tmp}"], "a folder; give a file path"),
-    (["--results-json", "{tmp}/afile/x.json"], "cannot make the folder"),
+    (["--results-json", "{tmp}/afile/x.json"], "afile is a file, not a folder"),
     (["--results-md", "{tmp}/afile/r.md"], "--results-md"),
     (["--merge", "{tmp}/listreport"], "is not a learning.py report"),
     (["--probe", "--seeds", "0"], "--probe measures the base model only: --seeds"),

@@ -73,4 +73,4 @@ def test_bad_model_or_json_path_fail_before_any_work(tmp_path, capsys, monkeypat
     assert "--json" in err and len(err.strip().splitlines()) == 1
     assert prof.main([*base, "--out", str(blocker), "--model", "bundled:smollm2-135m-instruct"]) == 2
     err = capsys.readouterr().err
-    assert "--out" in err and "cannot make the folder" in err and len(err.strip().splitlines()) == 1
+    assert "--out" in err and "is a file, not a folder" in err and len(err.strip().splitlines()) == 1

@@ -175,11 +175,21 @@ def test_writable_checks_name_what_cannot_be_written(tmp_path):
     (tmp_path / "afile").write_text("x")
     assert writable_file_problem(tmp_path / "new" / "r.json") is None and (tmp_path / "new").is_dir()
     assert writable_file_problem(tmp_path) == "a folder; give a file path"
-    assert "cannot make the folder" in writable_file_problem(tmp_path / "afile" / "r.json")
-    assert "cannot make the folder" in writable_dir_problem(tmp_path / "afile")
+    assert "afile is a file, not a folder" in writable_file_problem(tmp_path / "afile" / "r.json")
+    assert writable_dir_problem(tmp_path / "afile").endswith("afile is a file, not a folder")
     assert "cannot write in the folder /proc" in writable_dir_problem("/proc")
     assert writable_file_problem(tmp_path / "afile") is None
     assert (tmp_path / "afile").read_text() == "x"  # tried, not touched
     if os.geteuid() != 0:  # root writes read-only files
         (tmp_path / "afile").chmod(0o444)
         assert "cannot write the file" in writable_file_problem(tmp_path / "afile")
+
+
+def test_a_store_root_that_is_a_file_or_unwritable_is_named(tmp_path):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(StoreError, match="is a file, not a folder: give a folder as store.root"):
+        LocalStore(tmp_path / "f")
+    store = LocalStore(tmp_path / "s")
+    store.root = Path("/proc")  # a folder nobody writes, root included (os.access says yes there)
+    with pytest.raises(StoreError, match="is not writable"):
+        store.check()

@@ -50,6 +50,8 @@ def writable_dir_problem(directory: str | Path) -> str | None:
     Tried with a temporary file, not `os.access`, which says yes on read-only mounts and on /proc for root. A
     tool calls this before any model loads, so that a report or a cache it cannot write never costs a run."""
     d = Path(directory).expanduser()
+    if d.exists() and not d.is_dir():
+        return f"{d} is a file, not a folder"
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from envace_core.store.base import StoreError, check_key
-from envace_core.store.files import CHECKSUMS, dir_checksums, sha256_bytes
+from envace_core.store.files import CHECKSUMS, dir_checksums, sha256_bytes, writable_dir_problem
 
 # hidden siblings of a put_dir key `name`: version folders (v), temporary links (link) and what the
 # earlier two-rename writes left (tmp: a build, old: the swapped-out version inside `old-*/<name>`)
@@ -60,6 +60,8 @@ class LocalStore:
 
     def __init__(self, root: str | Path):
         self.root = Path(root).expanduser().resolve()
+        if self.root.exists() and not self.root.is_dir():
+            raise StoreError(f"store root {self.root} is a file, not a folder: give a folder as store.root")
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
@@ -75,9 +77,11 @@ class LocalStore:
         return self.path(key).exists()
 
     def check(self) -> None:
-        """Raise StoreError unless the root is a writable directory (it was created on open)."""
-        if not os.access(self.root, os.W_OK | os.X_OK):
-            raise StoreError(f"store root {self.root} is not writable: fix its permissions or store.root")
+        """Raise StoreError unless the root is a writable directory (it was created on open; tried with a
+        temporary file: `os.access` says yes on read-only mounts for root)."""
+        why = writable_dir_problem(self.root)
+        if why:
+            raise StoreError(f"store root {self.root} is not writable ({why}): fix its permissions or store.root")
 
     def write_bytes(self, key: str, data: bytes) -> str:
         """Atomically write `data` under `key`; returns its sha256."""
