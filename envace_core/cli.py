@@ -170,12 +170,37 @@ def _rehearse(args) -> int:
     return 0
 
 
+def check_tau2_flags(args) -> None:
+    """Raises `UnusedOptionError` for an `envace eval` flag given a value other than its default that no
+    selected bench uses: --split and --protocol (tau2 only), --max-steps (tau2 under tau2_orchestrator),
+    --trials (pass^k: tau2 and VitaBench; a BFCL or FinMCP entry runs once). A bad --bench is left to
+    `EvalOptions.check`, which names it."""
+    from envace_core.evaluation.options import BenchSpecError, UnusedOptionError, parse_benches
+    from envace_core.evaluation.protocols import MAX_STEPS, TAU2_ORCHESTRATOR
+
+    try:
+        benches = {s.bench for s in parse_benches(args.bench)}
+    except BenchSpecError:
+        return
+    tau2 = "tau2" in benches
+    for flag, given, used, why in (
+            ("--split", args.split != "test", tau2, "it picks tau2's task split"),
+            ("--protocol", args.protocol != TAU2_ORCHESTRATOR, tau2, "it says how tau2 runs"),
+            ("--max-steps", args.max_steps != MAX_STEPS, tau2 and args.protocol == TAU2_ORCHESTRATOR,
+             f"it counts tau2 steps under --protocol {TAU2_ORCHESTRATOR}"),
+            ("--trials", args.trials != 1, bool(benches & {"tau2", "vita"}),
+             "pass^k trials run for tau2 and VitaBench only")):
+        if given and not used:
+            raise UnusedOptionError(f"{flag}: no selected bench uses it ({why}); drop it or add such a --bench")
+
+
 def _eval(args) -> int:
     """Benchmark evaluation (`evaluation.harness.run_eval`), then the report (`evaluation.report`)."""
     from envace_core.evaluation import report
     from envace_core.evaluation.harness import run_eval
     from envace_core.evaluation.options import EvalOptions
 
+    check_tau2_flags(args)
     opts = EvalOptions(
         model=args.model, benches=args.bench, out=args.out, rehearsal=args.rehearsal, user_model=args.user_model,
         user_url=args.user_url, user_url_model=args.user_url_model, judge_model=args.judge_model,

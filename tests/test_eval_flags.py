@@ -60,6 +60,12 @@ def test_an_empty_flag_is_an_error_naming_it_before_any_work(flag, value, eval_l
     ("vita:{tmp}", ["--judge-url", DEAD, "--user-url", DEAD],
      "--user-url: no selected bench uses a user simulator (tau2 does); VitaBench is judged by --judge-url"),
     ("tau2:airline", ["--user-url-model", "qwen"], "--user-url-model: it names the model sent to --user-url"),
+    # tau2's own flags on a run without tau2 (or without its orchestrator)
+    ("bfcl:simple", ["--split", "full"], "--split: no selected bench uses it (it picks tau2's task split)"),
+    ("bfcl:simple", ["--protocol", "opening_request"], "--protocol: no selected bench uses it"),
+    ("bfcl:simple", ["--max-steps", "7"], "--max-steps: no selected bench uses it"),
+    ("tau2:airline", ["--protocol", "opening_request", "--max-steps", "7"], "--max-steps: no selected bench uses it"),
+    ("bfcl:simple", ["--trials", "3"], "--trials: no selected bench uses it (pass^k trials run for tau2 and VitaBench"),
 ])
 def test_a_flag_no_selected_bench_uses_is_an_error_naming_it_and_why(bench, extra, needle, eval_loads_no_model, over,
                                                                      tmp_path, capsys):
