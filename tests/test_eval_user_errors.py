@@ -250,6 +250,15 @@ def test_bad_user_model_is_named_as_such_before_any_model_loads(eval_loads_no_mo
                "--bench", "tau2:airline", "--limit", "1", "--user-model", ref, "--out", str(tmp_path / "e")])
     err = capsys.readouterr().err.strip()
     assert rc == 2 and len(err.splitlines()) == 1 and err.startswith(needle) and "--model '" not in err
+    assert not (tmp_path / "e").exists()  # refused before --out is made
+
+
+def test_a_bad_model_leaves_no_out_folder(eval_loads_no_model, over, tmp_path, capsys):
+    rc = main(["--profile", "test", "--overrides", over, "eval", "--model", str(tmp_path / "nope"),
+               "--bench", "tau2:airline", "--limit", "1", "--out", str(tmp_path / "e")])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and "nope" in err, err
+    assert not (tmp_path / "e").exists()
 
 
 def test_bad_judge_model_is_named_as_such(tmp_path):

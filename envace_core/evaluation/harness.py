@@ -399,12 +399,12 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
     check_bench_data(specs)
     mode, n = parse_rehearsal(opts.rehearsal)
     cfg = load_config(opts.profile, opts.overrides)
-    opts.make_out()  # after the cheap checks: a refused run leaves no --out folder behind
     model = resolve_model_ref(opts.model, opts.registry or cfg.store.registry, base_ref=cfg.model.ref)
     user_model = _side_model("--user-model", opts.user_model, opts, cfg) if opts.user_model else None
     needs_judge = any(s.bench == "vita" for s in specs)
     judge_model = _side_model("--judge-model", opts.judge_model, opts, cfg) \
         if opts.judge_model and needs_judge else None
+    opts.make_out()  # after the cheap checks (the model references too): a refused run leaves no --out folder
     clients = _endpoints(opts, specs)
     fp = fingerprint(opts, cfg, model, specs)
     cache = Path(opts.out).expanduser() / "cache" / fp
