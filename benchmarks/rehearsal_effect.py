@@ -468,8 +468,14 @@ def check_args(args: argparse.Namespace) -> None:
     parse_benches(args.benches)
     models = parse_models(args.models, args.trained)
     cfg = load_config(args.profile, args.overrides)
-    EvalOptions(model="", benches=args.benches, out=args.out, limit=args.limit, protocol=args.protocol,
-                max_steps=args.max_steps, seed=args.seed, **parse_user(args.user)).check()
+    from envace_core.evaluation.options import UnusedOptionError
+    from envace_core.evaluation.options import parse_benches as parse_specs
+
+    try:  # with the benches: a --user no selected bench calls is refused now, not after the model loads
+        EvalOptions(model="", benches=args.benches, out=args.out, limit=args.limit, protocol=args.protocol,
+                    max_steps=args.max_steps, seed=args.seed, **parse_user(args.user)).check(parse_specs(args.benches))
+    except UnusedOptionError as e:
+        raise BenchmarkError(f"--user {args.user}: {str(e).partition(': ')[2]}") from None
     check_results_md(args)
     user = parse_user(args.user).get("user_model")
     for what, ref in [(f"model {label}", ref) for label, ref in models] + ([("--user", user)] if user else []):

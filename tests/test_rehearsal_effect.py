@@ -49,7 +49,9 @@ def test_bad_arguments_stop_before_any_model_loads(capsys, monkeypatch):
     monkeypatch.setattr(re_, "run", lambda *a, **k: pytest.fail("ran despite bad arguments"))
     for argv, msg in ((["--limit", "0"], "--limit"), (["--conditions", "parallel:2"], "include none"),
                       (["--n-boot", "10"], "--n-boot"), (["--benches", "bfcl:irrelevance"], "single-turn"),
-                      (["--results-md", "/proc/x/RESULTS.md"], "--results-md")):
+                      (["--results-md", "/proc/x/RESULTS.md"], "--results-md"),
+                      (["--benches", "bfcl:multi_turn_base", "--user", "http://127.0.0.1:9/v1"],
+                       "--user http://127.0.0.1:9/v1: no selected bench uses a user simulator")):
         assert re_.main(argv) == 2
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1
