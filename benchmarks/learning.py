@@ -194,6 +194,32 @@ def dataset_curriculum(preset: dict[str, Any], domains: list[str]) -> tuple[list
     return train, held
 
 
+def adapter_motion(start_dir: str | None, final_dir: str | None) -> float | None:
+    """How far training moved the policy: ‖Δ(B·A)‖_F / ‖(B·A)_start‖_F summed over every LoRA module of the
+    folder (both adapters of a per-role policy), with B·A the LoRA update of each target weight (Hu et al.
+    2021; the α/r scale cancels in the ratio). 0.01 = the update changed by 1 % of its size. None when either
+    folder or a matching weights file is missing, or the starting update is 0 (a fresh LoRA: B = 0)."""
+    if not start_dir or not final_dir:
+        return None
+    import torch
+    from safetensors.torch import load_file
+
+    num = den = 0.0
+    start_files = sorted(Path(start_dir).rglob("adapter_model.safetensors"))
+    for f in start_files:
+        g = Path(final_dir) / f.relative_to(start_dir)
+        if not g.is_file():
+            return None
+        a, b = load_file(str(f)), load_file(str(g))
+        for k in a:
+            if "lora_A" in k and k.replace("lora_A", "lora_B") in a and k in b:
+                kb = k.replace("lora_A", "lora_B")
+                d0 = a[kb].float() @ a[k].float()
+                num += float(torch.linalg.norm(b[kb].float() @ b[k].float() - d0)) ** 2
+                den += float(torch.linalg.norm(d0)) ** 2
+    return (num / den) ** 0.5 if start_files and den > 0 else None
+
+
 def per_role_copy(adapter: str, root: Path) -> str:
     """A per-role layout (act/ and rehearse/) of one shared LoRA adapter folder, made once under `root`
     (named by the adapter's checksums): how a per-role policy starts from a shared warm start."""
@@ -351,6 +377,16 @@ def condition_config(overrides: dict[str, Any], cond: str, seed: int):
 
     spec = CONDITIONS[cond] or {}
     return load_config("cpu-smoke", _merge(overrides, {**spec, "train": {**spec.get("train", {}), "seed": seed}}))
+
+
+def start_dir(warm: dict[str, Any] | None) -> str | None:
+    """The adapter a trained run started from, given its warm start (a `warm_start` result or its recorded
+    lineage): the warm start's own adapter (`warm_adapter_dir`), else the train.init_adapter it passed on
+    unchanged (no SFT); None without either, or when the warm start's adapter is gone."""
+    try:
+        return warm_adapter_dir(warm) or (warm or {}).get("init_adapter")
+    except EnvaceError:
+        return None
 
 
 def warm_adapter_dir(warm: dict[str, Any] | None) -> str | None:
@@ -548,7 +584,9 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
             if spec is None and seed != preset["seeds"][0]:
                 continue  # greedy evaluation of the untrained base does not depend on the seed
             if seed in done.get(cond, {}):
-                runs.setdefault(cond, {})[seed] = done[cond][seed]
+                r = runs.setdefault(cond, {})[seed] = done[cond][seed]
+                if spec and "adapter_motion" not in r:  # a report from before it was measured
+                    r["adapter_motion"] = adapter_motion(start_dir(r.get("warm_start")), r["adapter_dir"])
                 log(f"[learning] {cond} seed {seed}: kept from the previous report")
                 continue
             cfg = condition_config(over, cond, seed)
@@ -566,6 +604,8 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
                                     preset["eval_every"],
                                     lambda a, _, c=cfg: measure(c, dataset, a, held, preset["max_transitions"]))
             r["warm_start"] = warm_start_lineage(warm)
+            if spec:
+                r["adapter_motion"] = adapter_motion(start_dir(warm), r["adapter_dir"])
             r["final"] = measure(cfg, dataset, r["adapter_dir"], held, preset["max_transitions"])
             r["seconds"] = time.perf_counter() - t1
             runs.setdefault(cond, {})[seed] = r
@@ -632,7 +672,8 @@ def results_summary(report: dict[str, Any]) -> dict[str, Any]:
     "seed_ci" (Student-t over seed means, >= 2 seeds), "paired": {"vs_warm_start", "vs_standard_grpo"}:
     {mean, ci_low, ci_high, n} (same tasks), "fidelity" (REHEARSE on held-out real transitions), "seeds",
     "n_tasks", "real_env_steps": {"rollouts", "reward_replays"} mean per seed (and "per_seed"),
-    "generated_tokens" per seed}}. Conditions are named as `RESULT_NAMES` says (sft → warm_start)."""
+    "generated_tokens" per seed, "adapter_motion" per seed (`adapter_motion`; None for base and the warm
+    start)}}. Conditions are named as `RESULT_NAMES` says (sft → warm_start)."""
     out: dict[str, Any] = {"run": {
         "complete": report["complete"], "preset": report["preset"], "dataset": report["dataset"]["version"],
         "n_train_tasks": report["dataset"]["n_train"], "n_heldout_tasks": report["dataset"]["n_test"],
@@ -655,7 +696,8 @@ def results_summary(report: dict[str, Any]) -> dict[str, Any]:
                        "vs_standard_grpo": _ci(s.get("success_vs_standard_grpo")) if cond != "standard_grpo" else None},
             "fidelity": _ci(s["fidelity"]), "seeds": sorted(int(k) for k in seeds),
             "n_tasks": s["success"]["n"], "real_env_steps": {**mean_steps, "per_seed": steps},
-            "generated_tokens": s["tokens"]}
+            "generated_tokens": s["tokens"],
+            "adapter_motion": [r.get("adapter_motion") for r in seeds.values()] if CONDITIONS.get(cond) else None}
     return out
 
 

@@ -241,6 +241,7 @@ def test_from_adapter_starts_every_condition_from_the_given_adapter(tmp_path, ti
     assert {p.name for p in start.iterdir()} == {"act", "rehearse"}
     assert (start / "act" / "adapter_model.safetensors").read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
     assert per_role["iterations"] == 1 and len(per_role["final"]["success"]) == 1
+    assert per_role["adapter_motion"] is None and "adapter_motion" not in sft  # a fresh LoRA has B = 0: no ratio
 
 
 def test_from_adapter_steps_differs_from_from_adapter_only_in_the_update():
@@ -254,3 +255,27 @@ def test_from_adapter_steps_differs_from_from_adapter_only_in_the_update():
     assert (cfg.train.mini_batch_rows, cfg.train.ppo_epochs, cfg.train.learning_rate) == (8, 2, 1e-4)
     assert {k: v for k, v in a["overrides"].items() if k != "train"} == \
         {k: v for k, v in b["overrides"].items() if k != "train"}
+
+
+def test_adapter_motion_is_the_relative_change_of_the_lora_update(tmp_path):
+    """‖Δ(B·A)‖ / ‖(B·A)_start‖ over modules and both roles; None for a fresh LoRA (B = 0) or a missing folder."""
+    import torch
+    from safetensors.torch import save_file
+
+    def save(d, b_scale):
+        d.mkdir(parents=True)
+        save_file({"m.lora_A.weight": torch.ones(2, 3), "m.lora_B.weight": torch.ones(4, 2) * b_scale},
+                  str(d / "adapter_model.safetensors"))
+
+    save(tmp_path / "start", 1.0)
+    save(tmp_path / "final", 1.01)
+    assert lb.adapter_motion(str(tmp_path / "start"), str(tmp_path / "final")) == pytest.approx(0.01, rel=1e-4)
+    assert lb.adapter_motion(str(tmp_path / "start"), str(tmp_path / "start")) == 0.0
+    save(tmp_path / "fresh", 0.0)
+    assert lb.adapter_motion(str(tmp_path / "fresh"), str(tmp_path / "final")) is None
+    assert lb.adapter_motion(str(tmp_path / "start"), str(tmp_path / "gone")) is None
+    for role, scale in (("act", 1.0), ("rehearse", 1.0)):
+        save(tmp_path / "pr0" / role, scale)
+    save(tmp_path / "pr1" / "act", 1.0)
+    save(tmp_path / "pr1" / "rehearse", 1.02)  # one role moved 2 %: half the total squared norm
+    assert lb.adapter_motion(str(tmp_path / "pr0"), str(tmp_path / "pr1")) == pytest.approx(0.02 / 2 ** 0.5, rel=1e-4)
