@@ -441,13 +441,17 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_results_md(args: argparse.Namespace) -> None:
-    """Raises `BenchmarkError` unless --results-md can be appended to (or --no-append is given): checked
+    """Raises `BenchmarkError` unless --results-md can be appended to, when the run appends to it (this
+    script: unless --no-append; rehearsal_grid.py, which shares these checks: with --append-results): checked
     before any work, so that a finished run's section is never lost to a bad path."""
     from envace_core.store.files import writable_file_problem
 
-    why = None if args.no_append else writable_file_problem(args.results_md)
+    appends = getattr(args, "append_results", None)
+    appends = not args.no_append if appends is None else appends
+    why = writable_file_problem(args.results_md) if appends else None
     if why:
-        raise BenchmarkError(f"--results-md {args.results_md}: {why} (or pass --no-append)")
+        raise BenchmarkError(f"--results-md {args.results_md}: {why}"
+                             + (" (or pass --no-append)" if hasattr(args, "no_append") else ""))
 
 
 def check_args(args: argparse.Namespace) -> None:
