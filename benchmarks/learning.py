@@ -74,7 +74,11 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
 from envace_core.evaluation.stats import bootstrap_ci
-from envace_core.store.files import atomic_write_text, writable_file_problem
+from envace_core.store.files import (
+    atomic_write_text,
+    writable_dir_problem,
+    writable_file_problem,
+)
 
 CONDITIONS: dict[str, dict[str, Any] | None] = {
     "base": None,
@@ -802,10 +806,9 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[d
     if not args.out.strip():
         ap.error("--out is empty: give the benchmark's folder, e.g. .envace/bench/learning")
     out = Path(args.out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        ap.error(f"--out {args.out}: cannot make the folder ({e})")
+    why = writable_dir_problem(out)  # made and tried with a real file, as the report paths below
+    if why:
+        ap.error(f"--out {args.out}: {why}")
     if args.results_json:  # a bad place fails now, not after hours of training
         rj = Path(args.results_json)
         if rj.resolve() == (out / "learning.json").resolve():

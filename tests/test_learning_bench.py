@@ -177,6 +177,7 @@ def test_per_role_warm_start_warms_each_adapter_on_its_own_role(tmp_path, tiny_m
     (["--seeds", "100000000000000000000"], "each seed must be in [0, 2**32)"),
     (["--seeds", "-1"], "each seed must be in [0, 2**32)"),
     (["--out", ""], "--out is empty"),
+    (["--out", "{tmp}/afile"], "afile is a file, not a folder"),
     (["--results-json", "{out}/learning.json"], "that is the resume report under --out"),
     (["--results-json", "{tmp}"], "a folder; give a file path"),
     (["--results-json", "{tmp}/afile/x.json"], "afile is a file, not a folder"),
