@@ -130,6 +130,7 @@ def _rehearse(args) -> int:
 
     if args.tasks is not None and not args.tasks.strip():
         raise EnvaceError("--tasks is empty: give a curated dataset folder or a tasks file, or leave --tasks out")
+    check_rehearse_flags(args)
     if args.list is not None and args.tasks is not None:  # the file's ids, by domain and split
         groups: dict[tuple[str, str], list[str]] = {}
         for t in tasks_in_file(args.tasks):
@@ -157,6 +158,8 @@ def _rehearse(args) -> int:
     if args.max_turns is not None and args.max_turns < 1:
         raise EnvaceError(f"--max-turns must be >= 1, got {args.max_turns}")
     cfg = load_config(args.profile, args.overrides)
+    if (args.mode or cfg.rehearsal.mode) == "none":
+        check_rehearse_flags(args, mode_none=True)
     if args.model is not None:
         apply_setting(cfg, "model.ref", args.model, "--model")
     if args.adapter is not None and not args.adapter.strip():
@@ -168,6 +171,28 @@ def _rehearse(args) -> int:
                                      max_turns=args.max_turns)
     print_result(res)
     return 0
+
+
+def check_rehearse_flags(args, mode_none: bool = False) -> None:
+    """Raises `UnusedOptionError` for an `envace rehearse` flag that would be ignored: with --list, every
+    flag of a rehearsal run (--list only prints task ids); with rehearsal mode none (``--mode none`` or the
+    profile's rehearsal.mode), --n, --reenter and --no-verifier, which only shape rehearsals."""
+    from envace_core.evaluation.options import UnusedOptionError
+
+    run_flags = {"--task": args.task is not None, "--mode": args.mode is not None, "--n": args.n is not None,
+                 "--model": args.model is not None, "--adapter": args.adapter is not None,
+                 "--reenter": args.reenter, "--no-verifier": args.no_verifier,
+                 "--max-turns": args.max_turns is not None}
+    if args.list is not None and not mode_none:
+        for flag, given in run_flags.items():
+            if given:
+                raise UnusedOptionError(f"{flag}: --list only prints task ids and runs nothing; drop {flag} "
+                                        "to list, or drop --list to rehearse --task")
+    if mode_none:
+        for flag in ("--n", "--reenter", "--no-verifier"):
+            if run_flags[flag]:
+                raise UnusedOptionError(f"{flag}: rehearsal mode none makes no rehearsal, so {flag} would be "
+                                        "ignored; drop it or choose --mode parallel or sequential")
 
 
 def check_tau2_flags(args) -> None:

@@ -191,3 +191,27 @@ def test_trace_keeps_every_rehearsal_even_without_a_self_eval():
     assert (r1["rejected"], r2["rejected"], r2["reasons"], r2["self_eval"]) == (False, True, ["unknown tool"], None)
     assert r1["self_eval"]["blocker"] == "x" * 400 + "… [+500 chars]" and tr["rounds"][0]["memory"].endswith("[+100 chars]")
     assert tr["committed"] == {"steps": [], "termination": "agent_message", "parse_errors": []}
+
+
+@pytest.mark.parametrize("extra, flag", [(["--task", "airline/2"], "--task"), (["--n", "3"], "--n"),
+                                         (["--mode", "parallel"], "--mode"), (["--no-verifier"], "--no-verifier"),
+                                         (["--max-turns", "2"], "--max-turns")])
+def test_list_refuses_the_flags_of_a_run(capsys, extra, flag):
+    """--list prints ids only: a run flag beside it is named, not silently dropped."""
+    assert main(["rehearse", "--list", "airline", *extra]) == 2
+    err = capsys.readouterr().err
+    assert f"{flag}: --list only prints task ids" in err and "airline test" not in err
+
+
+@pytest.mark.parametrize("extra, flag", [(["--n", "3"], "--n"), (["--reenter"], "--reenter"),
+                                         (["--no-verifier"], "--no-verifier")])
+def test_mode_none_refuses_rehearsal_flags(capsys, extra, flag):
+    """--mode none rehearses nothing, so the flags that shape rehearsals are errors (before any model load)."""
+    assert main(["--profile", "test", "rehearse", "--task", "airline/2", "--mode", "none", *extra]) == 2
+    assert f"{flag}: rehearsal mode none makes no rehearsal" in capsys.readouterr().err
+
+
+def test_profile_mode_none_also_refuses_n(capsys):
+    over = json.dumps({"rehearsal": {"mode": "none"}})
+    assert main(["--profile", "test", "--overrides", over, "rehearse", "--task", "airline/2", "--n", "2"]) == 2
+    assert "--n: rehearsal mode none" in capsys.readouterr().err
