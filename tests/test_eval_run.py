@@ -31,8 +31,8 @@ def over(tmp_path):
 
 
 # ------------------------------------------------------------------------------------------- specs
-def test_specs_parse_normalise_and_dedupe():
-    got = parse_benches("tau2:airline, bfcl:simple,bfcl:simple_python,tau2:mock," f"finmcp:{FINMCP}")
+def test_specs_parse_and_normalise():
+    got = parse_benches("tau2:airline, bfcl:simple,tau2:mock," f"finmcp:{FINMCP}")
     assert got == [BenchSpec("tau2", "airline"), BenchSpec("bfcl", "simple_python"), BenchSpec("tau2", "mock"),
                    BenchSpec("finmcp", str(FINMCP.resolve()))]
     assert parse_rehearsal("none") == ("none", 0)
@@ -53,6 +53,8 @@ def test_specs_parse_normalise_and_dedupe():
     (",", ["empty item"]),
     ("tau2", ["'tau2'", "tau2 needs a domain, e.g. tau2:airline"]),
     ("vita", ["vita needs the path of its data"]),
+    ("tau2:airline,bfcl:simple,tau2:airline", ["lists 'tau2:airline' twice", "list each bench once"]),
+    ("bfcl:simple,bfcl:simple_python", ["'bfcl:simple' and 'bfcl:simple_python' name the same bench"]),
 ])
 def test_bad_specs_name_the_item_and_the_choices(spec, needles):
     with pytest.raises(BenchSpecError) as e:

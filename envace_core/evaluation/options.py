@@ -52,12 +52,14 @@ def _bfcl_choices() -> list[str]:
 
 
 def parse_benches(text: str) -> list[BenchSpec]:
-    """Parse ``"tau2:airline,bfcl:simple,vita:/data/vita,finmcp:/data/fin.json"`` (duplicates dropped).
+    """Parse ``"tau2:airline,bfcl:simple,vita:/data/vita,finmcp:/data/fin.json"``.
 
     BFCL categories are bfcl's names (``simple`` = ``simple_python``). Raises `BenchSpecError` naming the
-    offending item and the valid choices, or an empty item (a stray comma: ``tau2:airline,``).
+    offending item and the valid choices, an empty item (a stray comma: ``tau2:airline,``), or a bench listed
+    twice (also under an alias: ``bfcl:simple,bfcl:simple_python``).
     """
     specs: list[BenchSpec] = []
+    seen: dict[BenchSpec, str] = {}  # spec -> the item that named it first
     items = [s.strip() for s in (text or "").split(",")]
     if not (text or "").strip():
         raise BenchSpecError(f"--bench is empty; give e.g. tau2:airline,bfcl:simple (benchmarks: {', '.join(BENCHES)})")
@@ -90,8 +92,12 @@ def parse_benches(text: str) -> list[BenchSpec]:
                                      f"{bench}:/data/{bench}; {arg or '(empty)'} does not exist")
             arg = str(Path(arg).expanduser().resolve())
         spec = BenchSpec(bench, arg)
-        if spec not in specs:
-            specs.append(spec)
+        if spec in seen:
+            same = "" if seen[spec] == item else " name the same bench"
+            raise BenchSpecError(f"--bench lists {seen[spec]!r}" + (f" and {item!r}{same}" if same else " twice")
+                                 + "; list each bench once (a second copy would run nothing more)")
+        seen[spec] = item
+        specs.append(spec)
     return specs
 
 
