@@ -41,7 +41,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from rehearsal_effect import BenchmarkError, parse_models
+from rehearsal_effect import BenchmarkError, parse_models, resolve_models
 
 import envace_core  # noqa: F401  (offline environment first)
 
@@ -272,7 +272,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from envace_core.config import load_config
-    from envace_core.models import resolve_model_ref
     from envace_core.store.files import atomic_write_text
     from envace_core.training.policy import load_engine
 
@@ -280,7 +279,7 @@ def main(argv=None) -> int:
     tasks = load_tasks_file(args.tasks)
     tasks = tasks[:args.limit] if args.limit else tasks
     cfg = load_config(args.profile, args.overrides)
-    resolved = {label: resolve_model_ref(ref, cfg.store.registry, base_ref=cfg.model.ref) for label, ref in models}
+    resolved = resolve_models(models, cfg)
     out, report_path = check_outputs(args)
     t0, load0 = time.monotonic(), os.getloadavg()
     report: dict[str, Any] = {"run": {"command": " ".join([sys.executable, *sys.argv]), "tasks": args.tasks,

@@ -102,6 +102,22 @@ def parse_models(models: str, trained: str | None) -> list[tuple[str, str]]:
     return pairs
 
 
+def resolve_models(models: list[tuple[str, str]], cfg) -> dict[str, Any]:
+    """label -> `models.ResolvedModel` for `parse_models`' pairs, each checked as `models.check_model_ref` checks
+    ``--model`` (an adapter folder over the profile's ``model.ref``; a local base folder's files; no weights
+    loaded). Raises `BenchmarkError` naming the ``--models`` item, not ``--model``, for a bad reference."""
+    from envace_core.models import check_model_ref
+
+    resolved = {}
+    for label, ref in models:
+        try:
+            resolved[label] = check_model_ref(ref, cfg)
+        except EnvaceError as e:
+            why = str(e).removeprefix(f"--model {ref!r}").lstrip(": ")
+            raise BenchmarkError(f"--models {label}={ref}: {why}") from None
+    return resolved
+
+
 def parse_benches(text: str) -> list[str]:
     """Bench labels via `evaluation.options.parse_benches`; only tau2 domains and BFCL multi-turn categories (the
     ones Private Rehearsal acts on). Raises `BenchmarkError`."""

@@ -457,12 +457,12 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
     from envace_core.config import load_config
     from envace_core.evaluation.code_ledger import begin as ledger_begin
     from envace_core.evaluation.code_ledger import code_version, record, reuse_note
-    from envace_core.models import resolve_model_ref
     from envace_core.training.policy import load_engine
-    from rehearsal_effect import parse_models
+    from rehearsal_effect import parse_models, resolve_models
 
     conditions, models = parse_conditions(args.conditions), parse_models(args.models, args.trained)
     cfg = load_config(args.profile, args.overrides)
+    resolved = resolve_models(models, cfg)  # a bad reference fails before any task synthesis
     levels = [int(x) for x in cfg.data.synthetic_levels]
     seed = args.synth_seed if args.synth_seed is not None else cfg.data.synthetic_seed
     out = Path(args.out)
@@ -470,7 +470,6 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
     tasks = limit_per_domain(all_tasks, args.limit)
     t_start, load0, code = time.monotonic(), os.getloadavg(), code_version()
     deadline = None if args.max_minutes is None else t_start + 60 * args.max_minutes
-    resolved = {label: resolve_model_ref(ref, cfg.store.registry, base_ref=cfg.model.ref) for label, ref in models}
     engines: dict[str, Any] = {}
     records: dict[str, dict[str, list]] = {label: {} for label, _ in models}
     timings: dict[str, dict[str, dict]] = {label: {} for label, _ in models}
@@ -576,9 +575,8 @@ def check_args(args: argparse.Namespace) -> None:
     be written), --results-md (unless --no-append), the profile. Raises `EnvaceError`."""
     from envace_core.config import load_config
     from envace_core.config_text import parse_overrides
-    from envace_core.models import check_model_ref
     from envace_core.store.files import writable_dir_problem, writable_file_problem
-    from rehearsal_effect import check_results_md, parse_models
+    from rehearsal_effect import check_results_md, parse_models, resolve_models
 
     for name, v, lo in (("--heldout", args.heldout, 1), ("--limit", args.limit, 1), ("--n-boot", args.n_boot, 100)):
         if v is not None and v < lo:
@@ -601,11 +599,7 @@ def check_args(args: argparse.Namespace) -> None:
         if isinstance(reh, dict) and key in reh:
             raise BenchmarkError(f"--overrides sets rehearsal.{key}, which every condition sets itself: give it in "
                                  "--conditions instead (MODE:N, with +noverify for the verifier off)")
-    for label, ref in models:
-        try:
-            check_model_ref(ref, cfg)
-        except EnvaceError as e:
-            raise BenchmarkError(f"model {label} ({ref}): {e}") from None
+    resolve_models(models, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:
