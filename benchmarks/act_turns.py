@@ -33,7 +33,6 @@ rerun resumes. Writes ``--json`` and prints a markdown table.
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -250,7 +249,9 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from envace_core.cli_args import OnceArgumentParser
+
+    ap = OnceArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(ap, "act_turns", "first N tasks of each domain in the file")
     args = ap.parse_args(argv)
 

@@ -267,7 +267,9 @@ def check_outputs(args: argparse.Namespace) -> tuple[Path, Path]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from envace_core.cli_args import OnceArgumentParser
+
+    ap = OnceArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(ap, "first_call", "first N tasks of the file")
     args = ap.parse_args(argv)
 

@@ -835,7 +835,9 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[d
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from envace_core.cli_args import OnceArgumentParser
+
+    ap = OnceArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", choices=sorted(PRESETS), default="full")
     ap.add_argument("--seeds", default="", help="comma-separated; default: the preset's")
     ap.add_argument("--conditions", default=",".join(CONDITIONS))

@@ -432,7 +432,9 @@ def _write_json(path: Path, obj: Any) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from envace_core.cli_args import OnceArgumentParser
+
+    ap = OnceArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=DEFAULT_MODELS, help="LABEL=REF,... (default: %(default)s)")
     ap.add_argument("--trained", help="the trained model, added as label 'trained': registry:NAME@VERSION, "
                     "a local LoRA adapter folder (over the profile's base), a local HF folder, ...")

@@ -546,7 +546,9 @@ def results_section(report: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="rehearsal_effect.py --heldout", description=__doc__.splitlines()[0])
+    from envace_core.cli_args import OnceArgumentParser
+
+    ap = OnceArgumentParser(prog="rehearsal_effect.py --heldout", description=__doc__.splitlines()[0])
     ap.add_argument("--heldout", type=int, required=True, help="held-out synthesized tasks per domain")
     ap.add_argument("--dataset", required=True, help="the training dataset folder (tasks.parquet), e.g. "
                     ".envace/store/datasets/<version>: the held-out tasks must be disjoint from its train split")

@@ -467,7 +467,9 @@ def write_report(out: Path, rep: dict[str, Any], json_path: Path | None = None) 
 
 # ---------------------------------------------------------------------------------------- arguments
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from envace_core.cli_args import OnceArgumentParser
+
+    ap = OnceArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--report", action="store_true", help="write the JSON + table from the saved grid; no model")
     ap.add_argument("--models", default="", help="LABEL=REF,... e.g. warm_start=.envace/store/warm_starts/ID/adapter")
     ap.add_argument("--trained", help="the trained model (label 'trained'): registry:NAME@VERSION, an adapter folder")

@@ -220,7 +220,9 @@ def markdown(rep: dict[str, Any]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    from envace_core.cli_args import OnceArgumentParser
+
+    ap = OnceArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dataset", required=True, help="the training dataset folder (tasks.parquet)")
     ap.add_argument("--model", required=True, help="a model reference (adapter folder, registry:NAME@VERSION, ...)")
     ap.add_argument("--heldout", type=int, default=30, help="held-out tasks per domain of the task file")

@@ -28,6 +28,7 @@ from typing import Any
 
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
+from envace_core.cli_args import OnceArgumentParser
 from envace_core.config import PROFILES, ConfigError, apply_setting, load_config
 from envace_core.evaluation.protocols import MAX_STEPS, PROTOCOLS, TAU2_ORCHESTRATOR
 
@@ -375,7 +376,7 @@ def _one_place(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="envace")
+    p = OnceArgumentParser(prog="envace")
     p.add_argument("--profile", action=_Once, choices=sorted(PROFILES), help="config profile (default cpu-smoke)")
     p.add_argument("--overrides", action=_Once, help="'a.b=v,...', JSON/YAML text, or a file path")
     sub = p.add_subparsers(dest="cmd", required=True)

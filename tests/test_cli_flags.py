@@ -172,3 +172,29 @@ def test_wording_of_empty_domains_folders_and_missing_files(tmp_path, monkeypatc
     for missing in ("x.txt", "sub/o", "o.yml"):
         with pytest.raises(ConfigError, match=f"config overrides file '{missing}' does not exist"):
             load_config("test", missing)
+
+
+@pytest.mark.parametrize("argv, flag, extra", [
+    (["eval", "--model", "/x", "--bench", "tau2:airline", "--bench", "bfcl:simple"], "--bench", "comma-separated"),
+    (["eval", "--model", "/x", "--bench", "tau2:airline", "--out", "a", "--out", "b"], "--out", "give it once"),
+    (["rehearse", "--task", "airline/0", "--task", "airline/1"], "--task", "give it once"),
+    (["rehearse", "--list", "airline", "--list=retail"], "--list", "give it once")])
+def test_a_value_option_given_twice_is_an_error(capsys, argv, flag, extra):
+    """argparse keeps the last of two values silently (a second --bench replaced the first); envace names it."""
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert e.value.code == 2 and f"argument {flag}: given twice" in err and extra in err
+
+
+def test_benchmark_scripts_refuse_an_option_given_twice(tmp_path, capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "first_call.py"
+    spec = importlib.util.spec_from_file_location("first_call_twice", path)
+    fc = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(fc)
+    with pytest.raises(SystemExit) as e:
+        fc.main(["--models", "a=bundled:smollm2-135m-instruct", "--limit", "1", "--limit", "2"])
+    assert e.value.code == 2 and "argument --limit: given twice (1 and 2)" in capsys.readouterr().err

@@ -1,0 +1,44 @@
+"""argparse that refuses a value option given twice, for `envace` and the benchmark scripts.
+
+argparse's default ``store`` action keeps the last of two values silently, so ``--bench tau2:airline --bench
+bfcl:simple`` ran BFCL only and ``--task a --task b`` rehearsed b. `OnceArgumentParser` makes that an argparse
+error naming the option (exit status 2, one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+GIVEN_ATTR = "_options_given"  # the namespace attribute `_StoreOnce` keeps its record in; the parser drops it
+LISTS = {"bench", "benches", "models", "conditions", "seeds"}  # options that take a comma-separated list
+
+
+class _StoreOnce(argparse._StoreAction):
+    """argparse's default ``store`` action, except that an option given twice is an argparse error naming it
+    (argparse keeps the last value silently: ``--bench tau2:airline --bench bfcl:simple`` ran BFCL only)."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        given = namespace.__dict__.setdefault(GIVEN_ATTR, {})
+        if self.dest in given and option_string is not None:
+            several = " (several go in one comma-separated list)" if self.dest in LISTS else ""
+            raise argparse.ArgumentError(self, f"given twice ({given[self.dest]!r} and {values!r}): give it "
+                                               f"once{several}")
+        given[self.dest] = values
+        super().__call__(parser, namespace, values, option_string)
+
+
+class OnceArgumentParser(argparse.ArgumentParser):
+    """An `argparse.ArgumentParser` whose value options (the ``store`` action, argparse's default) refuse to be
+    given twice; subparsers made by `add_subparsers` are of this class too. The benchmarks use it as well."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.register("action", None, _StoreOnce)
+        self.register("action", "store", _StoreOnce)
+
+    def parse_known_args(self, args=None, namespace=None):  # type: ignore[override]
+        ns, extras = super().parse_known_args(args, namespace)
+        ns.__dict__.pop(GIVEN_ATTR, None)
+        return ns, extras
