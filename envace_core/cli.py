@@ -196,26 +196,35 @@ def check_rehearse_flags(args, mode_none: bool = False) -> None:
                                         "ignored; drop it or choose --mode parallel or sequential")
 
 
-def check_tau2_flags(args) -> None:
+def check_unused_flags(args) -> None:
     """Raises `UnusedOptionError` for an `envace eval` flag given a value other than its default that no
     selected bench uses: --split and --protocol (tau2 only), --max-steps (tau2 under tau2_orchestrator),
-    --trials (pass^k: tau2 and VitaBench; a BFCL or FinMCP entry runs once). A bad --bench is left to
-    `EvalOptions.check`, which names it."""
+    --trials (pass^k: tau2 and VitaBench; a BFCL or FinMCP entry runs once), --rehearsal (tau2, VitaBench and
+    BFCL multi-turn; it is part of the cache key, so an unused one would re-run cached entries). A bad --bench
+    is left to `EvalOptions.check`, which names it."""
     from envace_core.evaluation.options import BenchSpecError, UnusedOptionError, parse_benches
     from envace_core.evaluation.protocols import MAX_STEPS, TAU2_ORCHESTRATOR
 
+    from envace_core.evaluation.bfcl import MULTI_TURN_CATEGORIES
+
     try:
-        benches = {s.bench for s in parse_benches(args.bench)}
+        specs = parse_benches(args.bench)
     except BenchSpecError:
         return
+    benches = {s.bench for s in specs}
     tau2 = "tau2" in benches
+    rehearses = bool(benches & {"tau2", "vita"}) or any(s.bench == "bfcl" and s.arg in MULTI_TURN_CATEGORIES
+                                                         for s in specs)
     for flag, given, used, why in (
             ("--split", args.split != "test", tau2, "it picks tau2's task split"),
             ("--protocol", args.protocol != TAU2_ORCHESTRATOR, tau2, "it says how tau2 runs"),
             ("--max-steps", args.max_steps != MAX_STEPS, tau2 and args.protocol == TAU2_ORCHESTRATOR,
              f"it counts tau2 steps under --protocol {TAU2_ORCHESTRATOR}"),
             ("--trials", args.trials != 1, bool(benches & {"tau2", "vita"}),
-             "pass^k trials run for tau2 and VitaBench only")):
+             "pass^k trials run for tau2 and VitaBench only"),
+            ("--rehearsal", (args.rehearsal or "none").strip() != "none", rehearses,
+             "Private Rehearsal runs on tau2, VitaBench and BFCL multi-turn; single-turn BFCL and FinMCP never "
+             "rehearse")):
         if given and not used:
             raise UnusedOptionError(f"{flag}: no selected bench uses it ({why}); drop it or add such a --bench")
 
@@ -226,7 +235,7 @@ def _eval(args) -> int:
     from envace_core.evaluation.harness import run_eval
     from envace_core.evaluation.options import EvalOptions
 
-    check_tau2_flags(args)
+    check_unused_flags(args)
     opts = EvalOptions(
         model=args.model, benches=args.bench, out=args.out, rehearsal=args.rehearsal, user_model=args.user_model,
         user_url=args.user_url, user_url_model=args.user_url_model, judge_model=args.judge_model,

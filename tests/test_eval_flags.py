@@ -66,6 +66,8 @@ def test_an_empty_flag_is_an_error_naming_it_before_any_work(flag, value, eval_l
     ("bfcl:simple", ["--max-steps", "7"], "--max-steps: no selected bench uses it"),
     ("tau2:airline", ["--protocol", "opening_request", "--max-steps", "7"], "--max-steps: no selected bench uses it"),
     ("bfcl:simple", ["--trials", "3"], "--trials: no selected bench uses it (pass^k trials run for tau2 and VitaBench"),
+    ("bfcl:simple", ["--rehearsal", "parallel:4"], "--rehearsal: no selected bench uses it (Private Rehearsal runs on "
+                                                    "tau2, VitaBench and BFCL multi-turn"),
 ])
 def test_a_flag_no_selected_bench_uses_is_an_error_naming_it_and_why(bench, extra, needle, eval_loads_no_model, over,
                                                                      tmp_path, capsys):
