@@ -41,7 +41,12 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from rehearsal_effect import BenchmarkError, parse_models, resolve_models
+from rehearsal_effect import (
+    BenchmarkError,
+    check_report_targets,
+    parse_models,
+    resolve_models,
+)
 
 import envace_core  # noqa: F401  (offline environment first)
 
@@ -259,6 +264,7 @@ def check_outputs(args: argparse.Namespace) -> tuple[Path, Path]:
         raise BenchmarkError(f"--json {args.json} is the --tasks file: the report would overwrite the tasks")
     if rp == op or rp in op.parents:
         raise BenchmarkError(f"--json {args.json} is --out {args.out} or a folder above it; give another file")
+    check_report_targets([("--json", args.json, "json")])
     for flag, d in (("--out", out), ("--json", report_path.parent)):
         why = writable_dir_problem(d)
         if why:

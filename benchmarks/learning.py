@@ -821,6 +821,17 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[d
         why = writable_file_problem(args.results_md)
         if why:
             ap.error(f"--results-md {args.results_md}: {why} (or pass --no-append)")
+    from rehearsal_effect import check_report_targets
+
+    try:  # neither report over an input or the other report (RESULTS.md under --results-json)
+        check_report_targets([("--results-json", args.results_json, "json")]
+                             + ([("--results-md", args.results_md, "md")] if not args.no_append else []))
+    except EnvaceError as e:
+        ap.error(str(e))
+    for m in args.merge if args.results_json else ():
+        if Path(args.results_json).resolve() == (Path(m) / "learning.json").resolve():
+            ap.error(f"--results-json {args.results_json} is the report of --merge {m}, which this run reads; "
+                     "give another file")
     for m in args.merge:  # cheap checks first: the full key check needs the curriculum and base model
         f = Path(m) / "learning.json"
         try:

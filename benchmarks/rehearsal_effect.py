@@ -458,14 +458,37 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
+def check_report_targets(targets: list[tuple[str, str | None, str]]) -> None:
+    """Raises `BenchmarkError` when a report flag's path (``[(flag, path or None, kind)]``, kind "json" or "md")
+    would damage a file that is not such a report (`store.files.report_overwrite_problem`: a dataset's
+    tasks.parquet, RESULTS.md under --json) or when two flags name the same file (a markdown section would be
+    appended into the JSON report, or the report written over the markdown)."""
+    from envace_core.store.files import report_overwrite_problem
+
+    seen: dict[Path, str] = {}
+    for flag, path, kind in targets:
+        if not path or not path.strip():
+            continue
+        why = report_overwrite_problem(path, kind)
+        if why:
+            raise BenchmarkError(f"{flag} {path}: {why}")
+        key = Path(path).expanduser().resolve()
+        if key in seen:
+            raise BenchmarkError(f"{flag} {path} is also {seen[key]}: give each report its own file")
+        seen[key] = flag
+
+
 def check_results_md(args: argparse.Namespace) -> None:
     """Raises `BenchmarkError` unless --results-md can be appended to, when the run appends to it (this
-    script: unless --no-append; rehearsal_grid.py, which shares these checks: with --append-results): checked
-    before any work, so that a finished run's section is never lost to a bad path."""
+    script: unless --no-append; rehearsal_grid.py, which shares these checks: with --append-results), and for
+    a --json or --results-md that `check_report_targets` refuses: checked before any work, so that a
+    finished run's section is never lost to a bad path and no input is overwritten."""
     from envace_core.store.files import writable_file_problem
 
     appends = getattr(args, "append_results", None)
     appends = not args.no_append if appends is None else appends
+    check_report_targets([("--json", getattr(args, "json", None), "json")]
+                         + ([("--results-md", args.results_md, "md")] if appends else []))
     why = writable_file_problem(args.results_md) if appends else None
     if why:
         raise BenchmarkError(f"--results-md {args.results_md}: {why}"

@@ -243,6 +243,8 @@ def check_args(args: argparse.Namespace) -> None:
     """What can fail before tasks are synthesized or a model loads: the profile and overrides, the model
     reference (`models.check_model_ref`), the ``--out`` folder and the ``--json`` file's folder (made and tried
     now, so that a finished run is never lost to them). Raises `EnvaceError`."""
+    from rehearsal_effect import check_report_targets
+
     from envace_core.config import load_config
     from envace_core.models import check_model_ref
     from envace_core.store.files import writable_dir_problem, writable_file_problem
@@ -252,6 +254,7 @@ def check_args(args: argparse.Namespace) -> None:
     for flag, why in (("--out", writable_dir_problem(args.out)), ("--json", writable_file_problem(args.json))):
         if why:
             raise EnvaceError(f"{flag} {getattr(args, flag[2:])}: {why}")
+    check_report_targets([("--json", args.json, "json")])
 
 
 def main(argv: list[str] | None = None) -> int:

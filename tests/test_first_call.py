@@ -107,4 +107,4 @@ def test_bad_arguments_stop_before_any_model_loads(tmp_path, monkeypatch):
                       (["--models", ok, "--out", "", "--json", str(tmp_path / "r.json")], "--out is empty"),
                       (["--models", ok, "--tasks", str(tmp_path)], "a folder; give the JSON task file")]:
         with pytest.raises(Exception, match=msg):
-            fc.main(base + argv if "--json" not in argv else base[:4] + argv)
+            fc.main([x for k, v in zip(base[::2], base[1::2]) if k not in argv for x in (k, v)] + argv)

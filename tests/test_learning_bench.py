@@ -183,6 +183,9 @@ def test_per_role_warm_start_warms_each_adapter_on_its_own_role(tmp_path, tiny_m
     (["--results-json", "{tmp}/afile/x.json"], "afile is a file, not a folder"),
     (["--results-md", "{tmp}/afile/r.md"], "--results-md"),
     (["--merge", "{tmp}/listreport"], "is not a learning.py report"),
+    (["--results-json", "{tmp}/afile"], "not a .json report would be overwritten"),
+    (["--results-json", "{tmp}/r.md", "--results-md", "{tmp}/r.md"], "is also --results-json"),
+    (["--merge", "{tmp}/objreport", "--results-json", "{tmp}/objreport/learning.json"], "which this run reads"),
     (["--probe", "--seeds", "0"], "--probe measures the base model only: --seeds"),
     (["--preset", "from_adapter"], "--init-adapter and --dataset go together with --preset from_adapter"),
     (["--preset", "from_adapter_steps"], "go together with --preset from_adapter or from_adapter_steps"),
@@ -198,6 +201,8 @@ def test_bad_arguments_are_refused_before_any_work(argv, needle, tmp_path, monke
         {"peft_type": "LORA", "r": 16, "lora_alpha": 32, "target_modules": ["q_proj", "v_proj"]}))
     (tmp_path / "listreport").mkdir()
     (tmp_path / "listreport" / "learning.json").write_text("[]")
+    (tmp_path / "objreport").mkdir()
+    (tmp_path / "objreport" / "learning.json").write_text("{}")
     out = tmp_path / "out"
     argv = [a.format(tmp=tmp_path, out=out) for a in argv]
     base = [] if "--out" in argv else ["--out", str(out)]

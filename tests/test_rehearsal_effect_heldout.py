@@ -258,7 +258,13 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
                       (["--heldout", "2", "--dataset", str(ok), "--out", str(tmp_path / "o"), "--json",
                         str(tmp_path)], "--json"),
                       (["--heldout", "2", "--dataset", str(ok), "--out", str(tmp_path / "o"), "--json",
-                        str(tmp_path / "r.json"), "--results-md", str(tmp_path)], "(or pass --no-append)")):
+                        str(tmp_path / "r.json"), "--results-md", str(tmp_path)], "(or pass --no-append)"),
+                      # a report over an input, or both reports in one file
+                      (["--heldout", "2", "--dataset", str(ok), "--out", str(tmp_path / "o"), "--json",
+                        str(ok / "tasks.parquet"), "--no-append"], "not a .json report would be overwritten"),
+                      (["--heldout", "2", "--dataset", str(ok), "--out", str(tmp_path / "o"), "--json",
+                        str(tmp_path / "same.md"), "--results-md", str(tmp_path / "same.md")],
+                       "is also --json: give each report its own file")):
         assert re_.main(argv) == 2  # rehearsal_effect.py hands --heldout runs over
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1

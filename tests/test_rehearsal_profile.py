@@ -74,3 +74,7 @@ def test_bad_model_or_json_path_fail_before_any_work(tmp_path, capsys, monkeypat
     assert prof.main([*base, "--out", str(blocker), "--model", "bundled:smollm2-135m-instruct"]) == 2
     err = capsys.readouterr().err
     assert "--out" in err and "is a file, not a folder" in err and len(err.strip().splitlines()) == 1
+    # a --json over the dataset's own tasks file is refused, and the file kept
+    assert prof.main([*base[:-1], str(ds / "tasks.parquet"), "--model", "bundled:smollm2-135m-instruct"]) == 2
+    assert "not a .json report would be overwritten" in capsys.readouterr().err
+    assert (ds / "tasks.parquet").read_bytes() == b""

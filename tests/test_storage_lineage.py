@@ -185,6 +185,24 @@ def test_writable_checks_name_what_cannot_be_written(tmp_path):
         assert "cannot write the file" in writable_file_problem(tmp_path / "afile")
 
 
+def test_a_report_path_over_a_file_that_is_not_such_a_report_is_named(tmp_path):
+    """A benchmark's --json rewrites its file and --results-md appends: neither may land on an input."""
+    from envace_core.store.files import report_overwrite_problem
+
+    (tmp_path / "tasks.parquet").write_bytes(b"PAR1")
+    (tmp_path / "RESULTS.md").write_text("# results\n")
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "report.json").write_text('{"run": {}}')
+    assert "not a .json report would be overwritten" in report_overwrite_problem(tmp_path / "tasks.parquet", "json")
+    assert "not a .json report" in report_overwrite_problem(tmp_path / "RESULTS.md", "json")
+    assert "not a JSON report (an object)" in report_overwrite_problem(tmp_path / "list.json", "json")
+    assert "not a .md report would be appended to" in report_overwrite_problem(tmp_path / "report.json", "md")
+    for path, kind in ((tmp_path / "report.json", "json"), (tmp_path / "RESULTS.md", "md"),
+                       (tmp_path / "new.json", "json"), (tmp_path, "json")):
+        assert report_overwrite_problem(path, kind) is None, path
+    assert (tmp_path / "tasks.parquet").read_bytes() == b"PAR1"
+
+
 def test_a_store_root_that_is_a_file_or_unwritable_is_named(tmp_path):
     (tmp_path / "f").write_text("x")
     with pytest.raises(StoreError, match="is a file, not a folder: give a folder as store.root"):

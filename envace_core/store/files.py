@@ -79,6 +79,29 @@ def writable_file_problem(path: str | Path) -> str | None:
     return why
 
 
+def report_overwrite_problem(path: str | Path, kind: str) -> str | None:
+    """Why writing a report of `kind` ("json": a JSON object, rewritten whole; "md": markdown, appended to) at
+    `path` would damage a file that is not such a report, or None: an existing file whose name does not end
+    in ``.json`` / ``.md``, or for "json" whose content is not a JSON object (a dataset's tasks.parquet, a
+    RESULTS.md, a task list). A missing file or a folder is left to `writable_file_problem`."""
+    import json
+
+    p = Path(path).expanduser()
+    if not p.is_file():
+        return None
+    if p.suffix != f".{kind}":
+        return f"an existing file that is not a .{kind} report would be " + (
+            "appended to" if kind == "md" else "overwritten") + "; give a new path"
+    if kind == "json":
+        try:
+            ok = isinstance(json.loads(p.read_text()), dict)
+        except (OSError, UnicodeDecodeError, ValueError):
+            ok = False
+        if not ok:
+            return "an existing file that is not a JSON report (an object) would be overwritten; give a new path"
+    return None
+
+
 def read_jsonl(path: Path, check: Callable[[Any], Any] | None = None) -> list:
     """The records of a JSONL cache, each passed through `check` (which raises ValueError / TypeError /
     KeyError on a record of the wrong shape, e.g. a pydantic ValidationError). A line that is not JSON (cut
