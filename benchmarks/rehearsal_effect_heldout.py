@@ -583,7 +583,7 @@ def check_args(args: argparse.Namespace) -> None:
     for name, v, lo in (("--heldout", args.heldout, 1), ("--limit", args.limit, 1), ("--n-boot", args.n_boot, 100)):
         if v is not None and v < lo:
             raise BenchmarkError(f"{name} must be >= {lo}, got {v}")
-    if args.max_minutes is not None and args.max_minutes <= 0:
+    if args.max_minutes is not None and not 0 < args.max_minutes < float("inf"):  # nan and inf too
         raise BenchmarkError(f"--max-minutes must be > 0, got {args.max_minutes}")
     parse_conditions(args.conditions)
     models = parse_models(args.models, args.trained)

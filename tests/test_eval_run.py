@@ -38,6 +38,9 @@ def test_specs_parse_and_normalise():
     assert parse_rehearsal("none") == ("none", 0)
     assert parse_rehearsal("parallel:4") == ("parallel", 4)
     assert parse_rehearsal("sequential:2") == ("sequential", 2)
+    for bad in ("parallel:²", "parallel:٣", "sequential:"):  # str.isdigit() says yes to the first two
+        with pytest.raises(EnvaceError, match="write none, parallel:N or sequential:N"):
+            parse_rehearsal(bad)
 
 
 @pytest.mark.parametrize("spec,needles", [
@@ -299,3 +302,5 @@ def test_an_out_path_that_is_a_file_is_refused_before_any_work(tmp_path):
         with pytest.raises(EnvaceError, match="exists and is not a folder"):
             EvalOptions(model="bundled:smollm2-135m-instruct", benches="bfcl:simple", out=str(out)).check()
     EvalOptions(model="bundled:smollm2-135m-instruct", benches="bfcl:simple", out=str(tmp_path / "new")).check()
+    with pytest.raises(EnvaceError, match="--out: cannot use the path .File name too long"):
+        EvalOptions(model="bundled:smollm2-135m-instruct", benches="bfcl:simple", out=str(tmp_path / ("a" * 300))).check()

@@ -180,6 +180,8 @@ def test_writable_checks_name_what_cannot_be_written(tmp_path):
     assert "cannot write in the folder /proc" in writable_dir_problem("/proc")
     assert writable_file_problem(tmp_path / "afile") is None
     assert (tmp_path / "afile").read_text() == "x"  # tried, not touched
+    long = tmp_path / ("a" * 300)  # longer than a file name may be: one line, no OSError
+    assert "File name too long" in writable_dir_problem(long) and "File name too long" in writable_file_problem(long)
     if os.geteuid() != 0:  # root writes read-only files
         (tmp_path / "afile").chmod(0o444)
         assert "cannot write the file" in writable_file_problem(tmp_path / "afile")

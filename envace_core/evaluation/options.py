@@ -123,7 +123,7 @@ def parse_rehearsal(text: str) -> tuple[str, int]:
     mode, _, n = (text or "none").strip().partition(":")
     if mode == "none" and not n:
         return "none", 0
-    if mode not in REHEARSAL_MODES[1:] or not n.isdigit() or int(n) < 1:
+    if mode not in REHEARSAL_MODES[1:] or not (n.isascii() and n.isdigit()) or int(n) < 1:  # not '²'/'٣
         raise EnvaceError(f"--rehearsal {text!r}: write none, parallel:N or sequential:N with N >= 1 "
                           "(e.g. parallel:4)")
     return mode, int(n)
@@ -193,7 +193,10 @@ class EvalOptions:
                 raise EnvaceError("--split test: tau2 domain 'mock' has no test split (its only split is base, all "
                                   "its tasks): give --split full to run them")
         out = Path(self.out).expanduser()
-        blocker = next((q for q in (out, *out.parents) if q.exists()), None)
+        try:
+            blocker = next((q for q in (out, *out.parents) if q.exists()), None)
+        except OSError as e:  # a name longer than the file system allows (ENAMETOOLONG), ...
+            raise EnvaceError(f"--out: cannot use the path ({e.strerror or e})") from None
         if blocker is not None and not blocker.is_dir():
             raise EnvaceError(f"--out {self.out!r}: {str(blocker)!r} exists and is not a folder (the report and "
                               "the resume cache are written under --out)")

@@ -50,8 +50,11 @@ def writable_dir_problem(directory: str | Path) -> str | None:
     Tried with a temporary file, not `os.access`, which says yes on read-only mounts and on /proc for root. A
     tool calls this before any model loads, so that a report or a cache it cannot write never costs a run."""
     d = Path(directory).expanduser()
-    if d.exists() and not d.is_dir():
-        return f"{d} is a file, not a folder"
+    try:
+        if d.exists() and not d.is_dir():
+            return f"{d} is a file, not a folder"
+    except OSError as e:  # a name longer than the file system allows (ENAMETOOLONG), ...
+        return f"cannot use the path {str(d)[:80]}{'…' if len(str(d)) > 80 else ''} ({e.strerror or e})"
     try:
         d.mkdir(parents=True, exist_ok=True)
     except OSError as e:
@@ -68,8 +71,11 @@ def writable_file_problem(path: str | Path) -> str | None:
     made and tried as `writable_dir_problem` does, and an existing file is opened for appending (nothing
     written, its content and times unchanged)."""
     p = Path(path).expanduser()
-    if p.is_dir():
-        return "a folder; give a file path"
+    try:
+        if p.is_dir():
+            return "a folder; give a file path"
+    except OSError as e:  # a name longer than the file system allows (ENAMETOOLONG), ...
+        return f"cannot use the path ({e.strerror or e})"
     why = writable_dir_problem(p.parent)
     if why is None and p.exists():
         try:
@@ -87,7 +93,10 @@ def report_overwrite_problem(path: str | Path, kind: str) -> str | None:
     import json
 
     p = Path(path).expanduser()
-    if not p.is_file():
+    try:
+        if not p.is_file():
+            return None
+    except OSError:  # a name the file system refuses: no file there to damage
         return None
     if p.suffix != f".{kind}":
         return f"an existing file that is not a .{kind} report would be " + (

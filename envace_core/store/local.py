@@ -60,9 +60,9 @@ class LocalStore:
 
     def __init__(self, root: str | Path):
         self.root = Path(root).expanduser().resolve()
-        if self.root.exists() and not self.root.is_dir():
-            raise StoreError(f"store root {self.root} is a file, not a folder: give a folder as store.root")
         try:
+            if self.root.exists() and not self.root.is_dir():
+                raise StoreError(f"store root {self.root} is a file, not a folder: give a folder as store.root")
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StoreError(f"cannot create store root {self.root}: {e}") from e
