@@ -541,8 +541,16 @@ def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smo
 def check_model_ref(ref: str, cfg: RunConfig, registry: str | None = None) -> ResolvedModel:
     """`resolve_model_ref` (adapter folders checked by `check_adapter_dir`) plus the base model's folder
     (`models.resolve_model`): everything short of loading weights, so scripts can fail before hours of
-    work. An ``s3://`` base is left to load time (checking it would download it). Raises `ModelRefError`,
+    work. An ``s3://`` base is left to load time (checking it would download it) after its URI's syntax check
+    (`config_checks.location`). Raises `ModelRefError`,
     `AdapterError` or `models.ModelNotFoundError`."""
+    if ref.startswith("s3://"):  # the syntax check model.ref gets (an S3 base itself loads only at load time)
+        from envace_core.config_checks import location
+
+        try:
+            location(ref, "ref")
+        except ValueError as e:
+            raise ModelRefError(f"--model {ref!r}: " + str(e).partition(f"ref={ref!r} ")[2]) from None
     model = resolve_model_ref(ref, registry or cfg.store.registry, base_ref=cfg.model.ref)
     if not model.base_ref.startswith("s3://"):
         resolve_model(model.base_ref)

@@ -198,3 +198,13 @@ def test_benchmark_scripts_refuse_an_option_given_twice(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         fc.main(["--models", "a=bundled:smollm2-135m-instruct", "--limit", "1", "--limit", "2"])
     assert e.value.code == 2 and "argument --limit: given twice (1 and 2)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("ref", ["s3://", "s3://A/x", "s3://bucket//x"])
+def test_check_model_ref_refuses_a_malformed_s3_uri_before_any_download(ref):
+    """Scripts call check_model_ref before hours of work; an S3 base is fetched only at load, so its URI's
+    syntax is what can be checked then (as model.ref's is)."""
+    from envace_core.models import check_model_ref
+
+    with pytest.raises(ModelRefError, match=f"--model '{re.escape(ref)}': is not a valid S3 URI"):
+        check_model_ref(ref, load_config("test"))
