@@ -61,13 +61,26 @@ class BenchmarkError(EnvaceError):
 
 
 # ---------------------------------------------------------------------------------------- arguments
+def comma_items(text: str | None, flag: str) -> list[str]:
+    """The stripped items of a comma-separated `flag` value; raises `BenchmarkError` for an empty item (a stray
+    comma: ``none,,parallel:2`` or ``a=x,``), as ``envace eval --bench`` does, so a half-typed list is not
+    run as a shorter one. An empty or missing value gives []."""
+    if not (text or "").strip():
+        return []
+    items = [s.strip() for s in text.split(",")]
+    if "" in items:
+        raise BenchmarkError(f"{flag} {text!r} has an empty item (a stray comma): separate items with single "
+                             "commas, nothing before the first or after the last")
+    return items
+
+
 def parse_conditions(text: str) -> list[str]:
     """``none,parallel:2,...`` -> canonical condition names (`evaluation.options.parse_rehearsal` syntax), ``none``
     first. Raises `BenchmarkError` for a bad item, a duplicate, or no ``none`` (the paired baseline)."""
     from envace_core.evaluation.options import parse_rehearsal
 
     out: list[str] = []
-    for item in [s.strip() for s in (text or "").split(",") if s.strip()]:
+    for item in comma_items(text, "--conditions"):
         try:
             mode, n = parse_rehearsal(item)
         except EnvaceError as e:
@@ -85,7 +98,7 @@ def parse_models(models: str, trained: str | None) -> list[tuple[str, str]]:
     """``LABEL=REF,...`` (a bare REF is its own label) plus ``("trained", trained)`` -> [(label, ref)].
     Raises `BenchmarkError` for an empty list, an empty label/ref or a duplicate label."""
     pairs = []
-    for item in [s.strip() for s in (models or "").split(",") if s.strip()]:
+    for item in comma_items(models, "--models"):
         label, sep, ref = item.partition("=")
         label, ref = (label.strip(), ref.strip()) if sep else (item, item)
         if not label or not ref:

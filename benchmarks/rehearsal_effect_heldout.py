@@ -63,9 +63,10 @@ def parse_conditions(text: str) -> list[dict[str, Any]]:
     Raises `BenchmarkError` for a bad item, a duplicate, ``none+noverify`` or no ``none`` (the paired
     baseline)."""
     from envace_core.evaluation.options import parse_rehearsal
+    from rehearsal_effect import comma_items
 
     out: list[dict[str, Any]] = []
-    for item in [s.strip() for s in (text or "").split(",") if s.strip()]:
+    for item in comma_items(text, "--conditions"):
         base, noverify = (item[: -len(NOVERIFY)], True) if item.endswith(NOVERIFY) else (item, False)
         try:
             mode, n = parse_rehearsal(base)

@@ -552,6 +552,6 @@ def check_model_ref(ref: str, cfg: RunConfig, registry: str | None = None) -> Re
         except ValueError as e:
             raise ModelRefError(f"--model {ref!r}: " + str(e).partition(f"ref={ref!r} ")[2]) from None
     model = resolve_model_ref(ref, registry or cfg.store.registry, base_ref=cfg.model.ref)
-    if not model.base_ref.startswith("s3://"):
-        resolve_model(model.base_ref)
+    if not model.base_ref.startswith("s3://"):  # errors name --model for the ref itself, else the base's setting
+        resolve_model(model.base_ref, "--model" if model.base_ref == ref else "model.ref")
     return model

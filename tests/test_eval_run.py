@@ -94,6 +94,20 @@ def test_a_data_folder_without_the_benchs_files_is_refused_before_any_model_load
     assert not (tmp_path / "out").exists()  # a refused run leaves no --out folder behind
 
 
+@pytest.mark.parametrize("model, needle", [
+    ("bundled:nosuch", "--model: unknown bundled model 'bundled:nosuch'"),
+    ("s3://", "--model 's3://': is not a valid S3 URI"),
+])
+def test_a_model_that_cannot_load_is_refused_before_out_is_made(model, needle, eval_loads_no_model, over, tmp_path,
+                                                                capsys):
+    argv = ["--profile", "test", "--overrides", over, "eval", "--model", model, "--bench", "bfcl:simple",
+            "--out", str(tmp_path / "out"), "--limit", "1"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"envace: error: {needle}"), err
+    assert not (tmp_path / "out").exists()
+
+
 def test_finmcp_data_that_is_not_utf8_is_one_line_error(eval_loads_no_model, over, tmp_path, capsys):
     data = tmp_path / "fin.json"
     data.write_bytes(b"\xff\xfe\x00")

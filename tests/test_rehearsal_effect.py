@@ -77,7 +77,9 @@ def test_bad_model_refs_profile_and_steps_stop_before_any_model_loads(capsys, mo
                       ([*tiny, "--trained", str(broken_adapter)], "is not a JSON object"),
                       ([*tiny, "--trained", "registry:nope@v1"], "model trained (registry:nope@v1)"),
                       ([*tiny, "--user", str(tmp_path / "nouser")], "--user ("),
-                      ([*tiny, "--models", "base=bundled:llama-9000"], "unknown bundled model"),
+                      (["--models", "base=bundled:llama-9000"], "unknown bundled model"),
+                      (["--models", "base=bundled:smollm2-135m-instruct,"], "has an empty item (a stray comma)"),
+                      ([*tiny, "--conditions", "none,,parallel:2"], "--conditions 'none,,parallel:2' has an empty item"),
                       (["--profile", "nope"], "unknown profile 'nope'"),
                       (["--max-steps", "0"], "--max-steps must be >= 2")):
         assert re_.main(argv) == 2, argv

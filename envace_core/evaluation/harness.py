@@ -31,6 +31,7 @@ from envace_core.evaluation.vita import LLMJudge
 from envace_core.models import (
     ModelRefError,
     ResolvedModel,
+    check_model_ref,
     resolve_model,
     resolve_model_ref,
 )
@@ -399,7 +400,7 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
     check_bench_data(specs)
     mode, n = parse_rehearsal(opts.rehearsal)
     cfg = load_config(opts.profile, opts.overrides)
-    model = resolve_model_ref(opts.model, opts.registry or cfg.store.registry, base_ref=cfg.model.ref)
+    model = check_model_ref(opts.model, cfg, registry=opts.registry)  # a base folder / bundled name too
     user_model = _side_model("--user-model", opts.user_model, opts, cfg) if opts.user_model else None
     needs_judge = any(s.bench == "vita" for s in specs)
     judge_model = _side_model("--judge-model", opts.judge_model, opts, cfg) \
