@@ -251,6 +251,9 @@ def check_args(args: argparse.Namespace) -> None:
 
     cfg = load_config(args.profile, args.overrides)
     check_model_ref(args.model, cfg)
+    for flag in ("--out", "--json"):  # '' would be the current folder
+        if not getattr(args, flag[2:]).strip():
+            raise EnvaceError(f"{flag} is empty; give a " + ("folder" if flag == "--out" else "file path"))
     for flag, why in (("--out", writable_dir_problem(args.out)), ("--json", writable_file_problem(args.json))):
         if why:
             raise EnvaceError(f"{flag} {getattr(args, flag[2:])}: {why}")

@@ -132,6 +132,8 @@ def _rehearse(args) -> int:
     if args.tasks is not None and not args.tasks.strip():
         raise EnvaceError("--tasks is empty: give a curated dataset folder or a tasks file, or leave --tasks out")
     check_rehearse_flags(args)
+    if args.list is not None:  # --list reads no setting, but a bad --profile / --overrides is still an error
+        load_config(args.profile, args.overrides)
     if args.list is not None and args.tasks is not None:  # the file's ids, by domain and split
         groups: dict[tuple[str, str], list[str]] = {}
         for t in tasks_in_file(args.tasks):
@@ -223,8 +225,8 @@ def check_unused_flags(args) -> None:
             ("--trials", args.trials != 1, bool(benches & {"tau2", "vita"}),
              "pass^k trials run for tau2 and VitaBench only"),
             ("--rehearsal", (args.rehearsal or "none").strip() != "none", rehearses,
-             "Private Rehearsal runs on tau2, VitaBench and BFCL multi-turn; single-turn BFCL and FinMCP never "
-             "rehearse")):
+             ("Private Rehearsal runs on tau2, VitaBench and BFCL multi-turn; single-turn BFCL and FinMCP never "
+              "rehearse"))):
         if given and not used:
             raise UnusedOptionError(f"{flag}: no selected bench uses it ({why}); drop it or add such a --bench")
 

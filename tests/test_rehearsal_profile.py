@@ -78,3 +78,6 @@ def test_bad_model_or_json_path_fail_before_any_work(tmp_path, capsys, monkeypat
     assert prof.main([*base[:-1], str(ds / "tasks.parquet"), "--model", "bundled:smollm2-135m-instruct"]) == 2
     assert "not a .json report would be overwritten" in capsys.readouterr().err
     assert (ds / "tasks.parquet").read_bytes() == b""
+    for argv in ([*base, "--out", ""], [*base[:-1], ""]):  # an empty --out / --json: the current folder
+        assert prof.main([*argv, "--model", "bundled:smollm2-135m-instruct"]) == 2
+        assert " is empty" in capsys.readouterr().err

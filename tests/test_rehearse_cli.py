@@ -215,3 +215,8 @@ def test_profile_mode_none_also_refuses_n(capsys):
     over = json.dumps({"rehearsal": {"mode": "none"}})
     assert main(["--profile", "test", "--overrides", over, "rehearse", "--task", "airline/2", "--n", "2"]) == 2
     assert "--n: rehearsal mode none" in capsys.readouterr().err
+
+
+def test_list_still_refuses_bad_overrides(capsys):
+    assert main(["--overrides", "bogus.key=1", "rehearse", "--list", "airline"]) == 2
+    assert "bogus" in capsys.readouterr().err
