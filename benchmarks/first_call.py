@@ -257,6 +257,11 @@ def check_outputs(args: argparse.Namespace) -> tuple[Path, Path]:
         if not getattr(args, flag).strip():
             raise BenchmarkError(f"--{flag} is empty; give a " + ("folder" if flag == "out" else "file path"))
     out, report_path = Path(args.out), Path(args.json)
+    for flag, path in (("--out", out), ("--json", report_path)):
+        try:
+            path.exists()
+        except OSError as e:  # a name longer than the file system allows (ENAMETOOLONG), ...
+            raise BenchmarkError(f"{flag}: cannot use the path ({e.strerror or e})") from None
     if report_path.is_dir():
         raise BenchmarkError(f"--json {args.json} is a folder; give a file path")
     rp, op = report_path.resolve(), out.resolve()

@@ -798,7 +798,12 @@ def check_args(ap: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[d
         # file is named after the folder as given (rehearsal_effect_heldout.heldout_tasks)
         preset["init_adapter"] = os.path.abspath(args.init_adapter)
         preset["dataset_dir"] = os.path.abspath(args.dataset)
-    conds = [c.strip() for c in args.conditions.split(",") if c.strip()]
+    from rehearsal_effect import comma_items
+
+    try:
+        conds = comma_items(args.conditions, "--conditions")
+    except EnvaceError as e:
+        ap.error(str(e))
     bad = [c for c in conds if c not in CONDITIONS]
     if bad or not conds or len(set(conds)) != len(conds):
         ap.error(f"--conditions {args.conditions!r}: give distinct names from {list(CONDITIONS)}"

@@ -126,7 +126,10 @@ def resolve_models(models: list[tuple[str, str]], cfg) -> dict[str, Any]:
         try:
             resolved[label] = check_model_ref(ref, cfg)
         except EnvaceError as e:
-            why = str(e).removeprefix(f"--model {ref!r}").lstrip(": ")
+            why = str(e)
+            why = why.removeprefix(f"--model {ref!r}") if why.startswith(f"--model {ref!r}") else \
+                why.removeprefix("--model")
+            why = why.lstrip(": ")
             raise BenchmarkError(f"--models {label}={ref}: {why}") from None
     return resolved
 

@@ -585,7 +585,7 @@ def check_args(args: argparse.Namespace) -> None:
         if v is not None and v < lo:
             raise BenchmarkError(f"{name} must be >= {lo}, got {v}")
     if args.max_minutes is not None and not 0 < args.max_minutes < float("inf"):  # nan and inf too
-        raise BenchmarkError(f"--max-minutes must be > 0, got {args.max_minutes}")
+        raise BenchmarkError(f"--max-minutes must be a finite number > 0, got {args.max_minutes}")
     parse_conditions(args.conditions)
     models = parse_models(args.models, args.trained)
     if any(label == "run" for label, _ in models):

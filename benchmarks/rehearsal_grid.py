@@ -102,7 +102,7 @@ class Cell:
 def parse_verifier(text: str) -> list[bool]:
     """``on`` / ``off`` / ``on,off`` -> [True] / [False] / [True, False]. Raises `GridError`."""
     names = {"on": True, "off": False}
-    items = [s.strip().lower() for s in (text or "").split(",") if s.strip()]
+    items = [s.lower() for s in effect_mod.comma_items(text, "--verifier")]
     bad = [s for s in items if s not in names]
     if not items or bad:
         raise GridError(f"--verifier {text!r}: write on, off or on,off")
@@ -541,6 +541,8 @@ def main(argv: list[str] | None = None, t0: float | None = None) -> int:
 
     if args.report:
         try:
+            effect_mod.check_report_targets([("--json", args.json, "json")]
+                                            + ([("--results-md", args.results_md, "md")] if args.append_results else []))
             state = load_state(out)
         except EnvaceError as e:
             return fail(e, 2)

@@ -30,6 +30,15 @@ if [ -n "${GRID_ARCHIVE_IN:-}" ] && [ -f "$GRID_ARCHIVE_IN" ]; then
     echo "[grid] unpacked $GRID_ARCHIVE_IN into $OUT_DIR"
 fi
 
+for a in "$@"; do  # flags this script sets itself: a second copy would be refused as "given twice"
+    case "$a" in
+        --out|--out=*) echo "rehearsal_grid.sh: set GRID_OUT=... in the environment instead of --out" >&2; exit 2 ;;
+        --engine|--engine=*) echo "rehearsal_grid.sh: set ENGINE=... in the environment instead of --engine" >&2; exit 2 ;;
+        --time-budget|--time-budget=*) echo "rehearsal_grid.sh: set BUDGET=... in the environment instead of --time-budget" >&2; exit 2 ;;
+        --models|--models=*) echo "rehearsal_grid.sh: give the models as WARM_START_REF [TRAINED_REF], not --models" >&2; exit 2 ;;
+    esac
+done
+
 if [ "${1:-}" = "--report" ]; then
     shift
     "$PY" benchmarks/rehearsal_grid.py --report --out "$OUT_DIR" "$@"

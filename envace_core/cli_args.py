@@ -2,7 +2,7 @@
 
 argparse's default ``store`` action keeps the last of two values silently, so ``--bench tau2:airline --bench
 bfcl:simple`` ran BFCL only and ``--task a --task b`` rehearsed b. `OnceArgumentParser` makes that an argparse
-error naming the option (exit status 2, one line).
+error naming the option (exit status 2, after argparse's usage lines).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 GIVEN_ATTR = "_options_given"  # the namespace attribute `_StoreOnce` keeps its record in; the parser drops it
-LISTS = {"bench", "benches", "models", "conditions", "seeds"}  # options that take a comma-separated list
+LISTS = {"bench", "benches", "models", "conditions", "seeds", "overrides", "verifier"}  # options that take a comma-separated list
 
 
 class _StoreOnce(argparse._StoreAction):

@@ -57,7 +57,7 @@ def test_specs_parse_and_normalise():
     ("tau2", ["'tau2'", "tau2 needs a domain, e.g. tau2:airline"]),
     ("vita", ["vita needs the path of its data"]),
     ("tau2:airline,bfcl:simple,tau2:airline", ["lists 'tau2:airline' twice", "list each bench once"]),
-    ("bfcl:simple,bfcl:simple_python", ["'bfcl:simple' and 'bfcl:simple_python' name the same bench"]),
+    ("bfcl:simple,bfcl:simple_python", ["'bfcl:simple' and 'bfcl:simple_python', which name the same bench"]),
 ])
 def test_bad_specs_name_the_item_and_the_choices(spec, needles):
     with pytest.raises(BenchSpecError) as e:

@@ -183,6 +183,7 @@ def test_per_role_warm_start_warms_each_adapter_on_its_own_role(tmp_path, tiny_m
     (["--results-json", "{tmp}/afile/x.json"], "afile is a file, not a folder"),
     (["--results-md", "{tmp}/afile/r.md"], "--results-md"),
     (["--merge", "{tmp}/listreport"], "is not a learning.py report"),
+    (["--conditions", "sft,,world_rehearsal"], "has an empty item (a stray comma)"),
     (["--results-json", "{tmp}/afile"], "not a .json report would be overwritten"),
     (["--results-json", "{tmp}/r.md", "--results-md", "{tmp}/r.md"], "is also --results-json"),
     (["--merge", "{tmp}/objreport", "--results-json", "{tmp}/objreport/learning.json"], "which this run reads"),
@@ -285,3 +286,4 @@ def test_adapter_motion_is_the_relative_change_of_the_lora_update(tmp_path):
     save(tmp_path / "pr1" / "act", 1.0)
     save(tmp_path / "pr1" / "rehearse", 1.02)  # one role moved 2 %: half the total squared norm
     assert lb.adapter_motion(str(tmp_path / "pr0"), str(tmp_path / "pr1")) == pytest.approx(0.02 / 2 ** 0.5, rel=1e-4)
+

@@ -400,7 +400,8 @@ def run_eval(opts: EvalOptions, *, engine=None, n_params: int | None = None,
     check_bench_data(specs)
     mode, n = parse_rehearsal(opts.rehearsal)
     cfg = load_config(opts.profile, opts.overrides)
-    model = check_model_ref(opts.model, cfg, registry=opts.registry)  # a base folder / bundled name too
+    model = (check_model_ref(opts.model, cfg, registry=opts.registry) if engine is None  # base folder, bundled name
+             else resolve_model_ref(opts.model, opts.registry or cfg.store.registry, base_ref=cfg.model.ref))
     user_model = _side_model("--user-model", opts.user_model, opts, cfg) if opts.user_model else None
     needs_judge = any(s.bench == "vita" for s in specs)
     judge_model = _side_model("--judge-model", opts.judge_model, opts, cfg) \

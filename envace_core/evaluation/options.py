@@ -93,7 +93,7 @@ def parse_benches(text: str) -> list[BenchSpec]:
             arg = str(Path(arg).expanduser().resolve())
         spec = BenchSpec(bench, arg)
         if spec in seen:
-            same = "" if seen[spec] == item else " name the same bench"
+            same = "" if seen[spec] == item else ", which name the same bench"
             raise BenchSpecError(f"--bench lists {seen[spec]!r}" + (f" and {item!r}{same}" if same else " twice")
                                  + "; list each bench once (a second copy would run nothing more)")
         seen[spec] = item
