@@ -544,13 +544,12 @@ def check_model_ref(ref: str, cfg: RunConfig, registry: str | None = None) -> Re
     work. An ``s3://`` base is left to load time (checking it would download it) after its URI's syntax check
     (`config_checks.location`). Raises `ModelRefError`,
     `AdapterError` or `models.ModelNotFoundError`."""
-    if ref.startswith("s3://"):  # the syntax check model.ref gets (an S3 base itself loads only at load time)
-        from envace_core.config_checks import location
+    from envace_core.config_checks import location
 
-        try:
-            location(ref, "ref")
-        except ValueError as e:
-            raise ModelRefError(f"--model {ref!r}: " + str(e).partition(f"ref={ref!r} ")[2]) from None
+    try:  # the syntax check model.ref gets: an S3 URI's form (it loads only at load time), an unknown scheme
+        location(ref, "ref", ("bundled", "registry"))
+    except ValueError as e:
+        raise ModelRefError(f"--model {ref!r}: " + (str(e).partition(f"ref={ref!r} ")[2] or str(e))) from None
     model = resolve_model_ref(ref, registry or cfg.store.registry, base_ref=cfg.model.ref)
     if not model.base_ref.startswith("s3://"):  # errors name --model for the ref itself, else the base's setting
         resolve_model(model.base_ref, "--model" if model.base_ref == ref else "model.ref")

@@ -40,7 +40,7 @@ def test_rehearse_empty_model_or_adapter_is_refused(p, capsys, flag, value):
 def test_eval_model_flag_is_checked_before_loading(p, capsys, tmp_path):
     err = _err(capsys, [*p, "eval", "--model", "hf://x", "--bench", "tau2:airline", "--limit", "1",
                         "--out", str(tmp_path / "ev")])
-    assert "--model 'hf://x' (the setting model.ref)" in err
+    assert "--model 'hf://x': has the scheme 'hf', which envace does not read" in err
 
 
 def test_load_engine_names_the_flag_for_a_bad_base_ref():
