@@ -243,7 +243,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     ok.mkdir()
     (ok / "tasks.parquet").write_bytes(b"")
     for argv, msg in ((["--heldout", "0", "--dataset", str(tmp_path)], "--heldout must be >= 1"),
-                      (["--heldout", "2", "--dataset", str(ok), "--max-minutes", "nan"], "--max-minutes must be > 0"),
+                      (["--heldout", "2", "--dataset", str(ok), "--max-minutes", "nan"], "--max-minutes must be a finite number > 0"),
                       (["--heldout", "2", "--dataset", str(tmp_path / "ds")], "no tasks.parquet"),
                       (["--heldout", "2", "--dataset", str(tmp_path), "--conditions", "none+noverify"], "no verifier"),
                       (["--heldout", "2", "--dataset", str(tmp_path), "--models", "run=x"], "labelled 'run'"),
