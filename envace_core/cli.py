@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import json
 import sys
-from typing import Any
 
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
@@ -358,19 +357,6 @@ def split_overrides_error(argv: list[str]) -> str | None:
     return None
 
 
-class _Once(argparse.Action):
-    """Store the option's value, like argparse's default action, but an argparse error naming the option
-    when it is given twice on the same side of the subcommand, where argparse would keep the last."""
-
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
-        before = getattr(namespace, self.dest, None)
-        if before is not None:
-            several = " (several overrides go in one comma-separated list)" if "overrides" in self.dest else ""
-            raise argparse.ArgumentError(self, f"given twice ({before!r} and {values!r}): give it once{several}")
-        setattr(namespace, self.dest, values)
-
-
 def _one_place(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """`--profile` / `--overrides` from before or after the subcommand (argparse error when both are given),
     defaults filled in; `args.profile_given` / `args.overrides_given` say whether each was given at all."""
@@ -388,8 +374,8 @@ def _one_place(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     p = OnceArgumentParser(prog="envace")
-    p.add_argument("--profile", action=_Once, choices=sorted(PROFILES), help="config profile (default cpu-smoke)")
-    p.add_argument("--overrides", action=_Once, help="'a.b=v,...', JSON/YAML text, or a file path")
+    p.add_argument("--profile", choices=sorted(PROFILES), help="config profile (default cpu-smoke)")
+    p.add_argument("--overrides", help="'a.b=v,...', JSON/YAML text, or a file path")
     sub = p.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train", help="run the main job in-process (same stages as the Flyte workflow)")
     c = sub.add_parser("config", help="print the resolved configuration")
@@ -449,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--examples", help="JSONL of real (call, result) pairs: {\"tool\", \"arguments\", \"result\"}")
     a.add_argument("--domain", default="retail", help="tau2 domain whose tasks and policy the new tools join")
     a.add_argument("--tasks", type=int, default=16, help="adaptation tasks to build (train + held-out)")
-    a.add_argument("--config", action=_Once, choices=sorted(PROFILES), help="profile (same as --profile)")
+    a.add_argument("--config", choices=sorted(PROFILES), help="profile (same as --profile)")
     a.add_argument("--set", action="append", metavar="KEY=VALUE", help="config override, repeatable "
                    "(applied after --overrides), e.g. --set train.iterations=2")
     a.add_argument("--name", help="registry name of the new version (default: the parent's name, else "
@@ -463,9 +449,9 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--json", action="store_true", help="print the stage's whole record (id, settings, "
                    "examples, losses, seconds) instead of the adapter URI")
     for sp in (t, c, r, h, e, a, w):  # the global options are also accepted after the subcommand (not both)
-        sp.add_argument("--profile", dest="sub_profile", action=_Once, choices=sorted(PROFILES),
+        sp.add_argument("--profile", dest="sub_profile", choices=sorted(PROFILES),
                         default=argparse.SUPPRESS)
-        sp.add_argument("--overrides", dest="sub_overrides", action=_Once, default=argparse.SUPPRESS,
+        sp.add_argument("--overrides", dest="sub_overrides", default=argparse.SUPPRESS,
                         help="config overrides: 'a.b=v,...', JSON/YAML text, or a file path")
     split = split_overrides_error(argv)
     if split:

@@ -11,7 +11,7 @@ import argparse
 from typing import Any
 
 GIVEN_ATTR = "_options_given"  # the namespace attribute `_StoreOnce` keeps its record in; the parser drops it
-LISTS = {"bench", "benches", "models", "conditions", "seeds", "overrides", "verifier"}  # options that take a comma-separated list
+LISTS = {"bench", "benches", "models", "conditions", "seeds", "verifier"}  # options that take a comma-separated list
 
 
 class _StoreOnce(argparse._StoreAction):
@@ -22,7 +22,8 @@ class _StoreOnce(argparse._StoreAction):
                  option_string: str | None = None) -> None:
         given = namespace.__dict__.setdefault(GIVEN_ATTR, {})
         if self.dest in given and option_string is not None:
-            several = " (several go in one comma-separated list)" if self.dest in LISTS else ""
+            several = (" (several overrides go in one comma-separated list)" if "overrides" in self.dest
+                       else " (several go in one comma-separated list)" if self.dest in LISTS else "")
             raise argparse.ArgumentError(self, f"given twice ({given[self.dest]!r} and {values!r}): give it "
                                                f"once{several}")
         given[self.dest] = values
