@@ -511,6 +511,22 @@ def check_results_md(args: argparse.Namespace) -> None:
                              + (" (or pass --no-append)" if hasattr(args, "no_append") else ""))
 
 
+def check_tau2_flags(args: argparse.Namespace, labels: list[str]) -> None:
+    """Raises `BenchmarkError` for a tau2 flag given a value other than its default that the run would ignore:
+    --protocol without a tau2 bench, --max-steps without a tau2 bench or under --protocol opening_request (it
+    counts `tau2_orchestrator` steps). The same rule as `envace eval` (`cli.check_unused_flags`)."""
+    from envace_core.evaluation.protocols import MAX_STEPS, TAU2_ORCHESTRATOR
+
+    tau2 = any(label.startswith("tau2:") for label in labels)
+    if args.protocol != TAU2_ORCHESTRATOR and not tau2:
+        raise BenchmarkError(f"--protocol {args.protocol}: no bench in --benches is tau2 (it says how tau2 runs); "
+                             f"drop it or add a tau2:DOMAIN bench")
+    if args.max_steps != MAX_STEPS and not (tau2 and args.protocol == TAU2_ORCHESTRATOR):
+        why = "no bench in --benches is tau2" if not tau2 else f"--protocol {args.protocol} runs no orchestrator"
+        raise BenchmarkError(f"--max-steps {args.max_steps}: {why} (it counts tau2 steps under --protocol "
+                             f"{TAU2_ORCHESTRATOR}); drop it")
+
+
 def check_args(args: argparse.Namespace) -> None:
     """Everything checkable before a model loads: the options, the profile and overrides
     (`config.load_config`), --max-steps (`EvalOptions.check`), and every model reference (--models,
@@ -526,7 +542,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.n_boot < 100:
         raise BenchmarkError(f"--n-boot must be >= 100 for a 95% interval, got {args.n_boot}")
     parse_conditions(args.conditions)
-    parse_benches(args.benches)
+    labels = parse_benches(args.benches)
+    check_tau2_flags(args, labels)
     models = parse_models(args.models, args.trained)
     cfg = load_config(args.profile, args.overrides)
     from envace_core.evaluation.options import UnusedOptionError

@@ -577,7 +577,6 @@ def check_args(args: argparse.Namespace) -> None:
     `models.check_model_ref`), the dataset folder, --out (a folder made and written), --json (a file that can
     be written), --results-md (unless --no-append), the profile. Raises `EnvaceError`."""
     from envace_core.config import load_config
-    from envace_core.config_text import parse_overrides
     from envace_core.store.files import writable_dir_problem, writable_file_problem
     from rehearsal_effect import check_results_md, parse_models, resolve_models
 
@@ -597,12 +596,21 @@ def check_args(args: argparse.Namespace) -> None:
             raise BenchmarkError(f"{flag} {getattr(args, flag[2:])}: {why}")
     check_results_md(args)
     cfg = load_config(args.profile, args.overrides)
-    reh = parse_overrides(args.overrides).get("rehearsal")
-    for key in ("mode", "n", "verifier"):  # each condition sets these: an override would be silently replaced
+    check_condition_overrides(args.overrides)
+    resolve_models(models, cfg)
+
+
+def check_condition_overrides(overrides: str | None) -> None:
+    """Raises `BenchmarkError` when `overrides` (an ``--overrides`` text, already valid for `load_config`) sets
+    rehearsal.mode, .n or .verifier: every condition sets these itself, so the override would be silently
+    replaced."""
+    from envace_core.config_text import parse_overrides
+
+    reh = parse_overrides(overrides).get("rehearsal")
+    for key in ("mode", "n", "verifier"):
         if isinstance(reh, dict) and key in reh:
             raise BenchmarkError(f"--overrides sets rehearsal.{key}, which every condition sets itself: give it in "
                                  "--conditions instead (MODE:N, with +noverify for the verifier off)")
-    resolve_models(models, cfg)
 
 
 def main(argv: list[str] | None = None) -> int:

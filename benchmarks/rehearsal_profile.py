@@ -244,12 +244,14 @@ def check_args(args: argparse.Namespace) -> None:
     reference (`models.check_model_ref`), the ``--out`` folder and the ``--json`` file's folder (made and tried
     now, so that a finished run is never lost to them). Raises `EnvaceError`."""
     from rehearsal_effect import check_report_targets
+    from rehearsal_effect_heldout import check_condition_overrides
 
     from envace_core.config import load_config
     from envace_core.models import check_model_ref
     from envace_core.store.files import writable_dir_problem, writable_file_problem
 
     cfg = load_config(args.profile, args.overrides)
+    check_condition_overrides(args.overrides)
     check_model_ref(args.model, cfg)
     for flag in ("--out", "--json"):  # '' would be the current folder
         if not getattr(args, flag[2:]).strip():

@@ -76,7 +76,12 @@ def _config(args) -> int:
     --markdown, print the README's table of every setting instead (`config.config_table_markdown`)."""
     if args.markdown:
         from envace_core.config import config_table_markdown
+        from envace_core.evaluation.options import UnusedOptionError
 
+        if args.check or args.remote:
+            flag = "--check" if args.check else "--remote"
+            raise UnusedOptionError(f"config --markdown prints the settings table and checks nothing: drop {flag}, "
+                                    f"or drop --markdown to check the resolved config")
         load_config(args.profile, args.overrides)  # bad --profile / --overrides stop here, not silently
         print(config_table_markdown())
         return 0
@@ -95,6 +100,11 @@ def _registry(args) -> int:
 
     reg = Registry(load_config(args.profile, args.overrides).store.registry)
     if args.action == "list":
+        if args.ref:
+            from envace_core.evaluation.options import UnusedOptionError
+
+            raise UnusedOptionError(f"registry list takes no NAME@VERSION (got {args.ref!r}): "
+                                    f"`envace registry show {args.ref}` shows one model")
         models = reg.list()
         if not models:
             print(f"no models registered in {reg.root}", file=sys.stderr)

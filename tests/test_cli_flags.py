@@ -208,3 +208,16 @@ def test_check_model_ref_refuses_a_malformed_s3_uri_before_any_download(ref):
 
     with pytest.raises(ModelRefError, match=f"--model '{re.escape(ref)}': is not a valid S3 URI"):
         check_model_ref(ref, load_config("test"))
+
+
+@pytest.mark.parametrize("flag", ["--check", "--remote"])
+def test_config_markdown_refuses_a_check_flag_it_would_ignore(p, capsys, flag):
+    err = _err(capsys, [*p, "config", "--markdown", flag])
+    assert f"drop {flag}" in err and "checks nothing" in err
+    assert capsys.readouterr().out == ""  # no table printed either
+
+
+def test_registry_list_refuses_a_model_reference(p, capsys):
+    err = _err(capsys, [*p, "registry", "list", "foo@1"])
+    assert "registry list takes no NAME@VERSION (got 'foo@1')" in err and "registry show foo@1" in err
+    assert main([*p, "registry", "list"]) == 0

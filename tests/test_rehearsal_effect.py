@@ -51,7 +51,13 @@ def test_bad_arguments_stop_before_any_model_loads(capsys, monkeypatch):
                       (["--n-boot", "10"], "--n-boot"), (["--benches", "bfcl:irrelevance"], "single-turn"),
                       (["--results-md", "/proc/x/RESULTS.md"], "--results-md"),
                       (["--benches", "bfcl:multi_turn_base", "--user", "http://127.0.0.1:9/v1"],
-                       "--user http://127.0.0.1:9/v1: no selected bench uses a user simulator")):
+                       "--user http://127.0.0.1:9/v1: no selected bench uses a user simulator"),
+                      (["--protocol", "opening_request", "--max-steps", "10"],
+                       "--max-steps 10: --protocol opening_request runs no orchestrator"),
+                      (["--benches", "bfcl:multi_turn_base", "--protocol", "opening_request"],
+                       "--protocol opening_request: no bench in --benches is tau2"),
+                      (["--benches", "bfcl:multi_turn_base", "--max-steps", "5"],
+                       "--max-steps 5: no bench in --benches is tau2")):
         assert re_.main(argv) == 2
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1

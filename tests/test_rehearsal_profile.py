@@ -81,3 +81,6 @@ def test_bad_model_or_json_path_fail_before_any_work(tmp_path, capsys, monkeypat
     for argv in ([*base, "--out", ""], [*base[:-1], ""]):  # an empty --out / --json: the current folder
         assert prof.main([*argv, "--model", "bundled:smollm2-135m-instruct"]) == 2
         assert " is empty" in capsys.readouterr().err
+    # the conditions set rehearsal.mode / n / verifier: an override of them would be silently replaced
+    assert prof.main([*base, "--overrides", "rehearsal.n=3", "--model", "bundled:smollm2-135m-instruct"]) == 2
+    assert "--overrides sets rehearsal.n, which every condition sets itself" in capsys.readouterr().err
