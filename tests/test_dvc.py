@@ -177,3 +177,19 @@ def test_a_dvc_repo_without_git_is_tracked_without_scm(tmp_path, monkeypatch, ca
     assert dir_checksums(image / "data") == {k: v for k, v in dir_checksums(store.get_dir(key)).items()
                                              if k != "CHECKSUMS.json"}
     assert not (image / ".gitignore").exists() and "cannot be committed here" in capsys.readouterr().out
+
+
+def test_pin_advice_says_commit_only_when_git_shows_the_dvc_file_changed(tmp_path):
+    from envace_core.store.dvc import pin_advice
+
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    _git(repo, "init", "-q")
+    (repo / "data.dvc").write_text("outs:\n- md5: a.dir\n")
+    assert pin_advice(repo, "data.dvc") == "Commit data.dvc to pin this dataset."  # untracked
+    _git(repo, "add", "data.dvc")
+    _git(repo, "commit", "-q", "-m", "pin")
+    assert pin_advice(repo, "data.dvc") == "data.dvc as committed already pins this dataset."
+    (repo / "data.dvc").write_text("outs:\n- md5: b.dir\n")
+    assert pin_advice(repo, "data.dvc") == "Commit data.dvc to pin this dataset."  # a new dataset
+    assert "if git shows it changed" in pin_advice(tmp_path / "gone", "data.dvc")  # git cannot run there

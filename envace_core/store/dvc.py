@@ -156,11 +156,24 @@ def track_dataset(store: Any, key: str, data: DataConfig) -> dict[str, Any]:
     out.update(dvc_md5(root / f"{data.dvc_path}.dvc"), tracked=True, repo=str(root),
                dvcfile=f"{data.dvc_path}.dvc", path=data.dvc_path,
                seconds=round(time.perf_counter() - t0, 3))
-    pin = (f"Commit {out['dvcfile']} to pin this dataset." if out["scm"] == "git"
+    pin = (pin_advice(root, out["dvcfile"]) if out["scm"] == "git"
            else f"{out['scm_reason']}; the lineage records the md5.")
     print(f"[curate] DVC: {out['dvcfile']} -> md5 {out['md5']}; pushed {out['pushed']} new file(s) "
           f"to {out['remote']} ({out['seconds']:.2f}s). {pin}")
     return out
+
+
+def pin_advice(root: Path, dvcfile: str) -> str:
+    """What to do with `dvcfile` (relative to the git work tree `root`) after `dvc add`: commit it when git
+    shows it changed or untracked, nothing when the committed file already pins these bytes."""
+    import subprocess
+
+    try:
+        st = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--", dvcfile],
+                            capture_output=True, text=True, timeout=30, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return f"Commit {dvcfile} if git shows it changed, to pin this dataset."
+    return f"Commit {dvcfile} to pin this dataset." if st else f"{dvcfile} as committed already pins this dataset."
 
 
 def _scm(root: Path) -> Any:
