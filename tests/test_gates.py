@@ -249,7 +249,9 @@ def test_validate_rehearses_with_the_rollouts_budgets_and_grounding(bundled_toke
         def generate(self, prompts, params):
             from envace_core.engines.base import Completion
 
-            self.asked += [(self.tokenizer.decode(p), params.max_new_tokens) for p in prompts]
+            from envace_core.engines.base import prompt_budgets
+
+            self.asked += [(self.tokenizer.decode(p), b) for p, b in zip(prompts, prompt_budgets(params, len(prompts)))]
             ids = self.tokenizer.encode('{"error": "x"}', add_special_tokens=False) + [self.tokenizer.eos_token_id]
             return [[Completion(token_ids=ids, logprobs=[0.0] * len(ids), finish_reason="stop")] for _ in prompts]
 

@@ -66,11 +66,11 @@ def test_different_settings_stay_apart_and_an_early_finisher_blocks_nobody():
     def work(e, k):
         if k == 2:
             return "no call"
-        budget = 8 if k == 0 else 16
-        return e.generate([[k]], SamplingParams(max_new_tokens=budget, seed=k, role="rehearse"))[0][0].token_ids
+        temperature = 1.0 if k == 0 else 0.5
+        return e.generate([[k]], SamplingParams(temperature=temperature, seed=k, role="rehearse"))[0][0].token_ids
 
     assert eng.map(work, [0, 1, 2]) == [[0, 0, 0, 0], [1, 0, 1, 0], "no call"]
-    assert sorted(p.max_new_tokens for _, p in inner.calls) == [8, 16]
+    assert sorted(p.temperature for _, p in inner.calls) == [0.5, 1.0]
 
 
 def test_merge_key_ignores_seeds_and_compares_stop_predicates_by_type(tiny_model_dir):
@@ -79,6 +79,9 @@ def test_merge_key_ignores_seeds_and_compares_stop_predicates_by_type(tiny_model
     b = SamplingParams(seed=2, stop_when=NotJsonStop(tok), prompt_seeds=((3, 0),))
     assert merge_key(a) == merge_key(b)
     assert merge_key(a) != merge_key(SamplingParams(seed=1))
+    # token budgets do not keep calls apart: the merged call carries each prompt's own
+    assert merge_key(a) == merge_key(SamplingParams(seed=4, stop_when=NotJsonStop(tok), max_new_tokens=9,
+                                                    prompt_max_new_tokens=(3,)))
     assert merge_key(a) != merge_key(SamplingParams(seed=1, n=2, stop_when=NotJsonStop(tok)))
 
 
@@ -160,7 +163,7 @@ def test_merged_workers_get_what_their_calls_get_alone(hf_engine):
     def work(e, k):
         first = e.generate(work_prompts[k], SamplingParams(max_new_tokens=10, n=3, seed=100 + k))[0]
         follow = [work_prompts[k][0] + c.token_ids for c in first]
-        second = e.generate(follow, SamplingParams(max_new_tokens=6, seed=200 + k))
+        second = e.generate(follow, SamplingParams(max_new_tokens=4 + k, seed=200 + k))  # budgets differ
         return [c.token_ids for c in first] + [r[0].token_ids for r in second]
 
     alone = [work(hf_engine, k) for k in range(3)]

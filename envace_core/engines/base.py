@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import functools
+import operator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -72,6 +73,12 @@ class SamplingParams:
     prompt_seeds: None, or one ``(seed, index)`` pair per prompt: prompt i is sampled exactly as prompt
         ``index`` of a call seeded ``seed`` would be (``seed`` is then ignored). `engines.merging` uses it
         to run several callers' calls as one batch whose every prompt keeps the randomness of its own call.
+    prompt_max_new_tokens: None, or one token budget (an int >= 0) per prompt: prompt i's samples end after
+        that many tokens ("length") instead of ``max_new_tokens``, which is then ignored (vLLM's per-request
+        ``max_tokens``). One call then decodes rows of different budgets in one batch, e.g. REHEARSE calls of
+        tools whose results differ in length, instead of one call per budget, each decoding until its longest
+        row ends. A row's samples are those of a call with its budget alone (each row draws from its own
+        generator; up to float rounding of a different batch shape).
     """
 
     max_new_tokens: int = 64
@@ -86,6 +93,7 @@ class SamplingParams:
     stop_check_every: int = 8
     prompt_seeds: tuple[tuple[int, int], ...] | None = None
     constraints: tuple[OutputConstraint | None, ...] | None = field(default=None, compare=False)
+    prompt_max_new_tokens: tuple[int, ...] | None = None
 
 
 @runtime_checkable
@@ -122,6 +130,37 @@ def check_prompt_seeds(params: SamplingParams, n_prompts: int) -> None:
     if params.prompt_seeds is not None and len(params.prompt_seeds) != n_prompts:
         raise ValueError(f"SamplingParams.prompt_seeds holds {len(params.prompt_seeds)} pairs for "
                          f"{n_prompts} prompts: give one (seed, index) per prompt")
+
+
+def prompt_budgets(params: SamplingParams, n_prompts: int) -> list[int]:
+    """Each prompt's token budget: ``params.prompt_max_new_tokens`` when given, else ``max_new_tokens`` for
+    every prompt.
+
+    Raises:
+        ValueError: ``prompt_max_new_tokens`` is not a tuple or list of one int >= 0 per prompt (bools are
+            not budgets), or, without it, ``max_new_tokens`` < 0.
+    """
+    b = params.prompt_max_new_tokens
+    if b is None:
+        if params.max_new_tokens < 0:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 0, got {params.max_new_tokens}")
+        return [int(params.max_new_tokens)] * n_prompts
+    if not isinstance(b, (tuple, list)):
+        raise ValueError(f"SamplingParams.prompt_max_new_tokens must be a tuple (one budget per prompt), "
+                         f"got {type(b).__name__}")
+    if len(b) != n_prompts:
+        raise ValueError(f"SamplingParams.prompt_max_new_tokens holds {len(b)} budgets for {n_prompts} "
+                         "prompts: give one per prompt")
+    out = []
+    for x in b:
+        try:
+            v = None if isinstance(x, bool) else operator.index(x)
+        except TypeError:
+            v = None
+        if v is None or v < 0:
+            raise ValueError(f"SamplingParams.prompt_max_new_tokens: {x!r} is not a token budget (an int >= 0)")
+        out.append(v)
+    return out
 
 
 # Per-role policy ablation (METHOD.md §1, "noshare"): which named LoRA adapter plays each role. The

@@ -27,6 +27,7 @@ from envace_core.engines.base import (
     SamplingParams,
     check_constraints,
     check_prompt_seeds,
+    prompt_budgets,
     resolve_compute_dtype,
     role_adapter,
 )
@@ -257,8 +258,7 @@ class HFEngine:
     def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
         if params.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {params.n}")
-        if params.max_new_tokens < 0:
-            raise ValueError(f"SamplingParams.max_new_tokens must be >= 0, got {params.max_new_tokens}")
+        budgets = prompt_budgets(params, len(prompts))
         if params.temperature < 0:
             raise ValueError(f"SamplingParams.temperature must be >= 0, got {params.temperature}")
         if not 0.0 < params.top_p <= 1.0:
@@ -268,24 +268,25 @@ class HFEngine:
         cfg = getattr(self.model, "config", None)
         max_pos = getattr(cfg, "max_position_embeddings", None)
         vocab = self.model.get_input_embeddings().weight.shape[0]  # a peft LoRA embedding has no num_embeddings
-        for i, p in enumerate(prompts):
+        for i, (p, budget) in enumerate(zip(prompts, budgets)):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token id")
-            if max_pos is not None and len(p) > max_pos - params.max_new_tokens:
+            if max_pos is not None and len(p) > max_pos - budget:
                 raise ValueError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={params.max_new_tokens} it must "
-                    f"be at most {max_pos - params.max_new_tokens} (max_position_embeddings={max_pos})")
+                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={budget} it must "
+                    f"be at most {max_pos - budget} (max_position_embeddings={max_pos})")
             lo, hi = min(p), max(p)
             if lo < 0 or hi >= vocab:
                 raise ValueError(f"prompt {i} holds token id {lo if lo < 0 else hi} outside [0, {vocab})")
 
-    def _plan(self, prompts: list[list[int]], n: int) -> list[tuple[list[int], list[list[int]]]]:
+    def _plan(self, prompts: list[list[int]], n: int, live: list[int]) -> list[tuple[list[int], list[list[int]]]]:
         """Work units: (prompt indices to prefill together, decode chunks of sample indices (n ways each)).
 
         Each decode chunk is a list of rows; row r = (prefill row p, sample j) flattened as p * n + j.
-        Prompts are sorted by length so that prefill groups waste little padding.
+        Only the prompts of `live` (indices) are planned. Prompts are sorted by length so that prefill
+        groups waste little padding.
         """
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        order = sorted(live, key=lambda i: len(prompts[i]))
         if n >= self.max_batch_size:
             units = []
             for i in order:
@@ -314,19 +315,24 @@ class HFEngine:
             and ends with the stop token when ``finish_reason == "stop"`` (a token of
             ``params.stop_token_ids`` or the tokenizer's eos); "length" means max_new_tokens was reached.
             ``logprobs[i]`` is log softmax(logits / T)[token_ids[i]] in nats (T = 1 when greedy), computed in
-            float32 over the full, unfiltered vocabulary.
+            float32 over the full, unfiltered vocabulary. With ``params.prompt_max_new_tokens``, prompt i's
+            budget replaces max_new_tokens for its samples.
         Raises:
-            ValueError: an empty prompt, a prompt longer than max_position_embeddings - max_new_tokens, a token
-                id outside the vocabulary, or invalid params (n < 1, max_new_tokens < 0, temperature < 0,
-                top_p outside (0, 1]).
+            ValueError: an empty prompt, a prompt longer than max_position_embeddings - its budget, a token
+                id outside the vocabulary, or invalid params (n < 1, max_new_tokens < 0, a
+                prompt_max_new_tokens that is not one int >= 0 per prompt, temperature < 0, top_p outside
+                (0, 1]).
         """
         self._validate(prompts, params)
         t0 = time.perf_counter()
         n = params.n
+        budgets = prompt_budgets(params, len(prompts))
         results: list[list[Completion | None]] = [[None] * n for _ in prompts]
-        if params.max_new_tokens == 0:
-            for i in range(len(prompts)):
+        for i in range(len(prompts)):
+            if budgets[i] == 0:
                 results[i] = [Completion([], [], "length") for _ in range(n)]
+        live = [i for i in range(len(prompts)) if budgets[i] > 0]
+        if not live:
             return results  # type: ignore[return-value]
 
         stop = {int(t) for t in params.stop_token_ids}
@@ -356,9 +362,9 @@ class HFEngine:
             with torch.inference_mode(), self._autocast(device), self._packed(device) as packed:
                 weights = None if packed is not None else self._lowp_weights()
                 attn_dt = self.compute_dtype if device.type != "cpu" or packed is not None else torch.float32
-                for group, chunks in self._plan(prompts, n):
-                    self._run_unit(prompts, group, chunks, n, params, stop, base_seed, device, weights, results,
-                                   attn_dt)
+                for group, chunks in self._plan(prompts, n, live):
+                    self._run_unit(prompts, group, chunks, n, params, budgets, stop, base_seed, device, weights,
+                                   results, attn_dt)
                 del weights
         finally:
             torch.clear_autocast_cache()
@@ -372,7 +378,7 @@ class HFEngine:
         return results  # type: ignore[return-value]
 
     # ------------------------------------------------------------------ the loop
-    def _run_unit(self, prompts, group, chunks, n, params, stop, base_seed, device, weights, results,
+    def _run_unit(self, prompts, group, chunks, n, params, budgets, stop, base_seed, device, weights, results,
                   attn_dt: torch.dtype) -> None:
         """Prefill `group` once (`_prefill_unpadded`, else `_prefill_padded`), then decode each chunk of
         rows from that cache (shared-prefix attention in `attn_dt`)."""
@@ -396,15 +402,15 @@ class HFEngine:
         for c, rows in enumerate(chunks):
             sel = torch.tensor([r // n for r in rows], device=device)  # prefill row of each decode row
             if shared:  # the prompts' KV once, read by every chunk; rows hold only their own tokens
-                chunk_cache = shared_prefix.SharedPrefixCache(cache, mask, sel, params.max_new_tokens, attn_dt,
-                                                              root=root)
+                chunk_cache = shared_prefix.SharedPrefixCache(cache, mask, sel, max(budgets[group[r // n]] for r in rows),
+                                                              attn_dt, root=root)
             else:
                 chunk_cache = cache if c == len(chunks) - 1 else copy.deepcopy(cache)
                 chunk_cache.batch_select_indices(sel)
             owners = [(group[r // n], r % n) for r in rows]
             self._decode(chunk_cache, logits.index_select(0, sel), mask.index_select(0, sel),
-                         lens.to(device).index_select(0, sel), owners, params, stop, base_seed, weights, results,
-                         prompts)
+                         lens.to(device).index_select(0, sel), owners, [budgets[i] for i, _ in owners], params, stop,
+                         base_seed, weights, results, prompts)
         del cache
 
     def _prefill_padded(self, new: list[list[int]], hits: list, device, weights):
@@ -461,13 +467,13 @@ class HFEngine:
         past, mask = padded_past(entries)
         return torch.cat(rows), DynamicCache(past, config=self.model.config), mask.to(device)
 
-    def _decode(self, cache, logits, mask, next_pos, owners, params, stop, base_seed, weights, results,
+    def _decode(self, cache, logits, mask, next_pos, owners, limits, params, stop, base_seed, weights, results,
                 prompts) -> None:
-        """Decode rows until each emits a stop token or reaches max_new_tokens.
+        """Decode rows until each emits a stop token or reaches its token budget.
 
         cache: KV cache with S rows; logits: (S, V) float32 for the next token; mask: (S, L) attention mask;
-        next_pos: (S,) position id of the next token; owners: S (prompt index, sample index) pairs.
-        Finished rows are dropped from the batch.
+        next_pos: (S,) position id of the next token; owners: S (prompt index, sample index) pairs;
+        limits: S token budgets (each >= 1). Finished rows are dropped from the batch.
         """
         device = logits.device
         greedy = params.temperature == 0
@@ -488,7 +494,7 @@ class HFEngine:
         fused = self._fused_decode and weights is None and isinstance(cache, shared_prefix.SharedPrefixCache) \
             and fused_decode.supports(self.model)
 
-        for step in range(params.max_new_tokens):
+        for _ in range(max(limits)):
             scaled = logits if temp == 1.0 else logits / temp
             logp = torch.log_softmax(scaled, dim=-1)  # (S, V) float32
             if greedy:
@@ -516,7 +522,6 @@ class HFEngine:
             chosen_l, chosen_lp_l = chosen.tolist(), chosen_lp.tolist()
 
             keep = []
-            last = step == params.max_new_tokens - 1
             for b, a in enumerate(active):
                 if b in dead:  # no token its constraint allows: it ends without one (its KV is all fed)
                     self._finish(results, owners[a], toks[a], lps[a], "stop")
@@ -524,6 +529,7 @@ class HFEngine:
                     continue
                 toks[a].append(chosen_l[b])
                 lps[a].append(float(chosen_lp_l[b]))
+                last = len(toks[a]) == limits[a]
                 hit = chosen_l[b] in stop or (
                     params.stop_when is not None and not params.ignore_eos and not last
                     and len(toks[a]) % params.stop_check_every == 0 and params.stop_when(toks[a]))

@@ -6,10 +6,12 @@ CPU is bound by reading the weights once per step and by per-step Python work, b
 three groups of four pay them three times for the same tokens. `MergingEngine.map` runs the groups in
 threads (one per group) and, each time every live worker is waiting in `generate`, runs the waiting calls
 in its own thread (the only one that ever enters the wrapped engine) as one call per compatible set of sampling
-settings (`merge_key`: all fields but the seeds; e.g. REHEARSE calls with different token budgets stay
-apart). Each merged prompt keeps its own call's randomness through `SamplingParams.prompt_seeds`, so a
-worker's completions are those its call would have got alone (up to float rounding of a different
-batch shape), and results do not depend on how workers were grouped: same seeds, same rollouts.
+settings (`merge_key`: all fields but the seeds, the token budgets and the per-prompt constraints; e.g.
+REHEARSE calls with different token budgets share one call). Each merged prompt keeps its own call's
+randomness through `SamplingParams.prompt_seeds` and its own call's budget through
+`SamplingParams.prompt_max_new_tokens`, so a worker's completions are those its call would have got alone
+(up to float rounding of a different batch shape), and results do not depend on how workers were grouped:
+same seeds, same rollouts.
 
 This is the continuous-batching idea of vLLM's scheduler (many requests, one forward per step) applied
 at the granularity of whole calls, for the transformers engine; with `engines.vllm` it only makes calls
@@ -25,17 +27,25 @@ from typing import Any, TypeVar
 
 import torch
 
-from envace_core.engines.base import Completion, Engine, SamplingParams, check_constraints, check_prompt_seeds
+from envace_core.engines.base import (
+    Completion,
+    Engine,
+    SamplingParams,
+    check_constraints,
+    check_prompt_seeds,
+    prompt_budgets,
+)
 
 T = TypeVar("T")
 
 
 def merge_key(params: SamplingParams) -> tuple:
-    """What two calls must share to be one call: every `SamplingParams` field except the seeds and the
-    per-prompt constraints (the merged call carries each prompt's own), and the
+    """What two calls must share to be one call: every `SamplingParams` field except the seeds, the token
+    budgets and the per-prompt constraints (the merged call carries each prompt's own), and the
     stop predicate's type (predicates are compared by type: `roles.json_prefix.NotJsonStop` holds no
     per-call state)."""
-    base = replace(params, seed=None, prompt_seeds=None, stop_when=None, constraints=None,
+    base = replace(params, seed=None, prompt_seeds=None, stop_when=None, constraints=None, max_new_tokens=0,
+                   prompt_max_new_tokens=None,
                    stop_token_ids=tuple(int(t) for t in params.stop_token_ids))  # a list is allowed too
     return base, type(params.stop_when)
 
@@ -49,6 +59,7 @@ class _Call:
     error: BaseException | None = None
     done: bool = False
     seeds: tuple[tuple[int, int], ...] = field(default_factory=tuple)
+    budgets: tuple[int, ...] = field(default_factory=tuple)
 
 
 class MergingEngine:
@@ -161,7 +172,7 @@ class MergingEngine:
             return self.engine.generate(prompts, params)
         check_prompt_seeds(params, len(prompts))
         check_constraints(params, len(prompts))
-        call = _Call(worker, list(prompts), params)
+        call = _Call(worker, list(prompts), params, budgets=tuple(prompt_budgets(params, len(prompts))))
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         call.seeds = params.prompt_seeds or tuple((seed, i) for i in range(len(prompts)))
         with self._cond:
@@ -184,7 +195,9 @@ class MergingEngine:
             prompts = [p for c in group for p in c.prompts]
             seeds = tuple(s for c in group for s in c.seeds)
             cons = [x for c in group for x in (c.params.constraints or (None,) * len(c.prompts))]
-            params = replace(group[0].params, seed=None, prompt_seeds=seeds,
+            budgets = tuple(b for c in group for b in c.budgets)
+            params = replace(group[0].params, seed=None, prompt_seeds=seeds, max_new_tokens=max(budgets, default=0),
+                             prompt_max_new_tokens=budgets if len(set(budgets)) > 1 else None,
                              constraints=tuple(cons) if any(x is not None for x in cons) else None)
             try:
                 out = self.engine.generate(prompts, params) if prompts else []

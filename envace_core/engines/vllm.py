@@ -21,14 +21,21 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from envace_core import EnvaceError
-from envace_core.engines.base import ROLE_ADAPTERS, Completion, SamplingParams, check_constraints, check_prompt_seeds
+from envace_core.engines.base import (
+    ROLE_ADAPTERS,
+    Completion,
+    SamplingParams,
+    check_constraints,
+    check_prompt_seeds,
+    prompt_budgets,
+)
 
 
 class EngineUnavailableError(EnvaceError):
@@ -217,8 +224,10 @@ class VLLMEngine:
         """Sample ``params.n`` completions per prompt (B lists, input order), as `Engine.generate`.
 
         With LoRA adapters loaded, every request of the call uses the adapter of ``params.role``
-        (`ROLE_ADAPTERS`; the only adapter when one is loaded). Raises ValueError for invalid params, an
-        empty prompt or ``prompt_seeds`` of another length than `prompts`.
+        (`ROLE_ADAPTERS`; the only adapter when one is loaded). ``params.prompt_max_new_tokens`` becomes each
+        request's own ``max_tokens``; a prompt whose budget is 0 gets empty completions and sends no request.
+        Raises ValueError for invalid params, an empty prompt or ``prompt_seeds`` / ``prompt_max_new_tokens``
+        of another length than `prompts`.
         """
         import time
 
@@ -228,22 +237,30 @@ class VLLMEngine:
             raise ValueError("every prompt needs at least one token id")
         check_prompt_seeds(params, len(prompts))
         check_constraints(params, len(prompts))
-        if params.max_new_tokens == 0:
-            return [[Completion([], [], "length") for _ in range(params.n)] for _ in prompts]
+        budgets = prompt_budgets(params, len(prompts))
+        live = [i for i, b in enumerate(budgets) if b > 0]
+        result: list[list[Completion]] = [[Completion([], [], "length") for _ in range(params.n)] for _ in prompts]
+        if not live:
+            return result
         if params.constraints is not None and any(params.constraints) and not self._warned_constraints:
             self._warned_constraints = True  # Python-side constraints on decoded text: not a vLLM logits mask
             logging.getLogger(__name__).warning(
                 "vLLM engine: SamplingParams.constraints are not applied; samples are drawn unconstrained "
                 "(set rollout.constrained_decoding=false to say so in the config)")
         t0 = time.perf_counter()
-        kw = sampling_kwargs(params, getattr(self.tokenizer, "eos_token_id", None))
-        # per-prompt seeds (`SamplingParams.prompt_seeds`): one vLLM SamplingParams per request, each with its
-        # call's seed, as that call alone would have sent it
-        sp = self._vllm.SamplingParams(**kw) if params.prompt_seeds is None else \
-            [self._vllm.SamplingParams(**{**kw, "seed": s}) for s, _ in params.prompt_seeds]
-        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in prompts], sp,
+        kw = sampling_kwargs(replace(params, max_new_tokens=max(budgets)), getattr(self.tokenizer, "eos_token_id", None))
+        # per-prompt seeds (`SamplingParams.prompt_seeds`) and budgets: one vLLM SamplingParams per request,
+        # each with its call's seed and its own max_tokens, as that call alone would have sent it
+        if params.prompt_seeds is None and params.prompt_max_new_tokens is None:
+            sp = self._vllm.SamplingParams(**kw)
+        else:
+            seeds = params.prompt_seeds
+            sp = [self._vllm.SamplingParams(**{**kw, "seed": seeds[i][0] if seeds is not None else kw["seed"],
+                                               "max_tokens": budgets[i]}) for i in live]
+        outs = self.llm.generate([TokensPrompt(prompt_token_ids=list(prompts[i])) for i in live], sp,
                                  lora_request=self._lora_for(params.role), use_tqdm=False)
-        result = [completions_from_output(o) for o in outs]
+        for i, o in zip(live, outs):
+            result[i] = completions_from_output(o)
         self.stats["generated_tokens"] += sum(len(c.token_ids) for r in result for c in r)
         self.stats["seconds"] += time.perf_counter() - t0
         self.stats["calls"] += 1

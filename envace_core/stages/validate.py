@@ -62,8 +62,8 @@ def rehearse_rows(cfg: RunConfig, engine: Any, trans: list[tuple[Task, list, Too
     rollouts' (`params`, default `training.policy.rollout_params(cfg)`): the task's context
     (`task_context`, added/hidden tools applied), the grounding examples of other tasks when
     `params.grounding` is set, and the tool's REHEARSE budget (`RolloutParams.rehearse_budget`: the
-    per-tool budget, else rollout.max_new_tokens_rehearse); one batched `engine.generate` call per
-    budget."""
+    per-tool budget, else rollout.max_new_tokens_rehearse); one batched `engine.generate` call, each
+    row ending at its own budget."""
     from envace_core.engines.base import SamplingParams
     from envace_core.envs.tau2.tasks import task_context
     from envace_core.evaluation.fidelity import score_pair
@@ -80,14 +80,14 @@ def rehearse_rows(cfg: RunConfig, engine: Any, trans: list[tuple[Task, list, Too
                                    p.grounding_examples(t.id, c, tok),
                                    max_observation_tokens=p.max_observation_tokens)
                for t, h, c, _ in trans]
-    by_budget: dict[int, list[int]] = {}
-    for i, (_, _, c, _) in enumerate(trans):
-        by_budget.setdefault(p.rehearse_budget(c.name), []).append(i)
+    budgets = [p.rehearse_budget(c.name) for _, _, c, _ in trans]
     texts: dict[int, str] = {}
-    for budget, idx in by_budget.items():
-        # decoding stops once the output can no longer parse (same verdict, fewer tokens)
-        sp = SamplingParams(max_new_tokens=budget, temperature=0.0, role="rehearse", stop_when=NotJsonStop(tok))
-        for i, outs in zip(idx, engine.generate([prompts[i] for i in idx], sp)):
+    if trans:
+        # one call, each transition at its tool's budget (`SamplingParams.prompt_max_new_tokens`); decoding
+        # stops once the output can no longer parse (same verdict, fewer tokens)
+        sp = SamplingParams(max_new_tokens=max(budgets), temperature=0.0, role="rehearse",
+                            stop_when=NotJsonStop(tok), prompt_max_new_tokens=tuple(budgets))
+        for i, outs in enumerate(engine.generate(prompts, sp)):
             texts[i] = tok.decode(outs[0].token_ids, skip_special_tokens=True)
     rows = []
     for i, (task, _, call, real) in enumerate(trans):

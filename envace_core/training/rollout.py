@@ -225,32 +225,41 @@ def _rehearse_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory],
         return
     tok = engine.tokenizer
     by_budget: dict[int, list[int]] = {}
-    for i in idx:  # one batched call per budget: calls of tools with the same budget share a call
+    for i in idx:  # each tool's budget bounds its own prompt (`fitting_prompts`); one call decodes them all
         by_budget.setdefault(p.rehearse_budget(trajs[i].steps[-1].action.name), []).append(i)
+    keep: list[int] = []
+    prompts: list[list[int]] = []
+    budgets: list[int] = []
     for budget, group in sorted(by_budget.items()):
-        keep, prompts = fitting_prompts(
+        fit, fit_prompts = fitting_prompts(
             engine, Role.REHEARSE, trajs, group, lambda i: rehearse_prompt_ids(
                 tok, ctx, histories[i][:-1], trajs[i].steps[-1].action,
                 p.grounding_examples(ctx.task_id, trajs[i].steps[-1].action, tok),
                 max_observation_tokens=p.max_observation_tokens),
             budget, p)
-        if not keep:
+        keep += fit
+        prompts += fit_prompts
+        budgets += [budget] * len(fit)
+    if not keep:
+        return
+    # one batched call whatever the tools' budgets (`SamplingParams.prompt_max_new_tokens`: each row ends at
+    # its own), so the turn decodes as long as its longest row, not one call per budget after another;
+    # decoding stops once the output can no longer parse (`NotJsonStop`: same verdict, fewer tokens)
+    sp = SamplingParams(max_new_tokens=max(budgets), temperature=p.temperature, top_p=p.top_p, seed=seeds.next(),
+                        role=Role.REHEARSE.value, stop_when=NotJsonStop(tok),
+                        prompt_max_new_tokens=tuple(budgets) if len(set(budgets)) > 1 else None,
+                        constraints=(RehearseConstraint(tok),) * len(prompts) if p.constrained else None)
+    for i, prompt, outs in zip(keep, prompts, engine.generate(prompts, sp)):
+        gen = make_generation(Role.REHEARSE, prompt, outs[0], tok, p.temperature)
+        trajs[i].generations.append(gen)
+        try:
+            obs = parse_rehearse(gen.text, trajs[i].steps[-1].action.name)
+        except ParseError as e:
+            gen.parse_error = format_error(e)
+            trajs[i].termination = "parse_error"
             continue
-        # decoding stops once the output can no longer parse (`NotJsonStop`: same verdict, fewer tokens)
-        sp = SamplingParams(max_new_tokens=budget, temperature=p.temperature, top_p=p.top_p, seed=seeds.next(),
-                            role=Role.REHEARSE.value, stop_when=NotJsonStop(tok),
-                            constraints=(RehearseConstraint(tok),) * len(prompts) if p.constrained else None)
-        for i, prompt, outs in zip(keep, prompts, engine.generate(prompts, sp)):
-            gen = make_generation(Role.REHEARSE, prompt, outs[0], tok, p.temperature)
-            trajs[i].generations.append(gen)
-            try:
-                obs = parse_rehearse(gen.text, trajs[i].steps[-1].action.name)
-            except ParseError as e:
-                gen.parse_error = format_error(e)
-                trajs[i].termination = "parse_error"
-                continue
-            trajs[i].steps[-1].observation = obs
-            histories[i].append(Message(role="tool", content=obs.content, error=obs.error))
+        trajs[i].steps[-1].observation = obs
+        histories[i].append(Message(role="tool", content=obs.content, error=obs.error))
 
 
 def _user_turn(engine: Engine, instructions: str, trajs: list[Trajectory], histories: list[list[Message]],
