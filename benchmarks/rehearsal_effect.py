@@ -511,20 +511,16 @@ def check_results_md(args: argparse.Namespace) -> None:
                              + (" (or pass --no-append)" if hasattr(args, "no_append") else ""))
 
 
-def check_tau2_flags(args: argparse.Namespace, labels: list[str]) -> None:
-    """Raises `BenchmarkError` for a tau2 flag given a value other than its default that the run would ignore:
-    --protocol without a tau2 bench, --max-steps without a tau2 bench or under --protocol opening_request (it
-    counts `tau2_orchestrator` steps). The same rule as `envace eval` (`cli.check_unused_flags`)."""
-    from envace_core.evaluation.protocols import MAX_STEPS, TAU2_ORCHESTRATOR
+def check_tau2_flags(args: argparse.Namespace) -> None:
+    """Raises `BenchmarkError` for --protocol or --max-steps given a value other than its default that no bench
+    in --benches uses (--protocol: tau2 only; --max-steps: tau2 under tau2_orchestrator), by
+    `evaluation.options.unused_flags`, the rule `envace eval` applies."""
+    from envace_core.evaluation.options import parse_benches as parse_specs
+    from envace_core.evaluation.options import unused_flags
 
-    tau2 = any(label.startswith("tau2:") for label in labels)
-    if args.protocol != TAU2_ORCHESTRATOR and not tau2:
-        raise BenchmarkError(f"--protocol {args.protocol}: no bench in --benches is tau2 (it says how tau2 runs); "
-                             f"drop it or add a tau2:DOMAIN bench")
-    if args.max_steps != MAX_STEPS and not (tau2 and args.protocol == TAU2_ORCHESTRATOR):
-        why = "no bench in --benches is tau2" if not tau2 else f"--protocol {args.protocol} runs no orchestrator"
-        raise BenchmarkError(f"--max-steps {args.max_steps}: {why} (it counts tau2 steps under --protocol "
-                             f"{TAU2_ORCHESTRATOR}); drop it")
+    for flag, why in unused_flags(parse_specs(args.benches), protocol=args.protocol, max_steps=args.max_steps):
+        value = args.protocol if flag == "--protocol" else args.max_steps
+        raise BenchmarkError(f"{flag} {value}: {why}; drop it or add a tau2:DOMAIN bench")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -542,8 +538,8 @@ def check_args(args: argparse.Namespace) -> None:
     if args.n_boot < 100:
         raise BenchmarkError(f"--n-boot must be >= 100 for a 95% interval, got {args.n_boot}")
     parse_conditions(args.conditions)
-    labels = parse_benches(args.benches)
-    check_tau2_flags(args, labels)
+    parse_benches(args.benches)
+    check_tau2_flags(args)
     models = parse_models(args.models, args.trained)
     cfg = load_config(args.profile, args.overrides)
     from envace_core.evaluation.options import UnusedOptionError

@@ -213,31 +213,15 @@ def check_unused_flags(args) -> None:
     --trials (pass^k: tau2 and VitaBench; a BFCL or FinMCP entry runs once), --rehearsal (tau2, VitaBench and
     BFCL multi-turn; it is part of the cache key, so an unused one would re-run cached entries). A bad --bench
     is left to `EvalOptions.check`, which names it."""
-    from envace_core.evaluation.options import BenchSpecError, UnusedOptionError, parse_benches
-    from envace_core.evaluation.protocols import MAX_STEPS, TAU2_ORCHESTRATOR
-
-    from envace_core.evaluation.bfcl import MULTI_TURN_CATEGORIES
+    from envace_core.evaluation.options import BenchSpecError, UnusedOptionError, parse_benches, unused_flags
 
     try:
         specs = parse_benches(args.bench)
     except BenchSpecError:
         return
-    benches = {s.bench for s in specs}
-    tau2 = "tau2" in benches
-    rehearses = bool(benches & {"tau2", "vita"}) or any(s.bench == "bfcl" and s.arg in MULTI_TURN_CATEGORIES
-                                                         for s in specs)
-    for flag, given, used, why in (
-            ("--split", args.split != "test", tau2, "it picks tau2's task split"),
-            ("--protocol", args.protocol != TAU2_ORCHESTRATOR, tau2, "it says how tau2 runs"),
-            ("--max-steps", args.max_steps != MAX_STEPS, tau2 and args.protocol == TAU2_ORCHESTRATOR,
-             f"it counts tau2 steps under --protocol {TAU2_ORCHESTRATOR}"),
-            ("--trials", args.trials != 1, bool(benches & {"tau2", "vita"}),
-             "pass^k trials run for tau2 and VitaBench only"),
-            ("--rehearsal", (args.rehearsal or "none").strip() != "none", rehearses,
-             ("Private Rehearsal runs on tau2, VitaBench and BFCL multi-turn; single-turn BFCL and FinMCP never "
-              "rehearse"))):
-        if given and not used:
-            raise UnusedOptionError(f"{flag}: no selected bench uses it ({why}); drop it or add such a --bench")
+    for flag, why in unused_flags(specs, split=args.split, protocol=args.protocol, max_steps=args.max_steps,
+                                  trials=args.trials, rehearsal=args.rehearsal):
+        raise UnusedOptionError(f"{flag}: {why}; drop it or add such a --bench")
 
 
 def _eval(args) -> int:

@@ -64,7 +64,9 @@ def test_an_empty_flag_is_an_error_naming_it_before_any_work(flag, value, eval_l
     ("bfcl:simple", ["--split", "full"], "--split: no selected bench uses it (it picks tau2's task split)"),
     ("bfcl:simple", ["--protocol", "opening_request"], "--protocol: no selected bench uses it"),
     ("bfcl:simple", ["--max-steps", "7"], "--max-steps: no selected bench uses it"),
-    ("tau2:airline", ["--protocol", "opening_request", "--max-steps", "7"], "--max-steps: no selected bench uses it"),
+    ("tau2:airline", ["--protocol", "opening_request", "--max-steps", "7"],
+     "--max-steps: --protocol opening_request runs no orchestrator (it counts tau2 steps under --protocol "
+     "tau2_orchestrator)"),
     ("bfcl:simple", ["--trials", "3"], "--trials: no selected bench uses it (pass^k trials run for tau2 and VitaBench"),
     ("bfcl:simple", ["--rehearsal", "parallel:4"], "--rehearsal: no selected bench uses it (Private Rehearsal runs on "
                                                     "tau2, VitaBench and BFCL multi-turn"),

@@ -55,9 +55,9 @@ def test_bad_arguments_stop_before_any_model_loads(capsys, monkeypatch):
                       (["--protocol", "opening_request", "--max-steps", "10"],
                        "--max-steps 10: --protocol opening_request runs no orchestrator"),
                       (["--benches", "bfcl:multi_turn_base", "--protocol", "opening_request"],
-                       "--protocol opening_request: no bench in --benches is tau2"),
+                       "--protocol opening_request: no selected bench uses it (it says how tau2 runs)"),
                       (["--benches", "bfcl:multi_turn_base", "--max-steps", "5"],
-                       "--max-steps 5: no bench in --benches is tau2")):
+                       "--max-steps 5: no selected bench uses it (it counts tau2 steps")):
         assert re_.main(argv) == 2
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1

@@ -239,6 +239,35 @@ class UnusedOptionError(EnvaceError):
     """A user-simulator or judge flag that no selected bench or protocol uses (it would be ignored)."""
 
 
+def unused_flags(specs: list[BenchSpec], *, split: str = "test", protocol: str = TAU2_ORCHESTRATOR,
+                 max_steps: int = MAX_STEPS, trials: int = 1, rehearsal: str | None = "none") -> list[tuple[str, str]]:
+    """``(flag, why)`` for each of --split, --protocol, --max-steps, --trials and --rehearsal given a value other
+    than its default (the keyword defaults, `envace eval`'s) that no bench in `specs` uses, in that order; `why`
+    says why it is unused and what would use it. --split and --protocol: tau2 only; --max-steps: tau2 under
+    tau2_orchestrator (it counts the orchestrator's steps); --trials: pass^k, tau2 and VitaBench (a BFCL or
+    FinMCP entry runs once); --rehearsal: tau2, VitaBench and BFCL multi-turn. The one rule for `envace eval`
+    (`cli.check_unused_flags`) and the benchmarks that take these flags."""
+    from envace_core.evaluation.bfcl import MULTI_TURN_CATEGORIES
+
+    benches = {s.bench for s in specs}
+    tau2 = "tau2" in benches
+    rehearses = bool(benches & {"tau2", "vita"}) or any(s.bench == "bfcl" and s.arg in MULTI_TURN_CATEGORIES
+                                                         for s in specs)
+    unused = "no selected bench uses it"
+    rules = (
+        ("--split", split != "test", tau2, f"{unused} (it picks tau2's task split)"),
+        ("--protocol", protocol != TAU2_ORCHESTRATOR, tau2, f"{unused} (it says how tau2 runs)"),
+        ("--max-steps", max_steps != MAX_STEPS, tau2 and protocol == TAU2_ORCHESTRATOR,
+         (f"--protocol {protocol} runs no orchestrator" if tau2 else unused)
+         + f" (it counts tau2 steps under --protocol {TAU2_ORCHESTRATOR})"),
+        ("--trials", trials != 1, bool(benches & {"tau2", "vita"}),
+         f"{unused} (pass^k trials run for tau2 and VitaBench only)"),
+        ("--rehearsal", (rehearsal or "none").strip() != "none", rehearses,
+         f"{unused} (Private Rehearsal runs on tau2, VitaBench and BFCL multi-turn; single-turn BFCL and FinMCP "
+         "never rehearse)"))
+    return [(flag, why) for flag, given, used, why in rules if given and not used]
+
+
 def check_used(opts: EvalOptions, specs: list[BenchSpec]) -> None:
     """Raises `UnusedOptionError` naming --user-url / --user-model, --judge-url / --judge-model, or a
     --user-url-model other than "default", when the selected benches `specs` under ``--protocol`` never
