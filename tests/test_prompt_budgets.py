@@ -42,13 +42,17 @@ def prompts(tok):
 def test_prompt_budgets_reads_and_checks_the_field():
     assert prompt_budgets(SamplingParams(max_new_tokens=5), 3) == [5, 5, 5]
     assert prompt_budgets(SamplingParams(prompt_max_new_tokens=(1, 0, np.int64(7))), 3) == [1, 0, 7]
-    for bad, match in (((1, 2), "holds 2 budgets for 3"), ((1, -1, 2), "-1 is not a token budget"),
-                       ((1, True, 2), "True is not a token budget"), ((1, 2.5, 2), "2.5 is not"),
+    for bad, match in (((1, 2), r"holds 2 budget\(s\) for 3"), ((1, -1, 2), r"\[1\]: -1 is not a token budget"),
+                       ((1, True, 2), r"\[1\]: True is not a token budget"), ((1, 2.5, 2), "2.5 is not"),
                        ((1, "8", 2), "'8' is not"), (8, "must be a tuple")):
         with pytest.raises(ValueError, match=match):
             prompt_budgets(SamplingParams(prompt_max_new_tokens=bad), 3)
-    with pytest.raises(ValueError, match="max_new_tokens must be >= 0"):
-        prompt_budgets(SamplingParams(max_new_tokens=-1), 1)
+    for bad in (-1, 2.5, True):  # checked even where per-prompt budgets replace it: a caller's bug either way
+        with pytest.raises(ValueError, match="max_new_tokens must be an int >= 0"):
+            prompt_budgets(SamplingParams(max_new_tokens=bad, prompt_max_new_tokens=(1,)), 1)
+    # a list is the tuple it stands for: hashable, equal
+    assert SamplingParams(prompt_max_new_tokens=[1, 2]) == SamplingParams(prompt_max_new_tokens=(1, 2))
+    assert hash(SamplingParams(prompt_max_new_tokens=[1, 2])) == hash(SamplingParams(prompt_max_new_tokens=(1, 2)))
 
 
 def test_each_row_ends_at_its_own_budget_as_it_would_alone(eng, prompts):
@@ -77,11 +81,13 @@ def test_sampled_groups_keep_their_seeds_and_budgets(eng, prompts):
 
 def test_the_context_check_and_errors_use_each_prompts_budget(eng, prompts):
     long = [1] * 4090  # the tiny model's context is 4096 tokens
-    with pytest.raises(ValueError, match="max_new_tokens=10 it must be at most 4086"):
+    with pytest.raises(ValueError, match="prompt 1 has 4090 tokens; with a budget of 10 new tokens it must be at most 4086"):
         eng.generate([prompts[0], long], SamplingParams(prompt_max_new_tokens=(100, 10)))
+    with pytest.raises(ValueError, match="budget of 5000 new tokens leaves no room for a prompt"):
+        eng.generate([prompts[0]], SamplingParams(prompt_max_new_tokens=(5000,)))
     [[c]] = eng.generate([long], SamplingParams(max_new_tokens=100, prompt_max_new_tokens=(0,)))
     assert c.token_ids == [] and c.finish_reason == "length"  # budget 0: nothing to decode, no forward
-    with pytest.raises(ValueError, match="holds 1 budgets for 2 prompts"):
+    with pytest.raises(ValueError, match=r"holds 1 budget\(s\) for 2 prompt\(s\)"):
         eng.generate(prompts[:2], SamplingParams(prompt_max_new_tokens=(4,)))
 
 
@@ -119,6 +125,26 @@ def test_merging_engine_merges_calls_of_different_budgets():
     assert alone.prompt_max_new_tokens is None and alone.max_new_tokens == 5
 
 
+def test_one_workers_bad_prompt_fails_that_worker_only(eng, prompts):
+    """Merged with a call its budget would have kept apart before, a prompt too long for its own budget fails
+    its caller alone; the other worker gets what its call alone gives."""
+    merging = MergingEngine(eng)
+    asked = {0: ([[5] * 4090], 7), 1: ([prompts[0]], 6)}
+
+    def work(e, k):
+        ps, budget = asked[k]
+        try:
+            return [c.token_ids for r in e.generate(ps, SamplingParams(temperature=0, max_new_tokens=budget,
+                                                                        ignore_eos=True)) for c in r]
+        except ValueError as err:
+            return str(err)
+
+    got = merging.map(work, [0, 1])
+    assert "4090 tokens; with a budget of 7 new tokens" in got[0]
+    assert got[1] == [eng.generate([prompts[0]], SamplingParams(temperature=0, max_new_tokens=6,
+                                                                ignore_eos=True))[0][0].token_ids]
+
+
 def test_vllm_engine_sends_each_request_its_own_max_tokens(monkeypatch):
     from envace_core.engines.vllm import VLLMEngine
 
@@ -148,6 +174,10 @@ def test_vllm_engine_sends_each_request_its_own_max_tokens(monkeypatch):
     [(reqs, sps)] = sent
     assert reqs == [[1, 2], [4]]  # the budget-0 prompt sends no request
     assert [(s.kw["max_tokens"], s.kw["seed"]) for s in sps] == [(2, 9), (4, 9)]
+    # the settings are checked even when no prompt decodes
+    with pytest.raises(ValueError, match="invalid SamplingParams"):
+        eng.generate([[1]], SamplingParams(n=0, prompt_max_new_tokens=(0,)))
+    assert len(sent) == 1
 
 
 class _BudgetScripted(ScriptedEngine):

@@ -95,6 +95,10 @@ class SamplingParams:
     constraints: tuple[OutputConstraint | None, ...] | None = field(default=None, compare=False)
     prompt_max_new_tokens: tuple[int, ...] | None = None
 
+    def __post_init__(self):  # a list of budgets is taken as the tuple it stands for (hashable, comparable)
+        if isinstance(self.prompt_max_new_tokens, list):
+            object.__setattr__(self, "prompt_max_new_tokens", tuple(self.prompt_max_new_tokens))
+
 
 @runtime_checkable
 class OutputConstraint(Protocol):
@@ -132,33 +136,41 @@ def check_prompt_seeds(params: SamplingParams, n_prompts: int) -> None:
                          f"{n_prompts} prompts: give one (seed, index) per prompt")
 
 
+def _token_budget(x) -> int | None:
+    """`x` as a token budget (an int >= 0; numpy ints too, bools not), or None when it is not one."""
+    try:
+        v = None if isinstance(x, bool) else operator.index(x)
+    except TypeError:
+        return None
+    return v if v is not None and v >= 0 else None
+
+
 def prompt_budgets(params: SamplingParams, n_prompts: int) -> list[int]:
     """Each prompt's token budget: ``params.prompt_max_new_tokens`` when given, else ``max_new_tokens`` for
     every prompt.
 
     Raises:
-        ValueError: ``prompt_max_new_tokens`` is not a tuple or list of one int >= 0 per prompt (bools are
-            not budgets), or, without it, ``max_new_tokens`` < 0.
+        ValueError: ``max_new_tokens`` is not an int >= 0 (checked also when per-prompt budgets replace it: a
+            bad value there is a caller's bug), or ``prompt_max_new_tokens`` is not a tuple or list of one
+            int >= 0 per prompt (bools and floats are not budgets; the message names the prompt).
     """
+    if _token_budget(params.max_new_tokens) is None:
+        raise ValueError(f"SamplingParams.max_new_tokens must be an int >= 0, got {params.max_new_tokens!r}")
     b = params.prompt_max_new_tokens
     if b is None:
-        if params.max_new_tokens < 0:
-            raise ValueError(f"SamplingParams.max_new_tokens must be >= 0, got {params.max_new_tokens}")
-        return [int(params.max_new_tokens)] * n_prompts
+        return [_token_budget(params.max_new_tokens)] * n_prompts  # type: ignore[list-item]
     if not isinstance(b, (tuple, list)):
         raise ValueError(f"SamplingParams.prompt_max_new_tokens must be a tuple (one budget per prompt), "
                          f"got {type(b).__name__}")
     if len(b) != n_prompts:
-        raise ValueError(f"SamplingParams.prompt_max_new_tokens holds {len(b)} budgets for {n_prompts} "
-                         "prompts: give one per prompt")
+        raise ValueError(f"SamplingParams.prompt_max_new_tokens holds {len(b)} budget(s) for {n_prompts} "
+                         "prompt(s): give one per prompt")
     out = []
-    for x in b:
-        try:
-            v = None if isinstance(x, bool) else operator.index(x)
-        except TypeError:
-            v = None
-        if v is None or v < 0:
-            raise ValueError(f"SamplingParams.prompt_max_new_tokens: {x!r} is not a token budget (an int >= 0)")
+    for i, x in enumerate(b):
+        v = _token_budget(x)
+        if v is None:
+            raise ValueError(f"SamplingParams.prompt_max_new_tokens[{i}]: {x!r} is not a token budget "
+                             "(an int >= 0)")
         out.append(v)
     return out
 

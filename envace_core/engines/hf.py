@@ -271,9 +271,12 @@ class HFEngine:
         for i, (p, budget) in enumerate(zip(prompts, budgets)):
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty: every prompt needs at least one token id")
+            if max_pos is not None and budget >= max_pos:
+                raise ValueError(f"prompt {i}: its budget of {budget} new tokens leaves no room for a prompt "
+                                 f"(max_position_embeddings={max_pos})")
             if max_pos is not None and len(p) > max_pos - budget:
                 raise ValueError(
-                    f"prompt {i} has {len(p)} tokens; with max_new_tokens={budget} it must "
+                    f"prompt {i} has {len(p)} tokens; with a budget of {budget} new tokens it must "
                     f"be at most {max_pos - budget} (max_position_embeddings={max_pos})")
             lo, hi = min(p), max(p)
             if lo < 0 or hi >= vocab:

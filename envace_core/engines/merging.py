@@ -184,7 +184,9 @@ class MergingEngine:
         return call.result  # type: ignore[return-value]
 
     def _run(self, calls: list[_Call]) -> None:
-        """The waiting calls, merged by `merge_key` (in worker order), one engine call per set."""
+        """The waiting calls, merged by `merge_key` (in worker order), one engine call per set. A merged call
+        that raises ValueError (the engine refused an input: a prompt too long for its budget, an empty one)
+        is run again call by call, so that only the caller whose input it was gets the error."""
         sets: dict[tuple, list[_Call]] = {}
         for c in calls:
             try:
@@ -192,20 +194,34 @@ class MergingEngine:
             except Exception as e:  # noqa: BLE001 - settings that cannot be compared fail their caller only
                 c.error = e
         for group in sets.values():
-            prompts = [p for c in group for p in c.prompts]
-            seeds = tuple(s for c in group for s in c.seeds)
-            cons = [x for c in group for x in (c.params.constraints or (None,) * len(c.prompts))]
-            budgets = tuple(b for c in group for b in c.budgets)
-            params = replace(group[0].params, seed=None, prompt_seeds=seeds, max_new_tokens=max(budgets, default=0),
-                             prompt_max_new_tokens=budgets if len(set(budgets)) > 1 else None,
-                             constraints=tuple(cons) if any(x is not None for x in cons) else None)
             try:
-                out = self.engine.generate(prompts, params) if prompts else []
-                self.merged_calls += 1
-                self.calls_in += len(group)
-                at = 0
+                self._call(group)
+            except ValueError as e:
+                if len(group) == 1:
+                    group[0].error = e
+                    continue
                 for c in group:
-                    c.result, at = out[at:at + len(c.prompts)], at + len(c.prompts)
+                    try:
+                        self._call([c])
+                    except BaseException as e1:  # noqa: BLE001 - raised in this caller only
+                        c.error = e1
             except BaseException as e:  # noqa: BLE001 - raised in every caller of the merged call
                 for c in group:
                     c.error = e
+
+    def _call(self, group: list[_Call]) -> None:
+        """One engine call for `group`: each prompt with its call's seed pair, budget and constraint; results
+        routed back to each call. Raises what the engine raises."""
+        prompts = [p for c in group for p in c.prompts]
+        seeds = tuple(s for c in group for s in c.seeds)
+        cons = [x for c in group for x in (c.params.constraints or (None,) * len(c.prompts))]
+        budgets = tuple(b for c in group for b in c.budgets)
+        params = replace(group[0].params, seed=None, prompt_seeds=seeds, max_new_tokens=max(budgets, default=0),
+                         prompt_max_new_tokens=budgets if len(set(budgets)) > 1 else None,
+                         constraints=tuple(cons) if any(x is not None for x in cons) else None)
+        out = self.engine.generate(prompts, params) if prompts else []
+        self.merged_calls += 1
+        self.calls_in += len(group)
+        at = 0
+        for c in group:
+            c.result, at = out[at:at + len(c.prompts)], at + len(c.prompts)
