@@ -125,6 +125,24 @@ def test_training_starts_from_the_warm_start_weights(setup, tiny_model_dir, monk
         train_stage.rollout_and_train(other, ds, warm)
 
 
+def test_a_store_copied_elsewhere_reuses_its_own_adapter(setup, tiny_model_dir, sft_steps, tmp_path):
+    """A warm start recorded in a store that was then copied to another path (and the original removed) is
+    reused from the copy: its adapter_uri names the copy's adapter, not the path it was written at."""
+    import shutil
+
+    root, cfg, ds = setup
+    first = warm_start(cfg, ds, say=lambda _: None)
+    trained = len(sft_steps)
+    shutil.copytree(root / "store", tmp_path / "store", symlinks=True)
+    moved = _cfg(tiny_model_dir, tmp_path)
+    again = warm_start(moved, ds, say=lambda _: None)
+    assert len(sft_steps) == trained and again["warm_start_id"] == first["warm_start_id"]  # reused, not retrained
+    adapter = Path(again["adapter_uri"])
+    assert adapter.resolve().is_relative_to((tmp_path / "store").resolve())
+    assert (adapter / "adapter_model.safetensors").read_bytes() == \
+        (Path(first["adapter_uri"]) / "adapter_model.safetensors").read_bytes()
+
+
 def test_a_killed_warm_start_write_is_not_reused(setup, tiny_model_dir, sft_steps):
     from envace_core.models import base_model_lineage
 

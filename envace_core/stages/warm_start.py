@@ -227,7 +227,9 @@ def warm_up(cfg: RunConfig, trainer: PolicyTrainer, by_role: dict[str, list[SFTE
 def stored_warm_start(store: Any, key: str, warm_id: str) -> dict[str, Any] | None:
     """The result recorded in the complete warm start at store `key`, or None: nothing there, a
     warm_start.json of another id, or a file that does not match the directory's CHECKSUMS.json
-    (e.g. a directory some other writer left half-written)."""
+    (e.g. a directory some other writer left half-written). Its ``adapter_uri`` is where the adapter is in
+    `store` now: the recorded one names where the store was when it was written, which a store copied or
+    moved to another path (another machine's disk, a renamed bucket) no longer holds."""
     if not store.exists(f"{key}/{META}"):
         return None
     d = store.get_dir(key)
@@ -239,7 +241,7 @@ def stored_warm_start(store: Any, key: str, warm_id: str) -> dict[str, Any] | No
     actual = {k: v for k, v in dir_checksums(d).items() if k != CHECKSUMS}
     if not isinstance(meta, dict) or meta.get("warm_start_id") != warm_id or actual != expected:
         return None
-    return meta
+    return {**meta, "adapter_uri": store.uri(f"{key}/adapter")}
 
 
 def warm_start(cfg: RunConfig, dataset: dict[str, Any], say: Callable[[str], None] = print) -> dict[str, Any]:
