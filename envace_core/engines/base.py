@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import functools
 import operator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
@@ -173,6 +173,15 @@ def prompt_budgets(params: SamplingParams, n_prompts: int) -> list[int]:
                              "(an int >= 0)")
         out.append(v)
     return out
+
+
+def with_prompt_budgets(params: SamplingParams, budgets) -> SamplingParams:
+    """`params` for prompts whose token budgets are `budgets` (one int >= 0 per prompt): ``max_new_tokens`` the
+    largest, and ``prompt_max_new_tokens`` only where they differ (equal budgets stay one ``max_new_tokens``,
+    which every engine reads)."""
+    budgets = tuple(budgets)
+    return replace(params, max_new_tokens=max(budgets, default=0),
+                   prompt_max_new_tokens=budgets if len(set(budgets)) > 1 else None)
 
 
 # Per-role policy ablation (METHOD.md §1, "noshare"): which named LoRA adapter plays each role. The

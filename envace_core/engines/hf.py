@@ -255,7 +255,8 @@ class HFEngine:
             out = self.model(**kwargs)
         return out.logits[:, -1, :].float()
 
-    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> None:
+    def _validate(self, prompts: list[list[int]], params: SamplingParams) -> list[int]:
+        """Raises ValueError for what `generate` refuses (its docstring); returns each prompt's budget."""
         if params.n < 1:
             raise ValueError(f"SamplingParams.n must be >= 1, got {params.n}")
         budgets = prompt_budgets(params, len(prompts))
@@ -281,6 +282,7 @@ class HFEngine:
             lo, hi = min(p), max(p)
             if lo < 0 or hi >= vocab:
                 raise ValueError(f"prompt {i} holds token id {lo if lo < 0 else hi} outside [0, {vocab})")
+        return budgets
 
     def _plan(self, prompts: list[list[int]], n: int, live: list[int]) -> list[tuple[list[int], list[list[int]]]]:
         """Work units: (prompt indices to prefill together, decode chunks of sample indices (n ways each)).
@@ -326,10 +328,9 @@ class HFEngine:
                 prompt_max_new_tokens that is not one int >= 0 per prompt, temperature < 0, top_p outside
                 (0, 1]).
         """
-        self._validate(prompts, params)
+        budgets = self._validate(prompts, params)
         t0 = time.perf_counter()
         n = params.n
-        budgets = prompt_budgets(params, len(prompts))
         results: list[list[Completion | None]] = [[None] * n for _ in prompts]
         for i in range(len(prompts)):
             if budgets[i] == 0:

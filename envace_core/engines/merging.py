@@ -34,6 +34,7 @@ from envace_core.engines.base import (
     check_constraints,
     check_prompt_seeds,
     prompt_budgets,
+    with_prompt_budgets,
 )
 
 T = TypeVar("T")
@@ -216,9 +217,9 @@ class MergingEngine:
         seeds = tuple(s for c in group for s in c.seeds)
         cons = [x for c in group for x in (c.params.constraints or (None,) * len(c.prompts))]
         budgets = tuple(b for c in group for b in c.budgets)
-        params = replace(group[0].params, seed=None, prompt_seeds=seeds, max_new_tokens=max(budgets, default=0),
-                         prompt_max_new_tokens=budgets if len(set(budgets)) > 1 else None,
-                         constraints=tuple(cons) if any(x is not None for x in cons) else None)
+        params = with_prompt_budgets(replace(group[0].params, seed=None, prompt_seeds=seeds,
+                                             constraints=tuple(cons) if any(x is not None for x in cons) else None),
+                                     budgets)
         out = self.engine.generate(prompts, params) if prompts else []
         self.merged_calls += 1
         self.calls_in += len(group)

@@ -239,8 +239,9 @@ class VLLMEngine:
         check_constraints(params, len(prompts))
         budgets = prompt_budgets(params, len(prompts))
         eos = getattr(self.tokenizer, "eos_token_id", None)
-        sampling_kwargs(replace(params, max_new_tokens=max(budgets + [1])), eos)  # n, temperature, top_p: checked
-        live = [i for i, b in enumerate(budgets) if b > 0]  # even when no prompt decodes (all budgets 0)
+        # n, temperature, top_p checked even when no prompt decodes (all budgets 0)
+        kw = sampling_kwargs(replace(params, max_new_tokens=max(budgets + [1])), eos)
+        live = [i for i, b in enumerate(budgets) if b > 0]
         result: list[list[Completion]] = [[Completion([], [], "length") for _ in range(params.n)] for _ in prompts]
         if not live:
             return result
@@ -250,7 +251,6 @@ class VLLMEngine:
                 "vLLM engine: SamplingParams.constraints are not applied; samples are drawn unconstrained "
                 "(set rollout.constrained_decoding=false to say so in the config)")
         t0 = time.perf_counter()
-        kw = sampling_kwargs(replace(params, max_new_tokens=max(budgets)), eos)
         # per-prompt seeds (`SamplingParams.prompt_seeds`) and budgets: one vLLM SamplingParams per request,
         # each with its call's seed and its own max_tokens, as that call alone would have sent it
         if params.prompt_seeds is None and params.prompt_max_new_tokens is None:

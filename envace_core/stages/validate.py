@@ -64,7 +64,7 @@ def rehearse_rows(cfg: RunConfig, engine: Any, trans: list[tuple[Task, list, Too
     `params.grounding` is set, and the tool's REHEARSE budget (`RolloutParams.rehearse_budget`: the
     per-tool budget, else rollout.max_new_tokens_rehearse); one batched `engine.generate` call, each
     row ending at its own budget."""
-    from envace_core.engines.base import SamplingParams
+    from envace_core.engines.base import SamplingParams, with_prompt_budgets
     from envace_core.envs.tau2.tasks import task_context
     from envace_core.evaluation.fidelity import score_pair
     from envace_core.roles.errors import ParseError
@@ -85,8 +85,8 @@ def rehearse_rows(cfg: RunConfig, engine: Any, trans: list[tuple[Task, list, Too
     if trans:
         # one call, each transition at its tool's budget (`SamplingParams.prompt_max_new_tokens`); decoding
         # stops once the output can no longer parse (same verdict, fewer tokens)
-        sp = SamplingParams(max_new_tokens=max(budgets), temperature=0.0, role="rehearse",
-                            stop_when=NotJsonStop(tok), prompt_max_new_tokens=tuple(budgets))
+        sp = with_prompt_budgets(SamplingParams(temperature=0.0, role="rehearse", stop_when=NotJsonStop(tok)),
+                                 budgets)
         for i, outs in enumerate(engine.generate(prompts, sp)):
             texts[i] = tok.decode(outs[0].token_ids, skip_special_tokens=True)
     rows = []

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Optional
 
-from envace_core.engines.base import Completion, Engine, SamplingParams
+from envace_core.engines.base import Completion, Engine, SamplingParams, with_prompt_budgets
 from envace_core.envs.base import ToolEnvironment
 from envace_core.roles.act import act_prompt_ids, parse_act
 from envace_core.roles.bounds import MAX_OBSERVATION_TOKENS, PromptTooLong, check_prompt, prompt_limit
@@ -245,10 +245,10 @@ def _rehearse_turn(engine: Engine, ctx: TaskContext, trajs: list[Trajectory],
     # one batched call whatever the tools' budgets (`SamplingParams.prompt_max_new_tokens`: each row ends at
     # its own), so the turn decodes as long as its longest row, not one call per budget after another;
     # decoding stops once the output can no longer parse (`NotJsonStop`: same verdict, fewer tokens)
-    sp = SamplingParams(max_new_tokens=max(budgets), temperature=p.temperature, top_p=p.top_p, seed=seeds.next(),
-                        role=Role.REHEARSE.value, stop_when=NotJsonStop(tok),
-                        prompt_max_new_tokens=tuple(budgets) if len(set(budgets)) > 1 else None,
-                        constraints=(RehearseConstraint(tok),) * len(prompts) if p.constrained else None)
+    sp = with_prompt_budgets(SamplingParams(
+        temperature=p.temperature, top_p=p.top_p, seed=seeds.next(), role=Role.REHEARSE.value,
+        stop_when=NotJsonStop(tok), constraints=(RehearseConstraint(tok),) * len(prompts) if p.constrained else None),
+        budgets)
     for i, prompt, outs in zip(keep, prompts, engine.generate(prompts, sp)):
         gen = make_generation(Role.REHEARSE, prompt, outs[0], tok, p.temperature)
         trajs[i].generations.append(gen)
