@@ -43,8 +43,8 @@ def supports(model) -> bool:
     cfg = getattr(model, "config", None)
     if cfg is None or getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
         return False
-    # (HFEngine's bf16-on-CPU variant of SDPA counts as SDPA)
-    if getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager", "envace_sdpa_f32_decode"):
+    # (HFEngine's CPU variant of SDPA counts as SDPA)
+    if getattr(cfg, "_attn_implementation", None) not in ("sdpa", "eager", "envace_engine_sdpa"):
         return False
     if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
         return False
