@@ -118,19 +118,16 @@ def parse_models(models: str, trained: str | None) -> list[tuple[str, str]]:
 def resolve_models(models: list[tuple[str, str]], cfg) -> dict[str, Any]:
     """label -> `models.ResolvedModel` for `parse_models`' pairs, each checked as `models.check_model_ref` checks
     ``--model`` (an adapter folder over the profile's ``model.ref``; a local base folder's files; no weights
-    loaded). Raises `BenchmarkError` naming the ``--models`` item, not ``--model``, for a bad reference."""
+    loaded). Raises `BenchmarkError` naming the ``--models`` item (``--models LABEL 'REF'``) for a bad
+    reference."""
     from envace_core.models import check_model_ref
 
     resolved = {}
     for label, ref in models:
         try:
-            resolved[label] = check_model_ref(ref, cfg)
+            resolved[label] = check_model_ref(ref, cfg, flag=f"--models {label}")
         except EnvaceError as e:
-            why = str(e)
-            why = why.removeprefix(f"--model {ref!r}") if why.startswith(f"--model {ref!r}") else \
-                why.removeprefix("--model")
-            why = why.lstrip(": ")
-            raise BenchmarkError(f"--models {label}={ref}: {why}") from None
+            raise BenchmarkError(str(e)) from None
     return resolved
 
 

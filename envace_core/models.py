@@ -485,8 +485,12 @@ class ResolvedModel:
         return self.ref
 
 
-def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smollm2-135m-instruct") -> ResolvedModel:
+def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smollm2-135m-instruct",
+                      flag: str = "--model") -> ResolvedModel:
     """A local path, ``s3://…``, ``bundled:…`` or ``registry:NAME@VERSION`` as a `ResolvedModel`.
+
+    Error messages name the reference as ``{flag} 'REF'`` (a script with several models passes e.g.
+    ``--models LABEL``).
 
     A registry model (local or ``s3://`` registry) is made local first (`Registry.local_dir`: an S3 version
     is downloaded, each file checked against its commit object, into the content-addressed cache
@@ -499,6 +503,7 @@ def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smo
     `ModelRefError` (or `AdapterError` for half a per-role adapter); ``bundled:``/``s3://`` are checked
     when loaded (`models.resolve_model`).
     """
+    named = f"{flag} {ref!r}"
     if not ref.startswith("registry:"):
         local = Path(ref).expanduser()
         if "://" in ref or ref.startswith("bundled:"):
@@ -511,46 +516,46 @@ def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smo
             what = ("no such file or folder" if not local.exists() else "neither a model folder (config.json) "
                     "nor a LoRA adapter folder (adapter_config.json, or per-role act/ and rehearse/)")
             hint = f" (a registry version is written registry:{ref})" if "@" in ref and not local.exists() else ""
-            raise ModelRefError(f"--model {ref!r}: {what}; give bundled:smollm2-135m-instruct, a local HF model "
+            raise ModelRefError(f"{named}: {what}; give bundled:smollm2-135m-instruct, a local HF model "
                                 f"folder, a LoRA adapter folder, s3://... or registry:NAME@VERSION{hint}")
         return ResolvedModel(ref=ref, base_ref=ref)
     from envace_core.store.registry import MANIFEST, Registry, RegistryError
 
     name, sep, version = ref[len("registry:"):].partition("@")
     if not sep or not name or not version:
-        raise ModelRefError(f"--model {ref!r}: write registry:NAME@VERSION (see `envace registry list`)")
+        raise ModelRefError(f"{named}: write registry:NAME@VERSION (see `envace registry list`)")
     try:
         reg = Registry(registry_root)
         vdir = reg.local_dir(name, version)  # an S3 version: a verified download into the local cache
         bad = reg.verify_copy(vdir)
         manifest = json.loads((vdir / MANIFEST).read_text())
     except RegistryError as e:
-        raise ModelRefError(f"--model {ref!r}: {e}") from e
+        raise ModelRefError(f"{named}: {e}") from e
     if bad:
-        raise ModelRefError(f"--model {ref!r} fails verification, refusing to use it; artifacts that differ "
+        raise ModelRefError(f"{named} fails verification, refusing to use it; artifacts that differ "
                             f"from the manifest: {', '.join(bad)}")
     adapter = vdir / "artifacts" / "adapter"
     if not (adapter / "adapter_config.json").is_file():
-        raise ModelRefError(f"--model {ref!r}: no LoRA adapter at {adapter}")
+        raise ModelRefError(f"{named}: no LoRA adapter at {adapter}")
     base = (manifest.get("base_model") or {}).get("ref")
     if not base:
-        raise ModelRefError(f"--model {ref!r}: the manifest names no base_model.ref")
+        raise ModelRefError(f"{named}: the manifest names no base_model.ref")
     return ResolvedModel(ref=ref, base_ref=base, adapter_dir=str(adapter), manifest=manifest)
 
 
-def check_model_ref(ref: str, cfg: RunConfig, registry: str | None = None) -> ResolvedModel:
+def check_model_ref(ref: str, cfg: RunConfig, registry: str | None = None, flag: str = "--model") -> ResolvedModel:
     """`resolve_model_ref` (adapter folders checked by `check_adapter_dir`) plus the base model's folder
     (`models.resolve_model`): everything short of loading weights, so scripts can fail before hours of
     work. An ``s3://`` base is left to load time (checking it would download it) after its URI's syntax check
     (`config_checks.location`). Raises `ModelRefError`,
-    `AdapterError` or `models.ModelNotFoundError`."""
+    `AdapterError` or `models.ModelNotFoundError`; their messages name the reference as ``{flag} 'REF'``."""
     from envace_core.config_checks import location
 
     try:  # the syntax check model.ref gets: an S3 URI's form (it loads only at load time), an unknown scheme
         location(ref, "ref", ("bundled", "registry"))
     except ValueError as e:
-        raise ModelRefError(f"--model {ref!r}: " + (str(e).partition(f"ref={ref!r} ")[2] or str(e))) from None
-    model = resolve_model_ref(ref, registry or cfg.store.registry, base_ref=cfg.model.ref)
-    if not model.base_ref.startswith("s3://"):  # errors name --model for the ref itself, else the base's setting
-        resolve_model(model.base_ref, "--model" if model.base_ref == ref else "model.ref")
+        raise ModelRefError(f"{flag} {ref!r}: " + (str(e).partition(f"ref={ref!r} ")[2] or str(e))) from None
+    model = resolve_model_ref(ref, registry or cfg.store.registry, base_ref=cfg.model.ref, flag=flag)
+    if not model.base_ref.startswith("s3://"):  # errors name the flag for the ref itself, else the base's setting
+        resolve_model(model.base_ref, flag if model.base_ref == ref else "model.ref")
     return model

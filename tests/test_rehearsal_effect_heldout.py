@@ -248,7 +248,7 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
                       (["--heldout", "2", "--dataset", str(tmp_path), "--conditions", "none+noverify"], "no verifier"),
                       (["--heldout", "2", "--dataset", str(tmp_path), "--models", "run=x"], "labelled 'run'"),
                       (["--heldout", "2", "--dataset", str(ok), "--models", "y=/nonexistent/m"],
-                       "--models y=/nonexistent/m: no such file or folder"),
+                       "--models y '/nonexistent/m': no such file or folder"),
                       (["--heldout", "2", "--dataset", str(ok), "--overrides", "rehearsal.verifier=false"],
                        "sets rehearsal.verifier, which every condition sets itself"),
                       (["--heldout", "2", "--dataset", str(ok), "--overrides", "rehearsal.n=2"],  # = the profile's
