@@ -127,3 +127,66 @@ def test_pool_lru_budget_and_prefix_dominance():
 def test_negative_budget_rejected(model, tok):
     with pytest.raises(ValueError, match="prefix_cache_tokens"):
         HFEngine(model, tok, prefix_cache_tokens=-1)
+
+
+def test_one_reused_prefix_is_held_not_copied_and_stays_intact(model, tok):
+    """One prompt over a pool entry: the prefill's cache starts from views of the entry (no padding to do),
+    the forward concatenates onto them, and the entry's tensors are unchanged for the next turn."""
+    from envace_core.engines import hf
+    from envace_core.engines.prefix_cache import padded_past
+
+    eng = HFEngine(model, tok, compute_dtype="float32", prefix_cache_tokens=4096)
+    p = _chat(tok, "Book a flight to Rome.")
+    [[first]] = eng.generate([p], SamplingParams(max_new_tokens=4, temperature=0.0))
+    m, entry = eng.prefix_pool.lookup(p + first.token_ids + [5, 6, 7])
+    assert m > 0
+    before = [(k.clone(), v.clone()) for k, v in entry.kv]
+    past, mask = padded_past([(m, entry)])
+    assert mask.tolist() == [[1] * m]
+    assert past[0][0].untyped_storage().data_ptr() == entry.kv[0][0].untyped_storage().data_ptr()
+    cache = hf._cache_holding(past, model.config)
+    assert cache.get_seq_length() == m and cache.layers[0].keys is past[0][0]
+    plain = HFEngine(model, tok, compute_dtype="float32")
+    nxt = p + first.token_ids + tok.encode(" and back on Sunday", add_special_tokens=False)
+    sp = SamplingParams(max_new_tokens=6, temperature=0.0)
+    _assert_same(eng.generate([nxt], sp), plain.generate([nxt], sp))
+    assert eng.stats["cached_tokens"] > 0
+    for (k0, v0), (k1, v1) in zip(before, entry.kv):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+
+
+def test_bf16_pool_keeps_what_later_turns_read(model, tok, monkeypatch):
+    """With packed bf16 weights the pool holds KV in bf16 (half the memory): every later turn reads the reused
+    tokens in bf16 anyway, so the turns are the same, bit for bit, as with a float32 pool that keeps each row's
+    own tokens unrounded."""
+    from envace_core.engines import packed_linear, shared_prefix
+
+    if not packed_linear.available(torch.bfloat16, torch.device("cpu")):
+        pytest.skip("no packed bf16 weights on this CPU")
+    prompts = [_chat(tok, "Book a flight to Rome."), _chat(tok, "What is the weather in Berlin, in Celsius?")]
+
+    def run():
+        eng = HFEngine(model, tok, compute_dtype="bfloat16", max_batch_size=4, prefix_cache_tokens=8192)
+        out = _multi_turn(eng, tok, prompts, turns=3)
+        dtypes = {k.dtype for e in eng.prefix_pool._entries.values() for k, _ in e.kv}
+        return out, dtypes, eng.stats["cached_tokens"]
+
+    got, dtypes, cached = run()
+    assert dtypes == {torch.bfloat16} and cached > 0
+
+    def float32_row_kv(self, row):  # the pool as it was: the prompt part as read, own tokens unrounded
+        p = int(self.owner[row])
+        keep = self.prefix_mask[p]
+        parts_k = [self.prefix_keys[p][:, keep], self.own_keys[row]]
+        parts_v = [self.prefix_values[p][:, keep], self.own_values[row]]
+        if self.root_keys is not None:
+            parts_k.insert(0, self.root_keys[0])
+            parts_v.insert(0, self.root_values[0])
+        return torch.cat([t.float() for t in parts_k], 1), torch.cat([t.float() for t in parts_v], 1)
+
+    monkeypatch.setattr(shared_prefix.SharedPrefixLayer, "row_kv", float32_row_kv)
+    ref, ref_dtypes, _ = run()
+    assert ref_dtypes == {torch.float32}
+    for ta, tb in zip(got, ref):
+        for ca, cb in zip(ta, tb):
+            assert ca.token_ids == cb.token_ids and ca.logprobs == cb.logprobs

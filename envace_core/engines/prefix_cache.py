@@ -135,6 +135,9 @@ def padded_past(hits: list[tuple[int, PrefixEntry | None]]) -> tuple[list, torch
     attention mask (B, W) long, 1 on reused positions). Requires W > 0.
     """
     width = max(m for m, _ in hits)
+    if len(hits) == 1:  # nothing to pad: views of the entry (a forward concatenates onto them, never writes)
+        m, e = hits[0]
+        return [(k[None, :, :m], v[None, :, :m]) for k, v in e.kv], torch.ones((1, m), dtype=torch.long)
     ref = next(e for m, e in hits if m > 0).kv
     mask = torch.zeros((len(hits), width), dtype=torch.long)
     layers = []

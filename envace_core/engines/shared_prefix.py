@@ -79,7 +79,6 @@ class SharedPrefixLayer(DynamicLayer):
         self.prefix_values = prefix_values.to(dtype)
         self.prefix_mask = prefix_mask
         self.padded = not bool(prefix_mask.all())  # left padding to mask out in the scores
-        self.source_dtype = prefix_keys.dtype
         self.owner = owner
         self._masked: torch.Tensor | None = None  # (S, 1, 1, L_p) True on each row's prompt padding
         self._diagonal: bool | None = None  # row i is prompt i's only row
@@ -137,7 +136,12 @@ class SharedPrefixLayer(DynamicLayer):
         self._masked = self._diagonal = None
 
     def row_kv(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Row `row`'s full (keys, values), padding dropped, each (H_kv, L, D) in the prefill's dtype."""
+        """Row `row`'s full (keys, values), padding dropped, each (H_kv, L, D) in the dtype the prompts' keys
+        and values are read in (``dtype``: float32, or bf16 with packed bf16 weights on CPU).
+
+        The row's own tokens, kept in float32 while it decodes, are rounded to that dtype too: whoever reuses
+        them reads them in it (a later prefill attends under bf16 autocast, a later decode holds its prompt in
+        ``dtype``), so a bf16 copy keeps every value a later call reads, in half the memory."""
         p = int(self.owner[row])
         keep = self.prefix_mask[p]
         parts_k = [self.prefix_keys[p][:, keep], self.own_keys[row]]
@@ -145,8 +149,8 @@ class SharedPrefixLayer(DynamicLayer):
         if self.root_keys is not None:
             parts_k.insert(0, self.root_keys[0])
             parts_v.insert(0, self.root_values[0])
-        return (torch.cat([t.to(self.source_dtype) for t in parts_k], 1),
-                torch.cat([t.to(self.source_dtype) for t in parts_v], 1))
+        dtype = self.prefix_keys.dtype
+        return torch.cat([t.to(dtype) for t in parts_k], 1), torch.cat([t.to(dtype) for t in parts_v], 1)
 
 
 class RootSplit(NamedTuple):
