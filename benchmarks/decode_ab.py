@@ -29,6 +29,7 @@ with every raw figure, the command line, the load average at start and end, the 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -109,6 +110,35 @@ def root_case(tok, workload: dict) -> dict:
     return {"name": f"root{len(tails)}", "prompts": [root + t for t in tails], "n": 1}
 
 
+@contextlib.contextmanager
+def detached_worktree(rev: str, where: str):
+    """A detached git worktree of this checkout at revision `rev` under `where`, removed on exit; yields its
+    path. Raises ValueError when `rev` is not a commit of this checkout."""
+    found = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", f"{rev}^{{commit}}"],
+                           check=False, capture_output=True, text=True)
+    if found.returncode != 0:
+        raise ValueError(f"not a git revision of {ROOT}: {rev!r} ({found.stderr.strip()})")
+    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", where, found.stdout.strip()],
+                   check=True, capture_output=True)
+    try:
+        yield where
+    finally:
+        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", where], check=False,
+                       capture_output=True)
+
+
+def run_worker(script: str, src: str, spec: dict, spec_path: str) -> dict:
+    """Run `script --worker SRC SPEC` in a fresh process (the spec written to `spec_path` first); returns the
+    JSON of its last stdout line. Raises RuntimeError with its stderr's tail when it fails."""
+    with open(spec_path, "w") as f:
+        json.dump(spec, f)
+    proc = subprocess.run([sys.executable, os.path.abspath(script), "--worker", src, spec_path],
+                          check=False, capture_output=True, text=True, cwd=ROOT)
+    if proc.returncode != 0:
+        raise RuntimeError(f"worker for {src} failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def summarise(runs: dict[str, list[dict]]) -> dict:
     """variant -> rounds of worker output  ->  case -> {variant medians, ratios}."""
     cases = sorted(next(iter(runs.values()))[0]["cases"])
@@ -176,57 +206,51 @@ def main(argv=None) -> int:
 
     tmp = tempfile.mkdtemp(prefix="envace-decode-ab-")
     trees = {"after": ROOT}
-    worktree = None
     try:
-        if args.before:
-            rev = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", f"{args.before}^{{commit}}"],
-                                 capture_output=True, text=True)
-            if rev.returncode != 0:
-                ap.error(f"--before: not a git revision of {ROOT}: {args.before!r} ({rev.stderr.strip()})")
-            worktree = args.worktree or os.path.join(tmp, "before")
-            subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", worktree, rev.stdout.strip()],
-                           check=True, capture_output=True)
-            trees["before"] = worktree
-        variants = {"before": {}, "after": {}, "unfused": {"fused_decode": False}}
-        variants = {k: v for k, v in variants.items() if k in trees or k == "unfused"}
-        workload = {k: getattr(args, k) for k in ("prompt_tokens", "max_new", "group", "distinct", "repeats")}
-        load_start = os.getloadavg()
-        runs: dict[str, list[dict]] = {v: [] for v in variants}
-        order = list(variants)
-        for rnd in range(args.rounds):
-            for variant in order[rnd % len(order):] + order[:rnd % len(order)]:
-                spec = os.path.join(tmp, f"{variant}.json")
-                json.dump({"model": args.model, "workload": workload, "engine_kwargs": variants[variant],
-                           "lora": args.lora}, open(spec, "w"))
-                src = trees.get(variant, ROOT)
-                t0 = time.perf_counter()
-                proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", src, spec],
-                                      capture_output=True, text=True, cwd=ROOT)
-                if proc.returncode != 0:
-                    raise RuntimeError(f"{variant} worker failed (rc {proc.returncode}):\n{proc.stderr[-3000:]}")
-                res = json.loads(proc.stdout.strip().splitlines()[-1])
-                runs[variant].append(res)
-                steps = ", ".join(f"{c} {v['decode_ms_per_step']:.1f}" for c, v in sorted(res["cases"].items()))
-                print(f"round {rnd + 1} {variant}: decode ms/step {steps} ({time.perf_counter() - t0:.0f} s)",
-                      flush=True)
-        summary = summarise(runs)
-        report = {"summary": summary, "runs": runs,
-                  "details": {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-                              "before": args.before, "workload": workload, "model": args.model, "lora": args.lora,
-                              "load_average_start": load_start, "load_average_end": os.getloadavg(),
-                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                              "cpu_bf16_flags": sorted(f for f in ("avx512_bf16", "amx_bf16")
-                                                       if f in open("/proc/cpuinfo").read())}}
-        os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
-        with open(out_json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(table(summary))
-        print(f"wrote {out_json}")
-        return 0
+        with contextlib.ExitStack() as stack:
+            if args.before:
+                try:
+                    trees["before"] = stack.enter_context(
+                        detached_worktree(args.before, args.worktree or os.path.join(tmp, "before")))
+                except ValueError as e:
+                    ap.error(f"--before: {e}")
+            return _run(args, trees, tmp, out_json)
     finally:
-        if worktree:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", worktree], capture_output=True)
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _run(args, trees: dict[str, str], tmp: str, out_json: str) -> int:
+    """The rounds of every variant (`main`), then the report."""
+    variants = {"before": {}, "after": {}, "unfused": {"fused_decode": False}}
+    variants = {k: v for k, v in variants.items() if k in trees or k == "unfused"}
+    workload = {k: getattr(args, k) for k in ("prompt_tokens", "max_new", "group", "distinct", "repeats")}
+    load_start = os.getloadavg()
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    order = list(variants)
+    for rnd in range(args.rounds):
+        for variant in order[rnd % len(order):] + order[:rnd % len(order)]:
+            spec = {"model": args.model, "workload": workload, "engine_kwargs": variants[variant],
+                    "lora": args.lora}
+            t0 = time.perf_counter()
+            res = run_worker(__file__, trees.get(variant, ROOT), spec, os.path.join(tmp, f"{variant}.json"))
+            runs[variant].append(res)
+            steps = ", ".join(f"{c} {v['decode_ms_per_step']:.1f}" for c, v in sorted(res["cases"].items()))
+            print(f"round {rnd + 1} {variant}: decode ms/step {steps} ({time.perf_counter() - t0:.0f} s)",
+                  flush=True)
+    summary = summarise(runs)
+    report = {"summary": summary, "runs": runs,
+              "details": {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+                          "before": args.before, "workload": workload, "model": args.model, "lora": args.lora,
+                          "load_average_start": load_start, "load_average_end": os.getloadavg(),
+                          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                          "cpu_bf16_flags": sorted(f for f in ("avx512_bf16", "amx_bf16")
+                                                   if f in open("/proc/cpuinfo").read())}}
+    os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
+    with open(out_json, "w") as f:
+        json.dump(report, f, indent=1)
+    print(table(summary))
+    print(f"wrote {out_json}")
+    return 0
 
 
 if __name__ == "__main__":

@@ -1,0 +1,54 @@
+"""benchmarks/prefill_reuse.py end to end on the tiny random Llama with --quick sizes (plumbing and JSON, not
+speed): both variants in their own processes, the before tree from a git worktree that is removed after."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_SPEC = importlib.util.spec_from_file_location("prefill_reuse", ROOT / "benchmarks" / "prefill_reuse.py")
+
+
+def _bench():
+    bench = importlib.util.module_from_spec(_SPEC)
+    _SPEC.loader.exec_module(bench)
+    return bench
+
+
+def _worktrees() -> str:
+    return subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
+
+
+def test_quick_run_writes_both_variants_and_removes_its_worktree(tiny_model_dir, tmp_path, capsys):
+    before = _worktrees()
+    out = tmp_path / "reuse.json"
+    assert _bench().main(["--before", "HEAD", "--quick", "--model", str(tiny_model_dir), "--json", str(out)]) == 0
+    rep = json.loads(out.read_text())
+    assert set(rep["summary"]) == {"1x16", "4x16"}
+    for case, row in rep["summary"].items():
+        rows = int(case.split("x")[0])
+        assert row["after_over_before"] == pytest.approx(row["after"]["seconds"] / row["before"]["seconds"])
+        for v in ("before", "after"):
+            assert row[v]["seconds"] > 0 and row[v]["minor_faults"] >= 0
+            calls = rep["runs"][v][0]["cases"][case]["calls"]
+            prompt = rep["runs"][v][0]["prompt_tokens"]
+            assert len(calls) == 2 and all(c["reused_tokens"] >= rows * prompt for c in calls)
+    assert rep["details"]["before"] == "HEAD" and rep["details"]["spec"]["tails"] == [16]
+    assert "| 1x16 |" in capsys.readouterr().out
+    assert _worktrees() == before
+
+
+@pytest.mark.parametrize(("argv", "msg"), [(["--tails", "a,b"], "--tails must be comma-separated integers"),
+                                           (["--tails", "0"], "--tails must hold counts >= 1"),
+                                           (["--calls", "0"], "--calls must be >= 1"),
+                                           (["--pool-tokens", "100"], "--pool-tokens must hold"),
+                                           (["--before", "no-such-rev-xyz"], "--before: not a git revision")])
+def test_bad_arguments(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        _bench().main(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err
