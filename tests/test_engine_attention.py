@@ -1,5 +1,5 @@
-"""The engine's CPU attention (`hf._engine_sdpa`): prefill with grouped KV heads equals transformers' SDPA bit for
-bit, decode attends in float32, and whatever it does not handle goes to transformers unchanged."""
+"""The engine's CPU attention (`cpu_attention.engine_sdpa`): prefill with grouped KV heads equals transformers' SDPA
+bit for bit, decode attends in float32, and whatever it does not handle goes to transformers unchanged."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from envace_core.engines import hf
+from envace_core.engines import cpu_attention
 from envace_core.engines.base import SamplingParams
 from envace_core.engines.hf import HFEngine
 from envace_core.models import load_model, load_tokenizer
@@ -41,7 +41,7 @@ def test_grouped_prefill_equals_transformers_bit_for_bit(dtype):
     q, k, v = _qkv(3, 6, 2, 9, 40, dtype)
     mask = _reused_prefix_mask(3, 9, 40, pad_first_row=5)
     ref, _ = sdpa_attention_forward(_module(3), q, k, v, mask, scaling=0.25)
-    out, weights = hf._engine_sdpa(_module(3), q, k, v, mask, scaling=0.25)
+    out, weights = cpu_attention.engine_sdpa(_module(3), q, k, v, mask, scaling=0.25)
     assert weights is None and out.dtype == dtype and out.shape == (3, 9, 6, 16)
     assert torch.equal(out, ref)
 
@@ -50,10 +50,10 @@ def test_grouped_prefill_equals_transformers_bit_for_bit(dtype):
 def test_grouped_causal_prefill_without_mask_equals_transformers(dtype):
     q, k, v = _qkv(1, 4, 2, 12, 12, dtype, seed=1)
     ref, _ = sdpa_attention_forward(_module(2), q, k, v, None, scaling=0.25)
-    out, _ = hf._engine_sdpa(_module(2), q, k, v, None, scaling=0.25)
+    out, _ = cpu_attention.engine_sdpa(_module(2), q, k, v, None, scaling=0.25)
     assert torch.equal(out, ref)
     noncausal = types.SimpleNamespace(num_key_value_groups=2, is_causal=False, training=False)
-    assert not torch.equal(hf._engine_sdpa(noncausal, q, k, v, None, scaling=0.25)[0], ref)
+    assert not torch.equal(cpu_attention.engine_sdpa(noncausal, q, k, v, None, scaling=0.25)[0], ref)
 
 
 def test_cases_it_does_not_handle_go_to_transformers(monkeypatch):
@@ -66,18 +66,18 @@ def test_cases_it_does_not_handle_go_to_transformers(monkeypatch):
     monkeypatch.setattr("transformers.integrations.sdpa_attention.sdpa_attention_forward", spy)
     q, k, v = _qkv(1, 4, 2, 5, 9, torch.float32)
     mask = _reused_prefix_mask(1, 5, 9, pad_first_row=0)
-    hf._engine_sdpa(_module(2), q, k, v, mask, scaling=0.25)  # handled here
+    cpu_attention.engine_sdpa(_module(2), q, k, v, mask, scaling=0.25)  # handled here
     assert calls == []
-    hf._engine_sdpa(_module(1), *_qkv(1, 4, 4, 5, 9, torch.float32), mask, scaling=0.25)  # no grouped heads
-    hf._engine_sdpa(_module(2), q, k, v, mask, dropout=0.1, scaling=0.25)  # dropout
-    hf._engine_sdpa(_module(2), q, k, v, None, scaling=0.25)  # no mask but a reused prefix: causal is ambiguous
-    hf._engine_sdpa(_module(2), q[:, :, :1], k, v, mask[:, :, :1], scaling=0.25)  # decode: float32, transformers'
+    cpu_attention.engine_sdpa(_module(1), *_qkv(1, 4, 4, 5, 9, torch.float32), mask, scaling=0.25)  # no grouped heads
+    cpu_attention.engine_sdpa(_module(2), q, k, v, mask, dropout=0.1, scaling=0.25)  # dropout
+    cpu_attention.engine_sdpa(_module(2), q, k, v, None, scaling=0.25)  # no mask but a reused prefix: causal is ambiguous
+    cpu_attention.engine_sdpa(_module(2), q[:, :, :1], k, v, mask[:, :, :1], scaling=0.25)  # decode: float32, transformers'
     assert len(calls) == 4
 
 
 def test_decode_attends_in_float32():
     q, k, v = _qkv(2, 4, 2, 1, 30, torch.bfloat16, seed=2)
-    out, _ = hf._engine_sdpa(_module(2), q, k, v, None, scaling=0.25)
+    out, _ = cpu_attention.engine_sdpa(_module(2), q, k, v, None, scaling=0.25)
     ref, _ = sdpa_attention_forward(_module(2), q.float(), k.float(), v.float(), None, scaling=0.25)
     assert out.dtype == torch.bfloat16
     assert torch.equal(out, ref.to(torch.bfloat16))
