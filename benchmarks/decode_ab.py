@@ -127,6 +127,18 @@ def detached_worktree(rev: str, where: str):
                        capture_output=True)
 
 
+def model_argument(ref: str) -> str:
+    """``--model`` as a worker (run from the checkout's root) can load it: ``bundled:…`` and ``s3://…`` as given, a
+    local folder made absolute. Raises ValueError for a local path that is not a model folder (config.json)."""
+    if ref.startswith(("bundled:", "s3://")):
+        return ref
+    path = os.path.abspath(os.path.expanduser(ref))
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"{ref!r} is not a model folder (no config.json); give a local HF model folder, "
+                         "bundled:smollm2-135m-instruct or s3://...")
+    return path
+
+
 def run_worker(script: str, src: str, spec: dict, spec_path: str) -> dict:
     """Run `script --worker SRC SPEC` in a fresh process (the spec written to `spec_path` first); returns the
     JSON of its last stdout line. Raises RuntimeError with its stderr's tail when it fails."""
@@ -203,6 +215,10 @@ def main(argv=None) -> int:
     if args.max_new < 2:
         ap.error("--max-new must be >= 2 (decode ms per step needs a step after the first token)")
     out_json = args.json or ("/tmp/envace-decode-ab-quick.json" if args.quick else DEFAULT_JSON)
+    try:
+        args.model = model_argument(args.model)
+    except ValueError as e:
+        ap.error(f"--model: {e}")
 
     tmp = tempfile.mkdtemp(prefix="envace-decode-ab-")
     trees = {"after": ROOT}

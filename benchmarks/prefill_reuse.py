@@ -133,7 +133,7 @@ def table(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from decode_ab import detached_worktree, run_worker
+    from decode_ab import detached_worktree, model_argument, run_worker
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", help="git revision of the 'before' variant (omit: after only)")
@@ -164,6 +164,10 @@ def main(argv=None) -> int:
     if args.pool_tokens < 4 * (args.prompt_tokens + max(tails)) + 64:
         ap.error("--pool-tokens must hold the prompt and four tails at least (4 x (prompt + tail) + 64)")
     out_json = args.json or ("/tmp/envace-prefill-reuse-quick.json" if args.quick else DEFAULT_JSON)
+    try:
+        args.model = model_argument(args.model)
+    except ValueError as e:
+        ap.error(f"--model: {e}")
 
     tmp = tempfile.mkdtemp(prefix="envace-prefill-reuse-")
     try:

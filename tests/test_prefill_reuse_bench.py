@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -47,8 +48,17 @@ def test_quick_run_writes_both_variants_and_removes_its_worktree(tiny_model_dir,
                                            (["--tails", "0"], "--tails must hold counts >= 1"),
                                            (["--calls", "0"], "--calls must be >= 1"),
                                            (["--pool-tokens", "100"], "--pool-tokens must hold"),
-                                           (["--before", "no-such-rev-xyz"], "--before: not a git revision")])
+                                           (["--before", "no-such-rev-xyz"], "--before: not a git revision"),
+                                           (["--model", "/nonexistent/model"], "--model: '/nonexistent/model' is not")])
 def test_bad_arguments(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         _bench().main(argv)
     assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_a_relative_model_path_is_the_callers(tiny_model_dir, tmp_path, monkeypatch):
+    """The workers run from the checkout's root; a --model relative to where the user stands still loads."""
+    monkeypatch.chdir(tiny_model_dir.parent)
+    out = tmp_path / "rel.json"
+    assert _bench().main(["--quick", "--model", tiny_model_dir.name, "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["details"]["spec"]["model"] == os.path.abspath(tiny_model_dir)

@@ -139,9 +139,12 @@ class SharedPrefixLayer(DynamicLayer):
         """Row `row`'s full (keys, values), padding dropped, each (H_kv, L, D) in the dtype the prompts' keys
         and values are read in (``dtype``: float32, or bf16 with packed bf16 weights on CPU).
 
-        The row's own tokens, kept in float32 while it decodes, are rounded to that dtype too: whoever reuses
-        them reads them in it (a later prefill attends under bf16 autocast, a later decode holds its prompt in
-        ``dtype``), so a bf16 copy keeps every value a later call reads, in half the memory."""
+        The row's own tokens, kept in float32 while it decodes, are rounded to that dtype too, in half the memory:
+        a later prefill of two or more tokens attends under bf16 autocast and a later decode holds its prompt in
+        ``dtype``, so those read the same values as from a float32 copy. A later prefill of a single new token
+        attends in float32 (as decode does, `cpu_attention.engine_sdpa`) and so reads these tokens rounded, where
+        a float32 copy kept them unrounded: the same values that re-encoding the whole prompt reads (its
+        prefill attends in bf16), not the same bits as before (~4e-3 in the logits, measured on a tiny model)."""
         p = int(self.owner[row])
         keep = self.prefix_mask[p]
         parts_k = [self.prefix_keys[p][:, keep], self.own_keys[row]]
