@@ -270,7 +270,8 @@ def main(argv=None) -> int:
     cfg = load_config(args.profile, args.overrides)
     for t in tasks:  # an unknown domain is named now, not after a model has loaded
         task_context(t, cfg.data.policy_max_chars)
-    resolved = {label: check_model_ref(ref, cfg) for label, ref in models}  # every model found before any loads
+    # every model found before any loads; errors name the --models item
+    resolved = {label: check_model_ref(ref, cfg, flag=f"--models {label}") for label, ref in models}
     out, report_path = check_outputs(args)
     caches = {label: out / f"{label}-{fingerprint(resolved[label].label, ref, cfg, args.tasks)}.jsonl"
               for label, ref in models}

@@ -100,7 +100,7 @@ def test_bad_arguments_stop_before_any_model_loads(tmp_path, monkeypatch):
     for argv, msg in [(["--models", "a/b=bundled:smollm2-135m-instruct"], "labels name cache files"),
                       (["--models", ok, "--limit", "0"], "--limit must be >= 1"),
                       (["--models", ok, "--n-boot", "0"], "--n-boot must be >= 1"),
-                      (["--models", ok + ",y=" + str(tmp_path / "nothere")], f"--models y={tmp_path / 'nothere'}: "),
+                      (["--models", ok + ",y=" + str(tmp_path / "nothere")], f"--models y '{tmp_path / 'nothere'}': "),
                       (["--models", ok, "--json", str(tmp_path)], "is a folder"),
                       (["--models", ok, "--json", str(tasks)], "is the --tasks file"),
                       (["--models", ok, "--json", ""], "--json is empty"),
