@@ -151,6 +151,22 @@ def run_worker(script: str, src: str, spec: dict, spec_path: str) -> dict:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def write_report(out_json: str, summary: dict, runs: dict, details: dict, table_text: str) -> None:
+    """Write {summary, runs, details} to `out_json` (its folder made), details completed with the command line, the
+    load average at the end, the date and the CPU's bf16 flags; print `table_text` and where the report went."""
+    with open("/proc/cpuinfo") as f:
+        cpuinfo = f.read()
+    details = {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]), **details,
+               "load_average_end": os.getloadavg(),
+               "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               "cpu_bf16_flags": sorted(f for f in ("avx512_bf16", "amx_bf16") if f in cpuinfo)}
+    os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
+    with open(out_json, "w") as f:
+        json.dump({"summary": summary, "runs": runs, "details": details}, f, indent=1)
+    print(table_text)
+    print(f"wrote {out_json}")
+
+
 def summarise(runs: dict[str, list[dict]]) -> dict:
     """variant -> rounds of worker output  ->  case -> {variant medians, ratios}."""
     cases = sorted(next(iter(runs.values()))[0]["cases"])
@@ -254,18 +270,8 @@ def _run(args, trees: dict[str, str], tmp: str, out_json: str) -> int:
             print(f"round {rnd + 1} {variant}: decode ms/step {steps} ({time.perf_counter() - t0:.0f} s)",
                   flush=True)
     summary = summarise(runs)
-    report = {"summary": summary, "runs": runs,
-              "details": {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-                          "before": args.before, "workload": workload, "model": args.model, "lora": args.lora,
-                          "load_average_start": load_start, "load_average_end": os.getloadavg(),
-                          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                          "cpu_bf16_flags": sorted(f for f in ("avx512_bf16", "amx_bf16")
-                                                   if f in open("/proc/cpuinfo").read())}}
-    os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
-    with open(out_json, "w") as f:
-        json.dump(report, f, indent=1)
-    print(table(summary))
-    print(f"wrote {out_json}")
+    write_report(out_json, summary, runs, {"before": args.before, "workload": workload, "model": args.model,
+                                           "lora": args.lora, "load_average_start": load_start}, table(summary))
     return 0
 
 

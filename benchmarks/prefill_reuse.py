@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import os
 import resource
@@ -133,7 +132,7 @@ def table(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from decode_ab import detached_worktree, model_argument, run_worker
+    from decode_ab import detached_worktree, model_argument, run_worker, write_report
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", help="git revision of the 'before' variant (omit: after only)")
@@ -192,19 +191,8 @@ def main(argv=None) -> int:
                     got = ", ".join(f"{c} {v['seconds']:.3f} s" for c, v in res["cases"].items())
                     print(f"round {rnd + 1} {variant}: {got} ({time.perf_counter() - t0:.0f} s)", flush=True)
         summary = summarise(runs)
-        with open("/proc/cpuinfo") as f:
-            cpuinfo = f.read()
-        report = {"summary": summary, "runs": runs,
-                  "details": {"command": " ".join([os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
-                              "before": args.before, "spec": spec,
-                              "load_average_start": load_start, "load_average_end": os.getloadavg(),
-                              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                              "cpu_bf16_flags": sorted(f for f in ("avx512_bf16", "amx_bf16") if f in cpuinfo)}}
-        os.makedirs(os.path.dirname(os.path.abspath(out_json)), exist_ok=True)
-        with open(out_json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(table(summary))
-        print(f"wrote {out_json}")
+        write_report(out_json, summary, runs, {"before": args.before, "spec": spec, "load_average_start": load_start},
+                     table(summary))
         return 0
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
