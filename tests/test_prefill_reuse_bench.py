@@ -21,8 +21,11 @@ def _bench():
     return bench
 
 
-def _worktrees() -> str:
-    return subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
+def _worktrees() -> list[str]:
+    """This benchmark's worktrees (its temporary folder's prefix): the other benchmark's test, running beside this
+    one under pytest-xdist, adds and removes its own."""
+    out = subprocess.run(["git", "-C", str(ROOT), "worktree", "list"], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if "envace-prefill-reuse-" in line]
 
 
 def test_quick_run_writes_both_variants_and_removes_its_worktree(tiny_model_dir, tmp_path, capsys):
