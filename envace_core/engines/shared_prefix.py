@@ -17,6 +17,13 @@ rows of one prompt attend to its prefix in one matmul that reads the prefix once
 FlashInfer / vLLM's cascade kernels; here in plain torch), and distinct prompts that begin with the same
 tokens (a root: `root_split`) read the root's KV once in the same way.
 
+With bf16 prompts on CPU, where each prompt's rows are consecutive (a group of one prompt, distinct prompts
+one row each, P prompts x n samples), the parts go through torch's fused CPU attention kernel instead (the
+flash-attention forward, which returns each query's log-sum-exp) and are merged by their log-sum-exps:
+the same attention up to rounding in a third fewer ops and one pass over each prompt's keys and values
+(`SharedPrefixLayer.fused_route`; measured in benchmarks/RESULTS.md, "Decode attention through torch's fused
+CPU kernel"). Float32 prompts keep the classic path, whose sums re-encoding in float32 reproduces.
+
 Only models whose attention is plain scaled-dot-product softmax attention over every layer
 (`supports` lists the model types) use it; others keep transformers' own path.
 """
@@ -82,6 +89,7 @@ class SharedPrefixLayer(DynamicLayer):
         self.owner = owner
         self._masked: torch.Tensor | None = None  # (S, 1, 1, L_p) True on each row's prompt padding
         self._diagonal: bool | None = None  # row i is prompt i's only row
+        self._fused: tuple | None = None  # (route ok, additive prompt mask or None): `fused_route`, once per batch
         s, (_, h, _, d) = owner.numel(), prefix_keys.shape
         own_dtype = torch.promote_types(prefix_keys.dtype, torch.float32)
         self._k = prefix_keys.new_empty((s, h, max(capacity, 1), d), dtype=own_dtype)
@@ -124,6 +132,32 @@ class SharedPrefixLayer(DynamicLayer):
                 (self.owner == torch.arange(s, device=self.owner.device)).all())
         return self._diagonal
 
+    def fused_route(self) -> tuple[bool, torch.Tensor | None]:
+        """Whether `attend` can take the prompts' part through torch's fused CPU attention (`FUSED_ATTENTION`),
+        and its additive prompt mask ((P, 1, 1, L_p) in the prompts' dtype; None without padding). Only for
+        bf16 prompts (float32 keeps the classic path, whose sums re-encoding in float32 reproduces), the same number of rows per prompt in prompt order (a group of one prompt,
+        distinct prompts one row each, or P prompts x n samples as the engine lays them out), a non-empty
+        prompt part and no row whose prompt part is all padding (its part would have no softmax). Decided once
+        per batch."""
+        if self._fused is None:
+            ok = (FUSED_ATTENTION and self.prefix_keys.dtype == torch.bfloat16 and self.prefix_keys.device.type == "cpu"
+                  and self.prefix_keys.shape[2] > 0 and self._rows_in_prompt_order()
+                  and bool(self.prefix_mask.any(-1).all()) and _fused_kernel_ok())
+            mask = None
+            if ok and self.padded:
+                keep = self.prefix_mask[:, None, None, :]
+                mask = torch.zeros(keep.shape, dtype=self.prefix_keys.dtype).masked_fill_(~keep, float("-inf"))
+            self._fused = (ok, mask)
+        return self._fused
+
+    def _rows_in_prompt_order(self) -> bool:
+        """Whether the S decode rows are r = S / P rows per prompt in prompt order (owner = 0 x r, 1 x r, ...)."""
+        p, s = self.prefix_keys.shape[0], self.owner.numel()
+        if s % p:
+            return False
+        order = torch.arange(p, device=self.owner.device).repeat_interleave(s // p)
+        return bool(torch.equal(self.owner, order))
+
     def get_seq_length(self) -> int:
         root = 0 if self.root_keys is None else self.root_keys.shape[2]
         return root + self.prefix_keys.shape[2] + self.length
@@ -133,7 +167,7 @@ class SharedPrefixLayer(DynamicLayer):
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         self._k, self._v, self.owner = self._k[indices], self._v[indices], self.owner[indices]
-        self._masked = self._diagonal = None
+        self._masked = self._diagonal = self._fused = None
 
     def row_kv(self, row: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Row `row`'s full (keys, values), padding dropped, each (H_kv, L, D) in the dtype the prompts' keys
@@ -283,6 +317,10 @@ def attend(layer: SharedPrefixLayer, query: torch.Tensor, key: torch.Tensor, val
     dt = layer.prefix_keys.dtype
     with torch.autocast(query.device.type, enabled=False):
         q32 = query.float().contiguous().view(s, h_kv, g, d)  # one layout whatever the caller's: one rounding
+        route, mask = layer.fused_route()
+        if route and key.shape[2] > 0:
+            out = _attend_fused(layer, q32, key, value, scale, mask)
+            return out.reshape(s, heads, 1, d).transpose(1, 2).contiguous().to(query.dtype)
         q = q32.to(dt)
         parts = []
         if layer.root_keys is not None:  # the common root: one product for every row
@@ -301,6 +339,80 @@ def attend(layer: SharedPrefixLayer, query: torch.Tensor, key: torch.Tensor, val
         if lr:
             out = out + _grouped_out(probs[..., :lr].to(dt), layer.root_values, layer.owner)
     return out.reshape(s, heads, 1, d).transpose(1, 2).contiguous().to(query.dtype)
+
+
+def _fused_part(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
+                mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(output (S, H_kv, g, D), log-sum-exp (S, H_kv, g) float32) of queries q (S, H_kv, g, D) against keys
+    and values (P, H_kv, L, D) with S = r * P rows in prompt order (rows [p r, (p + 1) r) read prompt p): the
+    r * g queries of one prompt go in one call that reads its keys once; mask: (P, 1, 1, L) additive or None."""
+    s, h, g, d = q.shape
+    p = keys.shape[0]
+    r = s // p
+    if r > 1:
+        q = q.view(p, r, h, g, d).transpose(1, 2).reshape(p, h, r * g, d)
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q.to(keys.dtype), keys, values, 0.0, False, attn_mask=mask, scale=scale)
+    if r > 1:
+        return (out.reshape(p, h, r, g, d).transpose(1, 2).reshape(s, h, g, d),
+                lse.reshape(p, h, r, g).transpose(1, 2).reshape(s, h, g))
+    return out, lse
+
+
+def _attend_fused(layer: SharedPrefixLayer, q32: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                  scale: float, mask: torch.Tensor | None) -> torch.Tensor:
+    """`attend`'s result as (S, H_kv, g, D) float32 through torch's fused CPU attention kernel (the flash
+    attention forward ``_scaled_dot_product_flash_attention_for_cpu``: scores, softmax and the weighted sum in
+    one pass over the keys, with the log-sum-exp of each query's scores). The parts (the common root, the
+    prompts, the rows' own tokens) are attended separately and merged by their log-sum-exps, as cascade /
+    split-KV decoding does (FlashInfer's merge of attention states; Dao et al., FlashDecoding): with
+    o_i, m_i = a part's softmax output and log-sum-exp, o = sum_i exp(m_i - M) o_i / sum_i exp(m_i - M). The
+    same attention as the classic path up to rounding: the prompts' part is read and returned in bf16 (as
+    there), the rows' own part and the merge are float32."""
+    parts = []
+    if layer.root_keys is not None:
+        parts.append(_fused_part(q32, layer.root_keys, layer.root_values, scale, None))
+    parts.append(_fused_part(q32, layer.prefix_keys, layer.prefix_values, scale, mask))
+    parts.append(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q32, key.float(), value.float(), 0.0, False, scale=scale))
+    if len(parts) == 2:  # o = o_a + sigmoid(m_b - m_a) (o_b - o_a)
+        (oa, la), (ob, lb) = parts
+        oa = oa.float()
+        return oa + torch.sigmoid(lb - la).unsqueeze(-1) * (ob - oa)
+    lse = torch.stack([m for _, m in parts])
+    w = torch.softmax(lse, 0).unsqueeze(-1)
+    return sum(o.float() * wi for (o, _), wi in zip(parts, w))
+
+
+# Whether `attend` may use torch's fused CPU attention kernel for bf16 prompts (`SharedPrefixLayer.fused_route`);
+# False keeps the classic path everywhere (for A/B measurements).
+FUSED_ATTENTION = True
+_FUSED_PROBE: list[bool] = []
+
+
+def _fused_kernel_ok() -> bool:
+    """Whether this torch has the fused CPU attention op and it gives the attention and its log-sum-exp on a
+    bf16 probe with a padding mask (checked once per process, as `packed_linear` probes oneDNN)."""
+    if not _FUSED_PROBE:
+        _FUSED_PROBE.append(_probe_fused())
+    return _FUSED_PROBE[0]
+
+
+def _probe_fused() -> bool:
+    try:
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 2, n, 8, generator=g).to(torch.bfloat16) for n in (3, 5, 5))
+        keep = torch.tensor([[True] * 5, [False, False, True, True, True]])[:, None, None, :]
+        mask = torch.zeros(keep.shape, dtype=torch.bfloat16).masked_fill_(~keep, float("-inf"))
+        out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, 0.0, False, attn_mask=mask, scale=0.5)
+        scores = (q.float() @ k.float().transpose(-1, -2) * 0.5).masked_fill(~keep, float("-inf"))
+        want = torch.softmax(scores, -1) @ v.float()
+        return (out.shape == want.shape and lse.shape == want.shape[:-1]
+                and bool(torch.allclose(out.float(), want, atol=0.03, rtol=0.03))
+                and bool(torch.allclose(lse.float(), torch.logsumexp(scores, -1), atol=0.03, rtol=0.01)))
+    except (AttributeError, RuntimeError, NotImplementedError, TypeError):
+        return False
 
 
 def _no_mask(*args, **kwargs):
