@@ -58,10 +58,7 @@ def _reference(layer, query, scale):
 def _classic(layer, query, scale, monkeypatch):
     with monkeypatch.context() as m:
         m.setattr(shared_prefix, "FUSED_ATTENTION", False)
-        layer._fused = None
-        out = shared_prefix.attend(layer, query, layer.own_keys, layer.own_values, scale)
-    layer._fused = None
-    return out
+        return shared_prefix.attend(layer, query, layer.own_keys, layer.own_values, scale)
 
 
 @pytest.mark.parametrize("case", [
@@ -70,6 +67,7 @@ def _classic(layer, query, scale, monkeypatch):
     {"pads": [0, 7, 2], "width": 40, "owner": [0, 1, 2]},  # distinct prompts, one row each, padded
     {"pads": [0, 7, 2], "width": 40, "owner": [0, 1, 2], "root": 12},  # and a common root
     {"pads": [5, 0], "width": 40, "owner": [0, 0, 1, 1]},  # two prompts, two samples each
+    {"pads": [0, 7], "width": 40, "owner": [0, 0, 1, 1], "root": 12},  # and a common root
 ])
 def test_fused_route_is_the_attention_up_to_bf16_rounding(case, monkeypatch):
     if not shared_prefix._fused_kernel_ok():
@@ -78,7 +76,7 @@ def test_fused_route_is_the_attention_up_to_bf16_rounding(case, monkeypatch):
     assert layer.fused_route()[0]
     if case.get("root"):
         assert layer.root_keys is not None and layer.root_keys.shape[2] == case["root"]
-    scale = D ** -0.5
+    scale = 0.5  # not the kernel's default 1/sqrt(D): the scale must be passed
     seen = []
     monkeypatch.setattr(shared_prefix, "_attend_fused",
                         lambda *a, _f=shared_prefix._attend_fused: (seen.append(1), _f(*a))[1])
@@ -89,21 +87,29 @@ def test_fused_route_is_the_attention_up_to_bf16_rounding(case, monkeypatch):
     err_fused = (fused.double() - ref).abs().max().item()
     err_classic = (classic.double() - ref).abs().max().item()
     # both read the prompts' bf16 keys and values and round the prompt part's output to bf16
-    assert err_fused < 2e-2 and err_classic < 2e-2
+    assert err_fused < 5e-2 and err_classic < 5e-2
     assert err_fused <= 2 * err_classic + 1e-3
 
 
-@pytest.mark.parametrize("why", ["float32", "shared_rows", "all_root_row", "switched_off", "selected_rows"])
+@pytest.mark.parametrize("why", ["float32", "shared_rows", "rows_of_two_of_four", "rows_swapped", "rows_interleaved",
+                                 "all_root_row", "switched_off", "selected_rows"])
 def test_classic_path_where_the_fused_route_does_not_apply(why, monkeypatch):
     kwargs = {"pads": [0, 4, 1], "width": 30, "owner": [0, 1, 2]}
     if why == "float32":
         kwargs["dtype"] = torch.float32
     elif why == "shared_rows":  # several prompts, several rows each: no one call reads each prompt once
         kwargs["owner"] = [0, 0, 1, 2]
+    elif why == "rows_of_two_of_four":  # S divisible by P, but the rows read two of the four prompts
+        kwargs.update(pads=[0, 3, 1, 2], owner=[0, 0, 1, 1])
+    elif why == "rows_swapped":
+        kwargs.update(pads=[0, 3, 1, 2], owner=[1, 0, 2, 3])
+    elif why == "rows_interleaved":
+        kwargs.update(pads=[0, 3, 1, 2], owner=[0, 1, 0, 1, 2, 3, 2, 3])
     elif why == "all_root_row":  # prompt 2 is its root only: its prompt part after the root is all padding
         kwargs.update(pads=[0, 4, 18], root=12)
     layer, query = _layer(**kwargs)
-    if why == "switched_off":
+    if why == "switched_off":  # also after the layer decided its route
+        assert layer.fused_route()[0] or not shared_prefix._fused_kernel_ok()
         monkeypatch.setattr(shared_prefix, "FUSED_ATTENTION", False)
     if why == "selected_rows":  # the batch lost a row: rows are no longer prompt i's only row
         assert layer.fused_route()[0] or not shared_prefix._fused_kernel_ok()
@@ -113,6 +119,18 @@ def test_classic_path_where_the_fused_route_does_not_apply(why, monkeypatch):
     monkeypatch.setattr(shared_prefix, "_attend_fused", lambda *a: pytest.fail("fused route taken"))
     out = shared_prefix.attend(layer, query, layer.own_keys, layer.own_values, 0.25)
     torch.testing.assert_close(out.double(), _reference(layer, query, 0.25), atol=2e-2, rtol=0)
+
+
+def test_no_own_tokens_yet_takes_the_classic_path(monkeypatch):
+    """The kernel aborts the process on zero-length keys: a layer before its first update never calls it."""
+    g = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(2, H_KV, 12, D, generator=g), torch.randn(2, H_KV, 12, D, generator=g)
+    layer = shared_prefix.SharedPrefixLayer(keys, values, torch.ones(2, 12, dtype=torch.bool), torch.tensor([0, 1]),
+                                            2, torch.bfloat16)
+    query = torch.randn(2, H_KV * G, 1, D, generator=g)
+    monkeypatch.setattr(shared_prefix, "_attend_fused", lambda *a: pytest.fail("fused route taken"))
+    out = shared_prefix.attend(layer, query, layer.own_keys, layer.own_values, 0.5)
+    assert out.shape == (2, 1, H_KV * G, D) and bool(torch.isfinite(out).all())
 
 
 def test_engine_decodes_alike_with_and_without_the_fused_route(ids_tokenizer, monkeypatch):

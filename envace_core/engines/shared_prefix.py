@@ -20,7 +20,7 @@ tokens (a root: `root_split`) read the root's KV once in the same way.
 With bf16 prompts on CPU, where each prompt's rows are consecutive (a group of one prompt, distinct prompts
 one row each, P prompts x n samples), the parts go through torch's fused CPU attention kernel instead (the
 flash-attention forward, which returns each query's log-sum-exp) and are merged by their log-sum-exps:
-the same attention up to rounding in a third fewer ops and one pass over each prompt's keys and values
+the same attention up to rounding, in fewer ops and one pass over each prompt's keys and values
 (`SharedPrefixLayer.fused_route`; measured in benchmarks/RESULTS.md, "Decode attention through torch's fused
 CPU kernel"). Float32 prompts keep the classic path, whose sums re-encoding in float32 reproduces.
 
@@ -133,14 +133,16 @@ class SharedPrefixLayer(DynamicLayer):
         return self._diagonal
 
     def fused_route(self) -> tuple[bool, torch.Tensor | None]:
-        """Whether `attend` can take the prompts' part through torch's fused CPU attention (`FUSED_ATTENTION`),
-        and its additive prompt mask ((P, 1, 1, L_p) in the prompts' dtype; None without padding). Only for
-        bf16 prompts (float32 keeps the classic path, whose sums re-encoding in float32 reproduces), the same number of rows per prompt in prompt order (a group of one prompt,
-        distinct prompts one row each, or P prompts x n samples as the engine lays them out), a non-empty
-        prompt part and no row whose prompt part is all padding (its part would have no softmax). Decided once
-        per batch."""
+        """Whether `attend` takes torch's fused CPU attention kernel for this layer (`_attend_fused`: the root,
+        prompt and own-token parts each through the kernel, merged by log-sum-exp), and the additive prompt
+        mask it uses ((P, 1, 1, L_p) in the prompts' dtype, -inf on padding; None without padding). Only with
+        `FUSED_ATTENTION` on (checked at every call), bf16 prompts on CPU (float32 keeps the classic path,
+        whose sums re-encoding in float32 reproduces), the same number r >= 1 of rows per prompt in prompt
+        order (a group of one prompt, distinct prompts one row each, P prompts x n samples as the engine lays
+        them out), a non-empty prompt part and no prompt whose part is all padding (the kernel would return
+        0 for it, not an empty softmax). The layout decision and the mask are made once per batch."""
         if self._fused is None:
-            ok = (FUSED_ATTENTION and self.prefix_keys.dtype == torch.bfloat16 and self.prefix_keys.device.type == "cpu"
+            ok = (self.prefix_keys.dtype == torch.bfloat16 and self.prefix_keys.device.type == "cpu"
                   and self.prefix_keys.shape[2] > 0 and self._rows_in_prompt_order()
                   and bool(self.prefix_mask.any(-1).all()) and _fused_kernel_ok())
             mask = None
@@ -148,12 +150,12 @@ class SharedPrefixLayer(DynamicLayer):
                 keep = self.prefix_mask[:, None, None, :]
                 mask = torch.zeros(keep.shape, dtype=self.prefix_keys.dtype).masked_fill_(~keep, float("-inf"))
             self._fused = (ok, mask)
-        return self._fused
+        return FUSED_ATTENTION and self._fused[0], self._fused[1]
 
     def _rows_in_prompt_order(self) -> bool:
-        """Whether the S decode rows are r = S / P rows per prompt in prompt order (owner = 0 x r, 1 x r, ...)."""
+        """Whether the S >= 1 decode rows are r = S / P rows per prompt in prompt order (owner 0 x r, 1 x r, ...)."""
         p, s = self.prefix_keys.shape[0], self.owner.numel()
-        if s % p:
+        if s < p or s % p:
             return False
         order = torch.arange(p, device=self.owner.device).repeat_interleave(s // p)
         return bool(torch.equal(self.owner, order))
@@ -308,7 +310,8 @@ def attend(layer: SharedPrefixLayer, query: torch.Tensor, key: torch.Tensor, val
 
     query: (S, H, 1, D); key/value: (S, H_kv, T, D), the rows' own generated tokens (as
     `SharedPrefixLayer.update` returns them); scale: the score scale (1/sqrt(D) for the supported families).
-    The prompt part runs in the layer's dtype, the rows' own part and the softmax in float32.
+    The prompt part runs in the layer's dtype, the rows' own part and the softmax in float32 (where
+    `fused_route` holds, torch's fused kernel takes the parts and `_attend_fused` merges them).
     Returns (S, 1, H, D) in query's dtype.
     """
     s, heads, _, d = query.shape
@@ -318,7 +321,7 @@ def attend(layer: SharedPrefixLayer, query: torch.Tensor, key: torch.Tensor, val
     with torch.autocast(query.device.type, enabled=False):
         q32 = query.float().contiguous().view(s, h_kv, g, d)  # one layout whatever the caller's: one rounding
         route, mask = layer.fused_route()
-        if route and key.shape[2] > 0:
+        if route and key.shape[2] > 0:  # (the kernel aborts the process on zero-length keys)
             out = _attend_fused(layer, q32, key, value, scale, mask)
             return out.reshape(s, heads, 1, d).transpose(1, 2).contiguous().to(query.dtype)
         q = q32.to(dt)
@@ -343,9 +346,11 @@ def attend(layer: SharedPrefixLayer, query: torch.Tensor, key: torch.Tensor, val
 
 def _fused_part(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float,
                 mask: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(output (S, H_kv, g, D), log-sum-exp (S, H_kv, g) float32) of queries q (S, H_kv, g, D) against keys
-    and values (P, H_kv, L, D) with S = r * P rows in prompt order (rows [p r, (p + 1) r) read prompt p): the
-    r * g queries of one prompt go in one call that reads its keys once; mask: (P, 1, 1, L) additive or None."""
+    """One part of `_attend_fused` through the kernel: queries q (S, H_kv, g, D), contiguous, against keys and
+    values (P, H_kv, L, D), L >= 1, with S = r * P rows in prompt order (rows [p r, (p + 1) r) read prompt p;
+    S >= P >= 1): the r * g queries of one prompt go in one call that reads its keys once. mask: (P, 1, 1, L)
+    additive in the keys' dtype, or None. Returns (output (S, H_kv, g, D) in the keys' dtype, log-sum-exp of
+    each query's scaled scores (S, H_kv, g) float32)."""
     s, h, g, d = q.shape
     p = keys.shape[0]
     r = s // p
@@ -367,8 +372,9 @@ def _attend_fused(layer: SharedPrefixLayer, q32: torch.Tensor, key: torch.Tensor
     prompts, the rows' own tokens) are attended separately and merged by their log-sum-exps, as cascade /
     split-KV decoding does (FlashInfer's merge of attention states; Dao et al., FlashDecoding): with
     o_i, m_i = a part's softmax output and log-sum-exp, o = sum_i exp(m_i - M) o_i / sum_i exp(m_i - M). The
-    same attention as the classic path up to rounding: the prompts' part is read and returned in bf16 (as
-    there), the rows' own part and the merge are float32."""
+    same attention as the classic path up to rounding: the root's and the prompts' parts are read and returned
+    in bf16 (as there), the rows' own part and the merge are float32. Shapes as in `attend` (q32: its query
+    as (S, H_kv, g, D) float32; key/value: the rows' own tokens, T >= 1); mask: `fused_route`'s."""
     parts = []
     if layer.root_keys is not None:
         parts.append(_fused_part(q32, layer.root_keys, layer.root_values, scale, None))
@@ -384,8 +390,8 @@ def _attend_fused(layer: SharedPrefixLayer, q32: torch.Tensor, key: torch.Tensor
     return sum(o.float() * wi for (o, _), wi in zip(parts, w))
 
 
-# Whether `attend` may use torch's fused CPU attention kernel for bf16 prompts (`SharedPrefixLayer.fused_route`);
-# False keeps the classic path everywhere (for A/B measurements).
+# Whether `attend` may use torch's fused CPU attention kernel for bf16 prompts (`SharedPrefixLayer.fused_route`,
+# read at every call); False keeps the classic path everywhere (for A/B measurements).
 FUSED_ATTENTION = True
 _FUSED_PROBE: list[bool] = []
 
