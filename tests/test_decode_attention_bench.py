@@ -1,0 +1,48 @@
+"""benchmarks/decode_attention.py on one layer and one call per case (plumbing and JSON, not speed): both paths
+timed, the fused route taken in every case, bad arguments refused before anything runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from envace_core.engines import shared_prefix
+
+ROOT = Path(__file__).resolve().parents[1]
+_SPEC = importlib.util.spec_from_file_location("decode_attention", ROOT / "benchmarks" / "decode_attention.py")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def _bench():
+    bench = importlib.util.module_from_spec(_SPEC)
+    _SPEC.loader.exec_module(bench)
+    return bench
+
+
+def test_every_case_on_one_layer(tmp_path):
+    if not shared_prefix._fused_kernel_ok():
+        pytest.skip("this torch has no fused CPU attention op")
+    out = tmp_path / "da.json"
+    assert _bench().main(["--layers", "1", "--calls", "1", "--rounds", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert set(report["cases"]) == {"distinct8", "g8", "g1", "act_turn1", "root_60", "root_300"}
+    for case in report["cases"].values():
+        assert case["fused_route_taken"] is True
+        assert len(case["ms_per_step"]["classic"]) == len(case["ms_per_step"]["fused"]) == 1
+        assert case["fused_over_classic"] > 0
+    assert "| g8 |" in report["table"] and report["loadavg_start"] and report["date"]
+    assert shared_prefix.FUSED_ATTENTION is True  # switched back on
+
+
+@pytest.mark.parametrize("argv, message", [(["--layers", "0"], "--layers must be >= 1"),
+                                           (["--cases", "g9"], "unknown ['g9']"),
+                                           (["--cases", ","], "--cases")])
+def test_bad_arguments(argv, message, capsys, tmp_path):
+    with pytest.raises(SystemExit) as e:
+        _bench().main(argv + ["--json", str(tmp_path / "x.json")])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
