@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     from envace_core.engines import shared_prefix
     from envace_core.store.files import atomic_write_text
 
-    if not shared_prefix._fused_kernel_ok():
+    if not shared_prefix.fused_kernel_available():
         print("this torch has no fused CPU attention kernel: nothing to compare", file=sys.stderr)
         return 1
     load0 = os.getloadavg()

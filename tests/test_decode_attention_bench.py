@@ -24,7 +24,7 @@ def _bench():
 
 
 def test_every_case_on_one_layer(tmp_path):
-    if not shared_prefix._fused_kernel_ok():
+    if not shared_prefix.fused_kernel_available():
         pytest.skip("this torch has no fused CPU attention op")
     out = tmp_path / "da.json"
     assert _bench().main(["--layers", "1", "--calls", "1", "--rounds", "1", "--json", str(out)]) == 0

@@ -70,7 +70,7 @@ def _classic(layer, query, scale, monkeypatch):
     {"pads": [0, 7], "width": 40, "owner": [0, 0, 1, 1], "root": 12},  # and a common root
 ])
 def test_fused_route_is_the_attention_up_to_bf16_rounding(case, monkeypatch):
-    if not shared_prefix._fused_kernel_ok():
+    if not shared_prefix.fused_kernel_available():
         pytest.skip("this torch has no fused CPU attention op")
     layer, query = _layer(**case)
     assert layer.fused_route()[0]
@@ -109,10 +109,10 @@ def test_classic_path_where_the_fused_route_does_not_apply(why, monkeypatch):
         kwargs.update(pads=[0, 4, 18], root=12)
     layer, query = _layer(**kwargs)
     if why == "switched_off":  # also after the layer decided its route
-        assert layer.fused_route()[0] or not shared_prefix._fused_kernel_ok()
+        assert layer.fused_route()[0] or not shared_prefix.fused_kernel_available()
         monkeypatch.setattr(shared_prefix, "FUSED_ATTENTION", False)
     if why == "selected_rows":  # the batch lost a row: rows are no longer prompt i's only row
-        assert layer.fused_route()[0] or not shared_prefix._fused_kernel_ok()
+        assert layer.fused_route()[0] or not shared_prefix.fused_kernel_available()
         layer.batch_select_indices(torch.tensor([0, 2]))
         query = query[[0, 2]]
     assert not layer.fused_route()[0]
@@ -134,7 +134,7 @@ def test_no_own_tokens_yet_takes_the_classic_path(monkeypatch):
 
 
 def test_engine_decodes_alike_with_and_without_the_fused_route(ids_tokenizer, monkeypatch):
-    if not shared_prefix._fused_kernel_ok():
+    if not shared_prefix.fused_kernel_available():
         pytest.skip("this torch has no fused CPU attention op")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=101, hidden_size=48, intermediate_size=96, num_hidden_layers=2,

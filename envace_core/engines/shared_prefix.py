@@ -144,7 +144,7 @@ class SharedPrefixLayer(DynamicLayer):
         if self._fused is None:
             ok = (self.prefix_keys.dtype == torch.bfloat16 and self.prefix_keys.device.type == "cpu"
                   and self.prefix_keys.shape[2] > 0 and self._rows_in_prompt_order()
-                  and bool(self.prefix_mask.any(-1).all()) and _fused_kernel_ok())
+                  and bool(self.prefix_mask.any(-1).all()) and fused_kernel_available())
             mask = None
             if ok and self.padded:
                 keep = self.prefix_mask[:, None, None, :]
@@ -396,7 +396,7 @@ FUSED_ATTENTION = True
 _FUSED_PROBE: list[bool] = []
 
 
-def _fused_kernel_ok() -> bool:
+def fused_kernel_available() -> bool:
     """Whether this torch has the fused CPU attention op and it gives the attention and its log-sum-exp on a
     bf16 probe with a padding mask (checked once per process, as `packed_linear` probes oneDNN)."""
     if not _FUSED_PROBE:
