@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -142,7 +143,8 @@ def resolve_model(ref: str, setting: str = "model.ref") -> Path:
             f"`envace eval --model`; {setting} is a base model: {BUNDLED!r}, a local HF model "
             "folder, or an s3:// URI (the manifest's base_model names it)")
     path = Path(ref).expanduser()
-    if not path.is_dir() or not (path / "config.json").is_file():
+    # os.path's probes answer False for any OSError (a name over the filesystem's limit), pathlib's raise
+    if not os.path.isdir(path) or not os.path.isfile(path / "config.json"):
         raise ModelNotFoundError(
             f"{setting} {ref!r} is not a directory with config.json; use {BUNDLED!r}, "
             "a local HF model folder, or an s3:// URI"
@@ -324,8 +326,8 @@ def check_adapter_dir(path: str | Path) -> list[Path]:
     (`ADAPTER_WEIGHTS`) are missing, unreadable, truncated, or of another LoRA rank than the config's.
     """
     d = Path(path).expanduser()
-    if not d.is_dir():
-        raise AdapterError(f"LoRA adapter folder {d} does not exist" if not d.exists()
+    if not os.path.isdir(d):  # (False, not OSError, for a name over the filesystem's limit)
+        raise AdapterError(f"LoRA adapter folder {d} does not exist" if not os.path.exists(d)
                            else f"LoRA adapter {d} is a file, not a folder")
     check_partial_roles(d)
     dirs = [d / r for r in ROLES] if all((d / r / "adapter_config.json").is_file() for r in ROLES) else [d]
@@ -459,7 +461,7 @@ def adapter_load_error(adapter_dir: str | Path, base_ref: str, err: Exception) -
 def is_adapter_dir(path: Path) -> bool:
     """A LoRA adapter folder (``adapter_config.json``, or per-role ``act/`` and ``rehearse/`` ones) that
     is not a full model (no ``config.json``)."""
-    if not path.is_dir() or (path / "config.json").is_file():
+    if not os.path.isdir(path) or (path / "config.json").is_file():  # os.path: no OSError on long names
         return False
     per_role = all((path / r / "adapter_config.json").is_file() for r in ("act", "rehearse"))
     return (path / "adapter_config.json").is_file() or per_role

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -87,7 +88,7 @@ def parse_benches(text: str) -> list[BenchSpec]:
                                      f"choose one of {', '.join(_bfcl_choices())}")
             arg = ALIASES.get(arg, arg)
         if bench in ("vita", "finmcp"):
-            if not arg or not Path(arg).expanduser().exists():
+            if not arg or not os.path.exists(Path(arg).expanduser()):  # no OSError on over-long names
                 raise BenchSpecError(f"--bench item {item!r}: {bench} needs the path of its data, e.g. "
                                      f"{bench}:/data/{bench}; {arg or '(empty)'} does not exist")
             arg = str(Path(arg).expanduser().resolve())

@@ -201,7 +201,7 @@ class Registry:
         if self._s3 is not None:
             return self._s3.read_bytes(f"{name}/{version}/{MANIFEST}")
         path = self.version_dir(name, version) / MANIFEST
-        if not path.is_file():
+        if not os.path.isfile(path):  # (False, not OSError, for a name over the filesystem's limit)
             raise RegistryError(f"{name}@{version} is not registered in {self.root}")
         return path.read_bytes()
 

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -219,7 +220,7 @@ def _parse_tool(el: Any, i: int) -> tuple[NewTool | None, list[tuple[list, str]]
 
 
 def _read_json(path: Path, label: str) -> Any:
-    if not path.is_file():
+    if not os.path.isfile(path):  # (False, not OSError, for a name over the filesystem's limit)
         raise ToolSchemaError([f"{label}: no such file (expected a JSON file of OpenAI-format tool schemas)"])
     try:
         return json.loads(path.read_text(encoding="utf-8"))
