@@ -139,6 +139,24 @@ def model_argument(ref: str) -> str:
     return path
 
 
+def json_argument(path: str | None, default: str) -> str:
+    """``--json`` checked before anything is measured: None -> `default`; refused (ValueError) when empty, a
+    folder, or where no file can be written (its folder cannot be made or written: `writable_dir_problem`)."""
+    from envace_core.store.files import writable_dir_problem
+
+    if path is None:
+        path = default
+    if not path.strip():
+        raise ValueError("is empty; give a file path for the report")
+    full = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(full):
+        raise ValueError(f"{path} is a folder; give a file path for the report")
+    problem = writable_dir_problem(os.path.dirname(full))
+    if problem:
+        raise ValueError(problem)
+    return full
+
+
 def run_worker(script: str, src: str, spec: dict, spec_path: str) -> dict:
     """Run `script --worker SRC SPEC` in a fresh process (the spec written to `spec_path` first); returns the
     JSON of its last stdout line. Raises RuntimeError with its stderr's tail when it fails."""
@@ -230,7 +248,12 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_new < 2:
         ap.error("--max-new must be >= 2 (decode ms per step needs a step after the first token)")
-    out_json = args.json or ("/tmp/envace-decode-ab-quick.json" if args.quick else DEFAULT_JSON)
+    if args.before is not None and not args.before.strip():
+        ap.error("--before is empty; give a git revision, or leave the option out for no before variant")
+    try:
+        out_json = json_argument(args.json, "/tmp/envace-decode-ab-quick.json" if args.quick else DEFAULT_JSON)
+    except ValueError as e:
+        ap.error(f"--json: {e}")
     try:
         args.model = model_argument(args.model)
     except ValueError as e:

@@ -31,6 +31,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
 
 H_KV, G, D, OWN = 3, 3, 64, 20
 # name -> (prompts P, rows per prompt r, root tokens, tokens after the root, padding of each prompt's tail)
@@ -100,15 +101,23 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated subset of " + ",".join(CASES))
-    ap.add_argument("--json", default=os.path.join(HERE, "results", "decode_attention.json"))
+    ap.add_argument("--json", default=None, help="default benchmarks/results/decode_attention.json")
     args = ap.parse_args(argv)
     for name in ("layers", "calls", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name} must be >= 1")
     cases = [c.strip() for c in args.cases.split(",") if c.strip()]
+    if not cases:
+        ap.error(f"--cases is empty; choose from {','.join(CASES)}")
     unknown = [c for c in cases if c not in CASES]
-    if unknown or not cases:
+    if unknown:
         ap.error(f"--cases: unknown {unknown}; choose from {','.join(CASES)}")
+    from decode_ab import json_argument
+
+    try:
+        args.json = json_argument(args.json, os.path.join(HERE, "results", "decode_attention.json"))
+    except ValueError as e:
+        ap.error(f"--json: {e}")
 
     import torch
 

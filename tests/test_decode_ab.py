@@ -51,3 +51,8 @@ def test_bad_arguments_stop_before_any_work(tmp_path, capsys):
     with pytest.raises(SystemExit):
         _bench().main(["--lora", "-1"])
     assert not (tmp_path / "x.json").exists()
+    for argv, msg in ((["--before", ""], "--before is empty"), (["--json", ""], "--json: is empty"),
+                      (["--json", str(tmp_path)], "is a folder")):
+        with pytest.raises(SystemExit) as e:
+            _bench().main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err

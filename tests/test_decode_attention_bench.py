@@ -40,9 +40,19 @@ def test_every_case_on_one_layer(tmp_path):
 
 @pytest.mark.parametrize("argv, message", [(["--layers", "0"], "--layers must be >= 1"),
                                            (["--cases", "g9"], "unknown ['g9']"),
-                                           (["--cases", ","], "--cases")])
-def test_bad_arguments(argv, message, capsys, tmp_path):
+                                           (["--cases", ","], "--cases is empty"),
+                                           (["--cases", ""], "--cases is empty"),
+                                           (["--json", ""], "--json: is empty"),
+                                           (["--json", "{tmp}"], "is a folder"),
+                                           (["--json", "{tmp}/file/x.json"], "is a file, not a folder")])
+def test_bad_arguments_are_refused_before_measuring(argv, message, capsys, tmp_path, monkeypatch):
+    (tmp_path / "file").write_text("")
+    bench = _bench()
+    monkeypatch.setattr(bench, "time_case", lambda *a: pytest.fail("measured before refusing"))
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    if "--json" not in argv:
+        argv += ["--json", str(tmp_path / "x.json")]
     with pytest.raises(SystemExit) as e:
-        _bench().main(argv + ["--json", str(tmp_path / "x.json")])
+        bench.main(argv)
     assert e.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()

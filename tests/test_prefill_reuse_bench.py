@@ -52,7 +52,10 @@ def test_quick_run_writes_both_variants_and_removes_its_worktree(tiny_model_dir,
                                            (["--calls", "0"], "--calls must be >= 1"),
                                            (["--pool-tokens", "100"], "--pool-tokens must hold"),
                                            (["--before", "no-such-rev-xyz"], "--before: not a git revision"),
-                                           (["--model", "/nonexistent/model"], "--model: '/nonexistent/model' is not")])
+                                           (["--model", "/nonexistent/model"], "--model: '/nonexistent/model' is not"),
+                                           (["--before", ""], "--before is empty"),
+                                           (["--json", ""], "--json: is empty"),
+                                           (["--json", "/"], "is a folder")])
 def test_bad_arguments(argv, msg, capsys):
     with pytest.raises(SystemExit) as e:
         _bench().main(argv)
