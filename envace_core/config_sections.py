@@ -103,7 +103,7 @@ class DataConfig(_Strict):
         default_factory=lambda: [1, 2, 3], min_length=1,
         description="difficulty levels of synthesized tasks, split evenly: 1 = one look-up to report, "
         "2 = one write with all arguments given, 3 = a write that needs a look-up")
-    synthetic_seed: int = Field(0, description="seed of the synthesized-task selection")
+    synthetic_seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of the synthesized-task selection")
     hidden_tools: list[str] = Field(
         default_factory=list, description="domain tools held out (tool learning, METHOD.md §5): curate "
         "drops train tasks whose gold actions call one and hides them from every task's prompt; test "
@@ -451,8 +451,9 @@ class TrainConfig(_Strict):
         "(and per-role layout) must match train.*; its content is part of the run id. A checkpoint of "
         "the run wins (resume)")
     seed: int = Field(
-        0, description="base seed of the run: LoRA init, the task order of each epoch, rollout sampling, "
-        "mini-batch shuffles, the SFT warm-up and the evaluate stage's sampling")
+        0, ge=0, le=2**31 - 1, description="base seed of the run: LoRA init, the task order of each epoch, rollout "
+        "sampling, mini-batch shuffles, the SFT warm-up and the evaluate stage's sampling (derived seeds such as "
+        "seed x 1 000 003 + step must fit torch's 64-bit generator seed)")
 
     @model_validator(mode="after")
     def _warmup(self) -> TrainConfig:

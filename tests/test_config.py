@@ -39,6 +39,9 @@ def test_overrides_as_yaml_json_and_file(tmp_path):
     ("train.iterations=[", "not valid YAML"),
     ("=3", "a.b=value"),
     ("train.lora_r=0", "train.lora_r"),
+    ("train.seed=-1", "train.seed"),
+    ("train.seed=2147483648", "train.seed"),  # derived seeds (seed x 1 000 003 + step) must fit 64 bits
+    ("data.synthetic_seed=-1", "data.synthetic_seed"),
 ])
 def test_bad_overrides_name_the_problem(override, fragment):
     with pytest.raises(ConfigError, match=fragment.replace("(", r"\(")):
