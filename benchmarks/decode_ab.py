@@ -157,6 +157,23 @@ def json_argument(path: str | None, default: str) -> str:
     return full
 
 
+def before_json_model_arguments(ap: argparse.ArgumentParser, args, default_json: str) -> str:
+    """The checks of --before, --json and --model that the before/after benchmarks share, before any work:
+    an empty --before, a bad --json (`json_argument`) or --model (`model_argument`) end in ``ap.error``.
+    Makes ``args.model`` loadable by a worker; returns the report's path."""
+    if args.before is not None and not args.before.strip():
+        ap.error("--before is empty; give a git revision, or leave the option out for no before variant")
+    try:
+        out_json = json_argument(args.json, default_json)
+    except ValueError as e:
+        ap.error(f"--json: {e}")
+    try:
+        args.model = model_argument(args.model)
+    except ValueError as e:
+        ap.error(f"--model: {e}")
+    return out_json
+
+
 def run_worker(script: str, src: str, spec: dict, spec_path: str) -> dict:
     """Run `script --worker SRC SPEC` in a fresh process (the spec written to `spec_path` first); returns the
     JSON of its last stdout line. Raises RuntimeError with its stderr's tail when it fails."""
@@ -248,16 +265,8 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.max_new < 2:
         ap.error("--max-new must be >= 2 (decode ms per step needs a step after the first token)")
-    if args.before is not None and not args.before.strip():
-        ap.error("--before is empty; give a git revision, or leave the option out for no before variant")
-    try:
-        out_json = json_argument(args.json, "/tmp/envace-decode-ab-quick.json" if args.quick else DEFAULT_JSON)
-    except ValueError as e:
-        ap.error(f"--json: {e}")
-    try:
-        args.model = model_argument(args.model)
-    except ValueError as e:
-        ap.error(f"--model: {e}")
+    out_json = before_json_model_arguments(
+        ap, args, "/tmp/envace-decode-ab-quick.json" if args.quick else DEFAULT_JSON)
 
     tmp = tempfile.mkdtemp(prefix="envace-decode-ab-")
     trees = {"after": ROOT}

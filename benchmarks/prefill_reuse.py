@@ -132,7 +132,7 @@ def table(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from decode_ab import detached_worktree, json_argument, model_argument, run_worker, write_report
+    from decode_ab import before_json_model_arguments, detached_worktree, run_worker, write_report
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", help="git revision of the 'before' variant (omit: after only)")
@@ -162,16 +162,8 @@ def main(argv=None) -> int:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.pool_tokens < 4 * (args.prompt_tokens + max(tails)) + 64:
         ap.error("--pool-tokens must hold the prompt and four tails at least (4 x (prompt + tail) + 64)")
-    if args.before is not None and not args.before.strip():
-        ap.error("--before is empty; give a git revision, or leave the option out for no before variant")
-    try:
-        out_json = json_argument(args.json, "/tmp/envace-prefill-reuse-quick.json" if args.quick else DEFAULT_JSON)
-    except ValueError as e:
-        ap.error(f"--json: {e}")
-    try:
-        args.model = model_argument(args.model)
-    except ValueError as e:
-        ap.error(f"--model: {e}")
+    out_json = before_json_model_arguments(
+        ap, args, "/tmp/envace-prefill-reuse-quick.json" if args.quick else DEFAULT_JSON)
 
     tmp = tempfile.mkdtemp(prefix="envace-prefill-reuse-")
     try:
