@@ -16,15 +16,14 @@ are timed alternately, --rounds times each, each figure the mean of --calls step
   root_300      the same with 300-token tails (0 to 150 padded)
 
 Prints a markdown table (ms per step, fused / classic) and writes --json (default
-benchmarks/results/decode_attention.json) with every figure, the command line, the load average and the date.
+benchmarks/results/decode_attention.json) through `decode_ab.write_report`: per case the best figures and the
+ratio ("summary"), every round's figure ("runs"), the command line, load averages, date and CPU flags ("details").
 Synthetic random keys: the timing does not depend on the values.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime
-import json
 import os
 import sys
 import time
@@ -73,23 +72,26 @@ def time_case(spec: tuple, layers: int, calls: int, rounds: int) -> dict:
     stack = [make_layer(*spec, seed=i) for i in range(layers)]
     figures: dict[str, list[float]] = {"classic": [], "fused": []}
     taken = None
-    for _ in range(rounds):
-        for variant in ("classic", "fused"):
-            shared_prefix.FUSED_ATTENTION = variant == "fused"
+    switch = shared_prefix.FUSED_ATTENTION
+    try:
+        for _ in range(rounds):
+            for variant in ("classic", "fused"):
+                shared_prefix.FUSED_ATTENTION = variant == "fused"
 
-            def step():
-                for layer, q in stack:
-                    shared_prefix.attend(layer, q, layer.own_keys, layer.own_values, D ** -0.5)
+                def step():
+                    for layer, q in stack:
+                        shared_prefix.attend(layer, q, layer.own_keys, layer.own_values, D ** -0.5)
 
-            step()
-            step()
-            t0 = time.perf_counter()
-            for _ in range(calls):
                 step()
-            figures[variant].append((time.perf_counter() - t0) / calls * 1e3)
-            if variant == "fused":
-                taken = stack[0][0].fused_route()[0]
-    shared_prefix.FUSED_ATTENTION = True
+                step()
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    step()
+                figures[variant].append((time.perf_counter() - t0) / calls * 1e3)
+                if variant == "fused":
+                    taken = stack[0][0].fused_route()[0]
+    finally:
+        shared_prefix.FUSED_ATTENTION = switch
     best = {k: min(v) for k, v in figures.items()}
     return {"ms_per_step": figures, "best_ms_per_step": best, "fused_over_classic": best["fused"] / best["classic"],
             "fused_route_taken": taken}
@@ -112,7 +114,7 @@ def main(argv=None) -> int:
     unknown = [c for c in cases if c not in CASES]
     if unknown:
         ap.error(f"--cases: unknown {unknown}; choose from {','.join(CASES)}")
-    from decode_ab import json_argument
+    from decode_ab import json_argument, write_report
 
     try:
         args.json = json_argument(args.json, os.path.join(HERE, "results", "decode_attention.json"))
@@ -122,7 +124,6 @@ def main(argv=None) -> int:
     import torch
 
     from envace_core.engines import shared_prefix
-    from envace_core.store.files import atomic_write_text
 
     if not shared_prefix.fused_kernel_available():
         print("this torch has no fused CPU attention kernel: nothing to compare", file=sys.stderr)
@@ -133,15 +134,10 @@ def main(argv=None) -> int:
     for c, r in results.items():
         b = r["best_ms_per_step"]
         lines.append(f"| {c} | {b['classic']:.2f} | {b['fused']:.2f} | **{r['fused_over_classic']:.2f}** |")
-    table = "\n".join(lines)
-    print(table)
-    report = {"command": " ".join([os.path.relpath(sys.argv[0], os.getcwd())] + (argv or sys.argv[1:])),
-              "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              "loadavg_start": load0, "loadavg_end": os.getloadavg(), "torch": torch.__version__,
-              "threads": torch.get_num_threads(), "layers": args.layers, "calls": args.calls,
-              "rounds": args.rounds, "cases": results, "table": table}
-    atomic_write_text(args.json, json.dumps(report, indent=1) + "\n")
-    print(f"wrote {args.json}")
+    runs = {c: r.pop("ms_per_step") for c, r in results.items()}
+    write_report(args.json, results, runs, {"load_average_start": load0, "torch": torch.__version__,
+                                            "threads": torch.get_num_threads(), "layers": args.layers,
+                                            "calls": args.calls, "rounds": args.rounds}, "\n".join(lines))
     return 0
 
 

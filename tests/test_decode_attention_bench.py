@@ -23,18 +23,20 @@ def _bench():
     return bench
 
 
-def test_every_case_on_one_layer(tmp_path):
+def test_every_case_on_one_layer(tmp_path, capsys):
     if not shared_prefix.fused_kernel_available():
         pytest.skip("this torch has no fused CPU attention op")
     out = tmp_path / "da.json"
     assert _bench().main(["--layers", "1", "--calls", "1", "--rounds", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert set(report["cases"]) == {"distinct8", "g8", "g1", "act_turn1", "root_60", "root_300"}
-    for case in report["cases"].values():
+    assert set(report["summary"]) == set(report["runs"]) == {"distinct8", "g8", "g1", "act_turn1", "root_60",
+                                                               "root_300"}
+    for name, case in report["summary"].items():
         assert case["fused_route_taken"] is True
-        assert len(case["ms_per_step"]["classic"]) == len(case["ms_per_step"]["fused"]) == 1
+        assert len(report["runs"][name]["classic"]) == len(report["runs"][name]["fused"]) == 1
         assert case["fused_over_classic"] > 0
-    assert "| g8 |" in report["table"] and report["loadavg_start"] and report["date"]
+    assert "| g8 |" in capsys.readouterr().out
+    assert report["details"]["load_average_start"] and report["details"]["date"]
     assert shared_prefix.FUSED_ATTENTION is True  # switched back on
 
 
