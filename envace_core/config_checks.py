@@ -35,6 +35,7 @@ _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3 bucket naming 
 _JOINED = re.compile(r"\s[\w.]+=")  # "s3://b/x train.iterations=5": two overrides joined by a space
 # a registry name: one path segment of a local folder and of an S3 key, and the NAME of NAME@VERSION
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+MODEL_NAME_MAX = 128  # characters of store.model_name (a folder name; see check_model_name)
 OFF_WORDS = (False, "false", "False")  # JSON's false, and YAML's text for it (YAML 1.1 reads off as False)
 DECIMAL_INT = re.compile(r"[-+]?(0|[1-9][0-9]*)")  # no leading 0 (YAML 1.1: octal), '_', 0x/0o/0b or ':'
 DECIMAL_NUMBER = re.compile(r"[-+]?(?:(?:0|[1-9][0-9]*)(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?")
@@ -83,10 +84,15 @@ def off_word(value: Any) -> Any:
 
 def check_model_name(value: str, setting: str = "store.model_name") -> str:
     """Raises ValueError unless `value` is a registry name (`MODEL_NAME`): letters, digits, '.', '_' and '-',
-    starting with a letter or digit (no '/', '@' or spaces)."""
+    starting with a letter or digit (no '/', '@' or spaces), at most `MODEL_NAME_MAX` characters (the name is
+    one folder of `<registry>/<name>/<version>/`, and filesystems refuse names over 255 bytes: checked here,
+    not when the finished run registers)."""
     if not MODEL_NAME.fullmatch(value):
         raise ValueError(f"{setting}={value!r} is not a registry name: use letters, digits, '.', '_' and '-', "
                          "starting with a letter or digit (no '/', '@' or spaces), e.g. envace-policy")
+    if len(value) > MODEL_NAME_MAX:
+        raise ValueError(f"{setting} is {len(value)} characters long ({value[:40]}...): a registry name has at "
+                         f"most {MODEL_NAME_MAX}")
     return value
 
 

@@ -191,6 +191,7 @@ def test_dvc_off_is_off_however_yaml_reads_it(override, tmp_path):
 @pytest.mark.parametrize("override, fragments", [
     ("store.model_name=a/b", ["store.model_name='a/b' is not a registry name", "letters, digits, '.', '_' and '-'"]),
     ({"store": {"model_name": 123}}, ["store.model_name: expects a string", 'the number 123', '"123"']),
+    ("store.model_name=" + "m" * 129, ["store.model_name is 129 characters long", "at most 128"]),
     ({"data": {"domains": [True]}}, ["data.domains[0]: expects a string", "the boolean True"]),
     ("data.domains=[1]", ["unknown domain(s) ['1']"]),  # YAML text for a str item stays the text "1"
     ("train.trained_roles=[user]", ["set rollout.user_rehearse=true, or train.trained_roles=[act,rehearse]"]),
@@ -205,6 +206,10 @@ def test_settings_that_would_fail_late_or_train_nothing_are_refused_at_load(over
         load_config("cpu-smoke", override)
     missing = [f for f in fragments if f not in str(err.value)]
     assert not missing, str(err.value)
+
+
+def test_a_model_name_of_the_longest_length_loads():
+    assert load_config("cpu-smoke", "store.model_name=" + "m" * 128).store.model_name == "m" * 128
 
 
 @pytest.mark.parametrize("override", ["data.domains=[]", "data.domains=[mars]"])
