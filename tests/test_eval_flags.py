@@ -139,3 +139,9 @@ def test_fingerprint_depends_only_on_what_changes_the_episodes(tmp_path):
                 fp(user_url=DEAD, user_url_model="qwen")}) == 7
     vita = f"vita:{tmp_path}"
     assert len({fp(vita), fp(vita, judge_url=DEAD), fp(vita, judge_model="/x"), fp(vita, user_url=DEAD)}) == 4
+    # one rehearsal setting, one cache, however it is spelt; another N or mode is another cache
+    p2 = fp(rehearsal="parallel:2")
+    assert fp(rehearsal=" parallel:2") == fp(rehearsal="parallel:02") == fp(rehearsal="parallel:2 ") == p2
+    assert fp(rehearsal="") == fp(rehearsal=" none") == base
+    assert len({base, p2, fp(rehearsal="parallel:4"), fp(rehearsal="sequential:2")}) == 4
+    assert p2 == _old_fingerprint(EvalOptions(model=MODEL, benches="", out="", rehearsal="parallel:2"), cfg, model)

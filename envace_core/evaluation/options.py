@@ -300,10 +300,13 @@ def _episode_options(opts: EvalOptions, specs: list[BenchSpec]) -> dict:
     """`opts` as the fingerprint sees them: what does not change an episode is left out (--benches: each
     bench has its own cache file; --out, --limit, --trials, --split: the cache is per task and trial) or
     set to its default where no selected bench uses it (the user simulator, the judge and the endpoints'
-    model name, --max-steps, --protocol), and --overrides without its ``store`` settings (where files go)."""
+    model name, --max-steps, --protocol), --rehearsal in its canonical spelling (`parse_rehearsal`), and
+    --overrides without its ``store`` settings (where files go). Raises `EnvaceError` for a bad --rehearsal."""
     use = uses(opts, specs)
     defaults = EvalOptions(model="", benches="", out="")
     keep = {k: v for k, v in asdict(opts).items() if k not in ("benches", "out", "limit", "trials", "split")}
+    mode, n = parse_rehearsal(opts.rehearsal)  # ' parallel:2' and 'parallel:02' are parallel:2's episodes
+    keep["rehearsal"] = mode if mode == "none" else f"{mode}:{n}"
     unused = set()
     if not use["user"]:
         unused |= {"user_model", "user_url", "user_max_new_tokens"}
