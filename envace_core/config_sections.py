@@ -563,7 +563,8 @@ class StoreConfig(_Strict):
     registry: str = Field(".envace/registry", description="model registry: a local directory or "
                           "s3://bucket/prefix")
     model_name: str = Field("envace-policy", description="name the main job registers its model under "
-                            "(`<registry>/<model_name>/<version>/`): letters, digits, '.', '_' and '-'")
+                            "(`<registry>/<model_name>/<version>/`): letters, digits, '.', '_' and '-', at most 128 "
+                            "characters")
 
     @field_validator("model_name")
     @classmethod
