@@ -93,8 +93,11 @@ PROFILES: dict[str, dict[str, Any]] = {
         # the 86 gold calls of the curriculum's first 3 turns are 94-131 tokens (a 64-token cut is a parse error)
         "rollout": {"group_size": 4, "tasks_per_iteration": 3, "max_turns": 5, "temperature": 0.7,
                     "max_new_tokens_act": 128, "max_new_tokens_rehearse": 64},
-        # imagined trajectories are scored in the world REHEARSE showed ACT (README "Roles, rewards")
-        "reward": {"name": "consistent"},
+        # imagined trajectories are scored in the world REHEARSE showed ACT (README "Roles, rewards"), and
+        # REHEARSE rows get R + 0.5·F: with R alone a group whose trajectories all fail gives both roles
+        # no advantage; with the fidelity term REHEARSE still learns from its replayed real results
+        # (frac_zero_std ≤ 0.5 in every iteration of the main job; RESULTS.md "A fidelity term for REHEARSE")
+        "reward": {"name": "consistent", "fidelity_lambda": 0.5},
         # the warm_start stage: 30 SFT steps of 8 rows (each batch from one role x domain system
         # message), ACT on gold turns and REHEARSE on real transitions together (≈ 21 min on 2 AVX2
         # cores, once: re-runs reuse it). format_penalty: a trajectory ended by an unparseable output
