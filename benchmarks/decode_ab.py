@@ -141,7 +141,8 @@ def model_argument(ref: str) -> str:
 
 def json_argument(path: str | None, default: str) -> str:
     """``--json`` checked before anything is measured: None -> `default`; refused (ValueError) when empty, a
-    folder, or where no file can be written (its folder cannot be made or written: `writable_dir_problem`)."""
+    folder, an existing file that cannot be written, or where no file can be written (its folder cannot be made
+    or written: `writable_dir_problem`)."""
     from envace_core.store.files import writable_dir_problem
 
     if path is None:
@@ -151,6 +152,8 @@ def json_argument(path: str | None, default: str) -> str:
     full = os.path.abspath(os.path.expanduser(path))
     if os.path.isdir(full):
         raise ValueError(f"{path} is a folder; give a file path for the report")
+    if os.path.exists(full) and not os.access(full, os.W_OK):
+        raise ValueError(f"{path} exists and cannot be written")
     problem = writable_dir_problem(os.path.dirname(full))
     if problem:
         raise ValueError(problem)

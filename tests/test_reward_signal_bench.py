@@ -75,7 +75,7 @@ def test_fidelity_weight_gives_rehearse_buckets_a_signal_only_where_fidelities_d
     (["--lambdas", "0,nan"], "λ must be a finite number"),
     (["--lambdas", "0,x"], "'x' is not a number"),
     (["--lambdas", "0.5,0.5"], "more than once"),
-    (["--estimator", "nope"], "registered"),
+    (["--estimator", "nope"], "measured here: role_wise"),
     (["--json", ""], "--json: is empty"),
 ])
 def test_bad_arguments_are_refused(tmp_path, capsys, args, fragment):
@@ -95,3 +95,53 @@ def test_a_folder_without_rollouts_or_with_a_broken_line_is_refused(tmp_path, ca
     with pytest.raises(SystemExit):
         _bench().main(["--run", str(run), "--json", str(tmp_path / "x.json")])
     assert "line 2: not a stored trajectory" in capsys.readouterr().err
+
+
+def _one_iteration(tmp_path: Path, trajs: list[Trajectory]) -> Path:
+    return _write_run(tmp_path, [trajs])
+
+
+@pytest.mark.parametrize("make, fragment", [
+    (lambda d: [], "holds no trajectory"),
+    (lambda d: [_traj("a", 0, 0.0, [1.0]), _traj("a", 1, 1.0, [1.0]), _traj("b", 0, 0.0, [1.0])],
+     "groups of [1, 2] trajectories"),                      # a file cut inside its last group
+    (lambda d: [_traj("a", 0, 0.0, [1.0]), _traj("a", 0, 1.0, [1.0])], "groups of [1] trajectories"),
+    (lambda d: [_traj("a", 1, 0.0, [1.0]), _traj("a", 2, 1.0, [1.0])], "group_index 1 of task a does not follow"),
+])
+def test_a_rollouts_file_that_is_not_whole_groups_is_refused(tmp_path, capsys, make, fragment):
+    run = _one_iteration(tmp_path, make(tmp_path))
+    with pytest.raises(SystemExit):
+        _bench().main(["--run", str(run), "--json", str(tmp_path / "x.json")])
+    assert fragment in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists()
+
+
+def test_the_report_may_not_go_into_the_run_and_odd_files_are_named(tmp_path, capsys):
+    run = _one_iteration(tmp_path, [_traj("a", 0, 0.0, [1.0]), _traj("a", 1, 1.0, [0.5])])
+    stored = (run / "rollouts" / "iteration-0001.jsonl").read_text()
+    for inside in (run / "rollouts" / "iteration-0001.jsonl", run / "report.json"):
+        with pytest.raises(SystemExit):
+            _bench().main(["--run", str(run), "--json", str(inside)])
+        assert "is inside --run" in capsys.readouterr().err
+    assert (run / "rollouts" / "iteration-0001.jsonl").read_text() == stored and not (run / "report.json").exists()
+    (run / "rollouts" / "iteration-0002.jsonl").write_bytes(b"{\"task_id\": \"\xff\"}\n")
+    with pytest.raises(SystemExit):
+        _bench().main(["--run", str(run), "--json", str(tmp_path / "x.json")])
+    assert "iteration-0002.jsonl: cannot be read as text" in capsys.readouterr().err
+
+
+def test_glob_characters_in_the_run_path_and_minus_zero(tmp_path):
+    run = _write_run(tmp_path / "br[1]", [[_traj("a", 0, 0.0, [1.0]), _traj("a", 1, 1.0, [0.5])]])
+    out = tmp_path / "rs.json"
+    assert _bench().main(["--run", str(run), "--lambdas=-0,0.5", "--json", str(out)]) == 0
+    assert sorted(json.loads(out.read_text())["summary"]) == ["0.0", "0.5"]
+
+
+def test_shared_baseline_counts_one_bucket_per_group(tmp_path):
+    run = _one_iteration(tmp_path, [_traj("a", 0, 0.0, [1.0]), _traj("a", 1, 1.0, [0.5]),
+                                    _traj("b", 0, 0.0, [1.0]), _traj("b", 1, 0.0, [1.0])])
+    out = tmp_path / "rs.json"
+    assert _bench().main(["--run", str(run), "--lambdas", "0", "--estimator", "shared_baseline",
+                          "--json", str(out)]) == 0
+    it = json.loads(out.read_text())["runs"]["iteration-0001.jsonl"]["0.0"]
+    assert it["buckets"] == 2 and it["frac_zero_std"] == 0.5
