@@ -383,6 +383,19 @@ def condition_config(overrides: dict[str, Any], cond: str, seed: int):
     return load_config("cpu-smoke", _merge(overrides, {**spec, "train": {**spec.get("train", {}), "seed": seed}}))
 
 
+def settings_key(overrides: dict[str, Any], seed: int) -> str:
+    """sha256 (16 hex) of the resolved settings every condition starts from (`condition_config` of the base
+    condition: the cpu-smoke profile, the config defaults and the preset's `overrides`), without where files go
+    (``store``) and the seed: a report made under other product settings (e.g. another ``reward.fidelity_lambda``
+    in the profile) does not resume into this one."""
+    import hashlib
+
+    settings = condition_config(overrides, "base", seed).to_dict()
+    settings.pop("store", None)
+    settings.get("train", {}).pop("seed", None)
+    return hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
 def start_dir(warm: dict[str, Any] | None) -> str | None:
     """The adapter a trained run started from, given its warm start (a `warm_start` result or its recorded
     lineage): the warm start's own adapter (`warm_adapter_dir`), else the train.init_adapter it passed on
@@ -539,8 +552,9 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
 
     Each trained condition first gets its warm start from the warm_start stage (module docstring;
     trained once per id into out/store, reused afterwards). A report in `out` made with the same
-    preset, dataset and base model (`models.base_model_lineage`; with the preset and seed they decide
-    every warm start id) resumes: its finished (condition, seed) runs are kept.
+    preset, dataset, base model (`models.base_model_lineage`; with the preset and seed they decide
+    every warm start id) and resolved settings (`settings_key`) resumes: its finished (condition, seed) runs are
+    kept.
 
     `merge`: other output folders of the same preset, dataset and base model (e.g. conditions run
     in a second process); their finished runs count as done here. A folder whose report was made
@@ -570,7 +584,8 @@ def run(preset: dict[str, Any], out: Path, conditions: list[str], log: Callable[
         f"(levels {preset['levels']}), dataset {dataset['version']}")
     runs: dict[str, dict[int, dict]] = {}
     base_model = base_model_lineage(condition_config(over, "base", preset["seeds"][0]).model.ref)
-    report_key = {"preset": preset_key(preset), "dataset": dataset["version"], "base_model": base_model["sha256"]}
+    report_key = {"preset": preset_key(preset), "dataset": dataset["version"], "base_model": base_model["sha256"],
+                  "settings": settings_key(over, preset["seeds"][0])}
     done = _finished_runs(out, report_key)  # a killed benchmark resumes: finished (condition, seed) runs are kept
     for other in merge:
         theirs = _finished_runs(Path(other), report_key)

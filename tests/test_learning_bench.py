@@ -264,6 +264,16 @@ def test_from_adapter_steps_differs_from_from_adapter_only_in_the_update():
         {k: v for k, v in b["overrides"].items() if k != "train"}
 
 
+def test_a_report_resumes_only_under_the_same_product_settings(tmp_path):
+    """The resume key holds the resolved settings (profile, defaults, preset): a change to the cpu-smoke profile
+    (e.g. its reward.fidelity_lambda) starts new runs; where files go and the seed do not count."""
+    over = lb.PRESETS["from_adapter"]["overrides"]
+    key = lb.settings_key(over, 0)
+    assert lb.settings_key({**over, "store": {"root": str(tmp_path / "s"), "registry": str(tmp_path / "r")}}, 2) == key
+    assert lb.settings_key({**over, "reward": {"fidelity_lambda": 0.0}}, 0) != key
+    assert lb.settings_key({**over, "rollout": {"max_turns": 4}}, 0) != key
+
+
 def test_adapter_motion_is_the_relative_change_of_the_lora_update(tmp_path):
     """‖Δ(B·A)‖ / ‖(B·A)_start‖ over modules and both roles; None for a fresh LoRA (B = 0) or a missing folder."""
     import torch
