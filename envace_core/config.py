@@ -96,7 +96,8 @@ PROFILES: dict[str, dict[str, Any]] = {
         # imagined trajectories are scored in the world REHEARSE showed ACT (README "Roles, rewards"), and
         # REHEARSE rows get R + 0.5·F: with R alone a group whose trajectories all fail gives both roles
         # no advantage; with the fidelity term REHEARSE still learns from its replayed real results
-        # (frac_zero_std ≤ 0.5 in every iteration of the main job; RESULTS.md "A fidelity term for REHEARSE")
+        # (frac_zero_std 0.75 -> 0.50 in iteration 2 of two runs' rollouts; ≤ 0.5 in every iteration of the one
+        # main job trained with it; RESULTS.md "A fidelity term for REHEARSE")
         "reward": {"name": "consistent", "fidelity_lambda": 0.5},
         # the warm_start stage: 30 SFT steps of 8 rows (each batch from one role x domain system
         # message), ACT on gold turns and REHEARSE on real transitions together (≈ 21 min on 2 AVX2
