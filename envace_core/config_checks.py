@@ -124,6 +124,19 @@ def check_hidden_tools(hidden: list[str], domains: list[str]) -> None:
         raise ValueError(f"hidden_tools {unknown} are not tools of the configured domains ({listing})")
 
 
+def check_splits(splits: Mapping[str, str], domains: list[str]) -> None:
+    """ValueError naming each setting of `splits` ({"data.train_split": name, ...}) whose name is not a tau2
+    split of every domain in `domains` (the package's split_tasks.json, `envs.tau2.tasks.valid_splits`),
+    listing each domain's splits; so a typo fails at config load, not in curate. Reads tau2 (a few seconds)."""
+    from envace_core.envs.tau2.tasks import valid_splits
+
+    have = {d: valid_splits(d) for d in domains}
+    bad = [f"{k}={v!r}" for k, v in splits.items() if any(v not in names for names in have.values())]
+    if bad:
+        listing = "; ".join(f"{d}: {', '.join(names)}" for d, names in have.items())
+        raise ValueError(f"{', '.join(bad)} is not a tau2 split of every configured domain ({listing})")
+
+
 def warn_unknown_budget_tools(budgets: Mapping[str, int], domains: list[str], known: Iterable[str]) -> None:
     """Warn (`UnusedSettingWarning`) for each tool named in rollout.max_new_tokens_rehearse_per_tool that is
     neither in `known` (the default table's tools) nor a tool of the configured domains: its budget applies

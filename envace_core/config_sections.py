@@ -20,6 +20,7 @@ from envace_core.config_checks import (
     check_hidden_tools,
     check_model_name,
     check_rollout,
+    check_splits,
     check_unique,
     location,
     off_word,
@@ -165,6 +166,8 @@ class DataConfig(_Strict):
                              f"data.max_dataset_rows >= {self.min_dataset_rows} (or null), or lower data.min_dataset_rows")
         if self.hidden_tools:
             check_hidden_tools(self.hidden_tools, self.domains)
+        if {self.train_split, self.test_split} - {"train", "test"}:  # every curated domain has these two
+            check_splits({"data.train_split": self.train_split, "data.test_split": self.test_split}, self.domains)
         return self
 
 

@@ -192,6 +192,10 @@ def test_dvc_off_is_off_however_yaml_reads_it(override, tmp_path):
     ("store.model_name=a/b", ["store.model_name='a/b' is not a registry name", "letters, digits, '.', '_' and '-'"]),
     ({"store": {"model_name": 123}}, ["store.model_name: expects a string", 'the number 123', '"123"']),
     ("store.model_name=" + "m" * 129, ["store.model_name is 129 characters long", "at most 128"]),
+    ("data.train_split=trian", ["data.train_split='trian' is not a tau2 split of every configured domain",
+                                "airline: base, test, train"]),
+    ("data.domains=[airline,telecom],data.test_split=small", ["data.test_split='small' is not a tau2 split",
+                                                              "telecom: base, full, small, test, train"]),
     ({"data": {"domains": [True]}}, ["data.domains[0]: expects a string", "the boolean True"]),
     ("data.domains=[1]", ["unknown domain(s) ['1']"]),  # YAML text for a str item stays the text "1"
     ("train.trained_roles=[user]", ["set rollout.user_rehearse=true, or train.trained_roles=[act,rehearse]"]),
