@@ -164,8 +164,10 @@ def test_a_string_setting_keeps_the_text_as_typed(value, text):
 
 
 def test_text_settings_keep_dates_and_words_yaml_would_convert():
-    cfg = load_config("cpu-smoke", "data.train_split=2024-01-01,data.dvc=off,data.dvc_path=010")
-    assert (cfg.data.train_split, cfg.data.dvc, cfg.data.dvc_path) == ("2024-01-01", "off", "010")
+    cfg = load_config("cpu-smoke", "store.model_name=2024-01-01,data.dvc=off,data.dvc_path=010")
+    assert (cfg.store.model_name, cfg.data.dvc, cfg.data.dvc_path) == ("2024-01-01", "off", "010")
+    # a split name that YAML would read as a date reaches the split check as the text typed
+    assert "data.train_split='2024-01-01' is not a tau2 split" in _error("data.train_split=2024-01-01")
     assert "data.dvc: Input should be 'auto', 'require' or 'off'" in _error("data.dvc=no")
 
 
