@@ -7,14 +7,14 @@ The train stage stores every iteration's scored trajectories (`<store>/runs/<run
 `training.loop`: each trajectory's reward R, its steps with the rehearsed and the replayed real observation and
 their fidelity F). λ only changes the REHEARSE rows' rewards (R + λ·F_k, METHOD.md §2; `rewards.row_rewards`),
 so for fixed rollouts the rows, their rewards and the GRPO buckets under any λ are computed exactly as the loop
-computes them (`rows.rows_from_group`, `grpo.estimate_advantages` with --estimator: role-wise baseline,
-METHOD.md §3). Later iterations of a run trained with another λ would roll out differently (another update):
+computes them (`rows.rows_from_group`, `grpo.estimate_advantages` with --estimator, any registered advantage
+estimator: role-wise baseline by default, METHOD.md §3). Later iterations of a run trained with another λ would roll out differently (another update):
 this measures the reward's signal on the same trajectories, not a training run.
 
 Groups: consecutive trajectories of one task whose `group_index` counts up from 0 (the loop writes groups in
-order, G trajectories each). Reported per iteration and λ: frac_zero_std (share of the estimator's buckets — (group,
+order, G trajectories each). Reported per iteration and λ: frac_zero_std (share of the estimator's baseline buckets — (group,
 role) for role_wise and std_scaled, the group for shared_baseline — whose valid rewards are all equal: no
-advantage), buckets, valid rows per role, and the REHEARSE rows' reward spread.
+advantage), buckets (the estimator's own count, ``baseline_buckets``), valid rows per role, and the REHEARSE rows' reward spread.
 Writes --json (summary per λ, every iteration's figures, the run and the command) and prints a table.
 
 Raises SystemExit (argparse), before any computation, for a --run without rollouts or with a rollouts file that is
@@ -33,9 +33,13 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 DEFAULT_JSON = os.path.join(HERE, "results", "reward_signal.json")
-# the advantage estimators measured here, with the bucket each gives a row (`training.grpo`: one baseline per bucket)
-BUCKETS = {"role_wise": lambda r: (r.group_id, r.role), "std_scaled": lambda r: (r.group_id, r.role),
-           "shared_baseline": lambda r: r.group_id}
+
+
+def estimator_names() -> list[str]:
+    """The registered advantage estimators (`training.grpo.ADVANTAGE_ESTIMATORS`)."""
+    from envace_core.training.grpo import ADVANTAGE_ESTIMATORS
+
+    return sorted(ADVANTAGE_ESTIMATORS)
 
 
 def parse_lambdas(text: str) -> list[float]:
@@ -96,19 +100,23 @@ def load_groups(path: str):
 
 
 def iteration_signal(groups, lam: float, estimator: str) -> dict:
-    """frac_zero_std and row counts of one iteration's `groups` with REHEARSE rows rewarded R + lam·F."""
+    """frac_zero_std and row counts of one iteration's `groups` with REHEARSE rows rewarded R + lam·F; "buckets" is
+    None for an estimator that does not report its ``baseline_buckets`` (every `grpo.baseline_advantages` one does)."""
     from envace_core.training.grpo import estimate_advantages
     from envace_core.training.rows import rows_from_group
 
     rows = [r for k, g in enumerate(groups) for r in rows_from_group(f"{k}/{g[0].task_id}", g, lam)]
     stats = estimate_advantages(rows, estimator)
     valid = [r for r in rows if r.valid]
-    buckets = {BUCKETS[estimator](r) for r in valid}
     rehearse = [float(r.reward) for r in valid if r.role == "rehearse"]
-    return {"frac_zero_std": stats["frac_zero_std"], "buckets": len(buckets), "groups": len(groups),
+    return {"frac_zero_std": stats["frac_zero_std"], "buckets": stats.get("baseline_buckets"), "groups": len(groups),
             "valid_rows": {role: sum(r.role == role for r in valid) for role in sorted({r.role for r in rows})},
             "masked_rows": len(rows) - len(valid),
             "rehearse_reward_range": [min(rehearse), max(rehearse)] if rehearse else None}
+
+
+def _count(n: int | None) -> str:
+    return "n/a" if n is None else str(n)
 
 
 def main(argv=None) -> int:
@@ -117,7 +125,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", required=True, help="a run folder holding rollouts/iteration-*.jsonl")
     ap.add_argument("--lambdas", default="0,0.25,0.5,1", help="REHEARSE fidelity weights to compare")
-    ap.add_argument("--estimator", default="role_wise", help=f"advantage estimator: {', '.join(BUCKETS)}")
+    ap.add_argument("--estimator", default="role_wise", help="a registered advantage estimator (default role_wise)")
     ap.add_argument("--json", default=None, help=f"report path (default {os.path.relpath(DEFAULT_JSON)})")
     args = ap.parse_args(argv)
     try:
@@ -137,8 +145,8 @@ def main(argv=None) -> int:
     if not files:
         ap.error(f"--run {args.run}: no rollouts/iteration-*.jsonl files there (a run folder of the store, "
                  "e.g. .envace/store/runs/<run_id>)")
-    if args.estimator not in BUCKETS:
-        ap.error(f"--estimator {args.estimator!r}: measured here: {', '.join(BUCKETS)}")
+    if args.estimator not in estimator_names():
+        ap.error(f"--estimator {args.estimator!r}: registered: {', '.join(estimator_names())}")
     try:
         iterations = {os.path.basename(f): load_groups(f) for f in files}
     except ValueError as e:
@@ -151,7 +159,8 @@ def main(argv=None) -> int:
     head = "| iteration | " + " | ".join(f"λ = {lam:g}" for lam in lambdas) + " |"
     lines = [head, "|" + "---|" * (len(lambdas) + 1)]
     for n in runs:
-        cells = [f"{runs[n][str(lam)]['frac_zero_std']:.2f} ({runs[n][str(lam)]['buckets']} buckets)" for lam in lambdas]
+        cells = [f"{runs[n][str(lam)]['frac_zero_std']:.2f} ({_count(runs[n][str(lam)]['buckets'])} buckets)"
+                 for lam in lambdas]
         lines.append(f"| {n} | " + " | ".join(cells) + " |")
     write_report(out_json, summary, runs, {"run": run_dir,
                                            "estimator": args.estimator, "lambdas": lambdas},

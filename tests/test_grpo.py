@@ -71,10 +71,21 @@ def test_roles_have_separate_baselines_and_shared_baseline_uses_one():
     stats = estimate_advantages(rows, "role_wise")
     assert _adv(rows) == pytest.approx([0.5, -0.5, 0.75, -0.25, -0.25, -0.25])
     assert stats["reward_mean/act"] == 0.5 and stats["reward_mean/rehearse"] == 0.25
+    assert stats["baseline_buckets"] == 2  # (group, ACT), (group, REHEARSE)
     stats = estimate_advantages(rows, "shared_baseline")
     b = 2.0 / 6.0
     assert _adv(rows) == pytest.approx([1 - b, -b, 1 - b, -b, -b, -b])
-    assert stats["frac_zero_std"] == 0.0
+    assert stats["frac_zero_std"] == 0.0 and stats["baseline_buckets"] == 1
+
+
+def test_baseline_buckets_count_only_buckets_with_a_valid_row():
+    rows = _rows([1.0, 0.0, None, float("nan"), 2.0, 2.0], ["act", "act", "rehearse", "rehearse", "act", "act"],
+                 ["a", "a", "a", "a", "b", "b"])
+    for name in ("role_wise", "std_scaled", "shared_baseline"):
+        stats = estimate_advantages(rows, name)
+        assert stats["baseline_buckets"] == 2  # (a, ACT) and (b, ACT) / a and b; a's REHEARSE rows are all masked
+        assert stats["frac_zero_std"] == 0.5
+    assert estimate_advantages([], "role_wise")["baseline_buckets"] == 0
 
 
 def test_groups_are_independent():

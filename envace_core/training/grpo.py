@@ -74,7 +74,8 @@ def baseline_advantages(rows: Sequence[TrainingRow], bucket: Callable[[TrainingR
     are all equal (exactly 0, no NaN).
 
     Returns:
-        {"frac_zero_std": fraction of buckets whose rewards are all equal (no learning signal)}.
+        {"frac_zero_std": fraction of buckets whose rewards are all equal (no learning signal),
+         "baseline_buckets": number of buckets holding >= 1 valid row (each has its own b)}.
 
     Raises:
         ValueError: `scale` is not "none"/"std".
@@ -96,7 +97,7 @@ def baseline_advantages(rows: Sequence[TrainingRow], bucket: Callable[[TrainingR
         denom = _unbiased_std(rs) + eps if scale == "std" else 1.0
         for r, x in zip(members, rs):
             r.advantage = (x - b) / denom
-    return {"frac_zero_std": zero_std / len(buckets) if buckets else 0.0}
+    return {"frac_zero_std": zero_std / len(buckets) if buckets else 0.0, "baseline_buckets": len(buckets)}
 
 
 @register_advantage("role_wise")
@@ -131,7 +132,7 @@ def estimate_advantages(rows: Sequence[TrainingRow], estimator: str = "role_wise
 
     Returns:
         the estimator's stats ("frac_zero_std": fraction of buckets with >= 1 valid row whose
-        rewards are all equal), then "adv_mean", "adv_std", "adv_abs_max" (over valid rows; sample
+        rewards are all equal; "baseline_buckets": how many such buckets), then "adv_mean", "adv_std", "adv_abs_max" (over valid rows; sample
         std) and "reward_mean/<role>", "reward_std/<role>" (over each role's valid rows).
 
     Raises:
