@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -15,14 +14,13 @@ from envace_core.config import load_config
 from envace_core.envs.tau2.synth import gold_answer, synthesize
 from envace_core.roles.tools import format_tool_call
 from envace_core.stages.dataset import task_record
+from tests.benchmark_loader import load_benchmark
 
 from .scripted import ScriptedEngine
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
-_SPEC = importlib.util.spec_from_file_location("act_turns", BENCH / "act_turns.py")
-at = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(at)
+at = load_benchmark("act_turns")
 
 F = {"name": "get_user_details", "arguments": {"user_id": "u1"}}
 G = {"name": "get_reservation_details", "arguments": {"reservation_id": "ABC123"}}

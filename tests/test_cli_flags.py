@@ -188,13 +188,9 @@ def test_a_value_option_given_twice_is_an_error(capsys, argv, flag, extra):
 
 
 def test_benchmark_scripts_refuse_an_option_given_twice(tmp_path, capsys):
-    import importlib.util
-    from pathlib import Path
+    from tests.benchmark_loader import load_benchmark
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "first_call.py"
-    spec = importlib.util.spec_from_file_location("first_call_twice", path)
-    fc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fc)
+    fc = load_benchmark("first_call", "first_call_twice")
     with pytest.raises(SystemExit) as e:
         fc.main(["--models", "a=bundled:smollm2-135m-instruct", "--limit", "1", "--limit", "2"])
     assert e.value.code == 2 and "argument --limit: given twice (1 and 2)" in capsys.readouterr().err

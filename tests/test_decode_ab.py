@@ -3,21 +3,19 @@ speed): three variants in their own processes, the before tree from a git worktr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from tests.benchmark_loader import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("decode_ab", ROOT / "benchmarks" / "decode_ab.py")
 
 
 def _bench():
-    bench = importlib.util.module_from_spec(_SPEC)
-    _SPEC.loader.exec_module(bench)
-    return bench
+    return load_benchmark("decode_ab")
 
 
 def _worktrees() -> list[str]:

@@ -3,24 +3,18 @@ timed, the fused route taken in every case, bad arguments refused before anythin
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 from envace_core.engines import shared_prefix
-
-ROOT = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("decode_attention", ROOT / "benchmarks" / "decode_attention.py")
+from tests.benchmark_loader import load_benchmark
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _bench():
-    bench = importlib.util.module_from_spec(_SPEC)
-    _SPEC.loader.exec_module(bench)
-    return bench
+    return load_benchmark("decode_attention")
 
 
 def test_every_case_on_one_layer(tmp_path, capsys):

@@ -4,18 +4,16 @@ right tool with other arguments and the copy-error flag, other tool, message, pa
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import envace_core  # noqa: F401  (offline environment before tau2)
 from envace_core.types import ToolCall
+from tests.benchmark_loader import load_benchmark
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
-_SPEC = importlib.util.spec_from_file_location("first_call", BENCH / "first_call.py")
-fc = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(fc)
+fc = load_benchmark("first_call")
 
 REQUEST = "You want the flight numbers in your reservation HYRRPC.\n\nYour user id is fatima_johansson_1766."
 GOLD = {"name": "get_reservation_details", "arguments": {"reservation_id": "HYRRPC"}}

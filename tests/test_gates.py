@@ -297,16 +297,11 @@ def test_cpu_smoke_gate_takes_the_warm_starts_lower_bounds_and_stops_a_base_leve
     """benchmarks/gate_calibration.py's thresholds are the warm start's 95 % lower bounds rounded down to
     0.05; with the cpu-smoke profile's thresholds, rows at the warm start's measured level pass the
     rehearsal gate and rows of a rehearser that fell to the base model's level (nothing parses) fail."""
-    import importlib.util
-    from pathlib import Path
-
     from envace_core.config import load_config
     from envace_core.stages.gates import GateFailed, gate_thresholds, rehearsal_gate
+    from tests.benchmark_loader import load_benchmark
 
-    spec = importlib.util.spec_from_file_location(
-        "gate_calibration", Path(__file__).resolve().parents[1] / "benchmarks" / "gate_calibration.py")
-    gc = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gc)
+    gc = load_benchmark("gate_calibration")
     warm = {"json_valid": {"mean": 0.46, "ci_low": 0.2501}, "error_match": {"mean": 0.38, "ci_low": 0.2083},
             "key_f1": {"mean": 0.38, "ci_low": 0.199}, "value_f1": {"mean": 0.0, "ci_low": 0.0}}
     th = gc.proposed_thresholds(warm)

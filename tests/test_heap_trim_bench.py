@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import types
@@ -10,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmark_loader import load_benchmark
+
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
-_SPEC = importlib.util.spec_from_file_location("heap_trim", BENCH / "heap_trim.py")
-ht = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(ht)
+ht = load_benchmark("heap_trim")
 
 
 def _record(cond: str, peak: float) -> str:

@@ -3,7 +3,6 @@ phase only), the op timer's totals, and the report table."""
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 import types
 from pathlib import Path
@@ -11,12 +10,11 @@ from pathlib import Path
 import torch
 
 import envace_core  # noqa: F401  (offline environment before tau2)
+from tests.benchmark_loader import load_benchmark
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
-_SPEC = importlib.util.spec_from_file_location("iteration_profile", BENCH / "iteration_profile.py")
-ip = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(ip)
+ip = load_benchmark("iteration_profile")
 
 
 def test_ops_fall_in_their_categories():

@@ -3,7 +3,6 @@ tiny random model (the numbers mean nothing; the plumbing, budget and report sha
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import sys
@@ -12,11 +11,9 @@ from pathlib import Path
 import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
+from tests.benchmark_loader import load_benchmark
 
-_SPEC = importlib.util.spec_from_file_location(
-    "learning_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "learning.py")
-lb = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(lb)
+lb = load_benchmark("learning", "learning_bench")
 
 
 class _T:

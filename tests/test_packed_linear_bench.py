@@ -3,24 +3,19 @@ tiny, so this checks the plumbing and the JSON, not speed)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 import torch
 
 from envace_core.engines import packed_linear
-
-_SPEC = importlib.util.spec_from_file_location(
-    "packed_linear_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "packed_linear_bench.py")
+from tests.benchmark_loader import load_benchmark
 
 
 @pytest.mark.skipif(not packed_linear.available(torch.bfloat16, "cpu"),
                     reason="this torch build or CPU has no oneDNN bf16 inner product")
 def test_sections_write_every_figure(tiny_model_dir, tmp_path):
-    bench = importlib.util.module_from_spec(_SPEC)
-    _SPEC.loader.exec_module(bench)
+    bench = load_benchmark("packed_linear_bench")
     out = tmp_path / "p.json"
     assert bench.main(["--model", str(tiny_model_dir), "--sections", "matmul,update", "--json", str(out)]) == 0
     rep = json.loads(out.read_text())

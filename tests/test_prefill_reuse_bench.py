@@ -3,7 +3,6 @@ speed): both variants in their own processes, the before tree from a git worktre
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,14 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.benchmark_loader import load_benchmark
+
 ROOT = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("prefill_reuse", ROOT / "benchmarks" / "prefill_reuse.py")
 
 
 def _bench():
-    bench = importlib.util.module_from_spec(_SPEC)
-    _SPEC.loader.exec_module(bench)
-    return bench
+    return load_benchmark("prefill_reuse")
 
 
 def _worktrees() -> list[str]:

@@ -3,18 +3,14 @@ the full-scale estimate, a tiny-model run end to end, and `--trained` as a local
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
+from tests.benchmark_loader import load_benchmark
 
-_SPEC = importlib.util.spec_from_file_location(
-    "rehearsal_effect", Path(__file__).resolve().parents[1] / "benchmarks" / "rehearsal_effect.py")
-re_ = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(re_)
+re_ = load_benchmark("rehearsal_effect")
 
 
 def test_conditions_models_benches_and_user():

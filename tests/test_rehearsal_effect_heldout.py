@@ -5,7 +5,6 @@ end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -15,13 +14,12 @@ import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
 from envace_core.types import Task, ToolCall
+from tests.benchmark_loader import load_benchmark
 from tests.heldout_stand_in import stand_in_heldout
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
-_SPEC = importlib.util.spec_from_file_location("rehearsal_effect_heldout", BENCH / "rehearsal_effect_heldout.py")
-h = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(h)
+h = load_benchmark("rehearsal_effect_heldout")
 
 
 def task(tid: str, request: str = "", actions=(("get_user_details", {"user_id": "u1"}),), domain="airline"):
@@ -235,9 +233,7 @@ def test_max_minutes_stops_after_the_running_episode(tmp_path):
 
 
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("rehearsal_effect_main", BENCH / "rehearsal_effect.py")
-    re_ = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(re_)
+    re_ = load_benchmark("rehearsal_effect", "rehearsal_effect_main")
     (tmp_path / "ds").mkdir()
     ok = tmp_path / "ok"  # a dataset folder as far as the argument check looks
     ok.mkdir()

@@ -3,20 +3,16 @@ error flag against the imagined one, for all rehearsals and the verifier's kept 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
 from envace_core.envs.tau2.synth import synthesize
 from envace_core.stages.dataset import task_record
+from tests.benchmark_loader import load_benchmark
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-_SPEC = importlib.util.spec_from_file_location("rehearsal_error_flag", BENCH / "rehearsal_error_flag.py")
-ef = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(ef)
+ef = load_benchmark("rehearsal_error_flag")
 
 
 def test_real_and_imagined_error_flags_are_counted(tmp_path):

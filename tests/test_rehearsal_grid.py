@@ -6,20 +6,14 @@ other settings is refused, and a `run_eval` result is read into a chunk's result
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
+from tests.benchmark_loader import load_benchmark
 
-_SPEC = importlib.util.spec_from_file_location(
-    "rehearsal_grid", Path(__file__).resolve().parents[1] / "benchmarks" / "rehearsal_grid.py")
-grid = importlib.util.module_from_spec(_SPEC)
-sys.modules["rehearsal_grid"] = grid  # dataclasses look their module up by name
-_SPEC.loader.exec_module(grid)
+grid = load_benchmark("rehearsal_grid", register=True)  # dataclasses look their module up by name
 
 SETTINGS = {"protocol": "tau2_orchestrator", "max_steps": 30, "seed": 0, "profile": "cpu-smoke", "overrides": "",
             "engine": "hf", "user": "policy"}

@@ -3,22 +3,17 @@ compute for each λ, groups told apart by task and group_index, bad arguments re
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
 from envace_core.types import Generation, Observation, Role, Step, ToolCall, Trajectory
-
-ROOT = Path(__file__).resolve().parents[1]
-_SPEC = importlib.util.spec_from_file_location("reward_signal", ROOT / "benchmarks" / "reward_signal.py")
+from tests.benchmark_loader import load_benchmark
 
 
 def _bench():
-    bench = importlib.util.module_from_spec(_SPEC)
-    _SPEC.loader.exec_module(bench)
-    return bench
+    return load_benchmark("reward_signal")
 
 
 def _gen(role: Role) -> Generation:
@@ -75,7 +70,7 @@ def test_fidelity_weight_gives_rehearse_buckets_a_signal_only_where_fidelities_d
     (["--lambdas", "0,nan"], "λ must be a finite number"),
     (["--lambdas", "0,x"], "'x' is not a number"),
     (["--lambdas", "0.5,0.5"], "more than once"),
-    (["--estimator", "nope"], "measured here: role_wise"),
+    (["--estimator", "nope"], "registered: role_wise"),
     (["--json", ""], "--json: is empty"),
 ])
 def test_bad_arguments_are_refused(tmp_path, capsys, args, fragment):

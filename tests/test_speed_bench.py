@@ -3,16 +3,13 @@ No timing, no model, no vLLM import."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-_SPEC = importlib.util.spec_from_file_location(
-    "speed_bench", Path(__file__).resolve().parents[1] / "benchmarks" / "speed.py")
-sp = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(sp)
+from tests.benchmark_loader import load_benchmark
+
+sp = load_benchmark("speed", "speed_bench")
 
 TOP_KEYS = {"gen_tokens_per_s_ratio_vs_vllm_cpu", "grpo_step_over_bf16_floor", "iteration_seconds_ratio_vs_before",
             "main_job_peak_rss_gib", "details"}

@@ -3,7 +3,6 @@ model fingerprint in its JSON, with clear errors for a wrong dataset folder or J
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
@@ -11,12 +10,11 @@ from pathlib import Path
 import pytest
 
 import envace_core  # noqa: F401  (offline environment before tau2)
+from tests.benchmark_loader import load_benchmark
 
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
-_SPEC = importlib.util.spec_from_file_location("validate_models", BENCH / "validate_models.py")
-vm = importlib.util.module_from_spec(_SPEC)
-_SPEC.loader.exec_module(vm)
+vm = load_benchmark("validate_models")
 
 
 def _metrics(value: float) -> dict:
