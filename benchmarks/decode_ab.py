@@ -44,6 +44,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 DEFAULT_JSON = os.path.join(HERE, "results", "decode_ab.json")
 QUICK = {"prompt_tokens": 96, "max_new": 8, "group": 2, "distinct": 2, "repeats": 1, "rounds": 1}
+if HERE not in sys.path:  # speed.py lives beside this script
+    sys.path.insert(0, HERE)
 
 
 def worker(src: str, spec_path: str) -> int:
@@ -253,14 +255,13 @@ def main(argv=None) -> int:
                     help="decode a policy as the trainer does: a LoRA adapter of rank R on q/v (0: the base model)")
     ap.add_argument("--worktree", default=None, help="where the before worktree goes (default: a temp dir)")
     ap.add_argument("--json", default=None, help=f"default {os.path.relpath(DEFAULT_JSON, ROOT)}")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run: " + json.dumps(QUICK))
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run (sizes given on the command line win): " + json.dumps(QUICK))
     ap.add_argument("--worker", nargs=2, metavar=("SRC", "SPEC"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    from speed import parse_with_quick
+
+    args = parse_with_quick(ap, argv, QUICK)
     if args.worker:
         return worker(*args.worker)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
     if args.lora < 0:
         ap.error("--lora must be >= 0")
     for name in ("prompt_tokens", "max_new", "group", "distinct", "repeats", "rounds"):

@@ -143,14 +143,13 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None, help=f"default {os.path.relpath(DEFAULT_JSON, ROOT)}")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run: " + json.dumps(QUICK))
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run (sizes given on the command line win): " + json.dumps(QUICK))
     ap.add_argument("--worker", nargs=2, metavar=("SRC", "SPEC"), help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
+    from speed import parse_with_quick
+
+    args = parse_with_quick(ap, argv, QUICK)
     if args.worker:
         return worker(*args.worker)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
     try:
         tails = [int(t) for t in args.tails.split(",")]
     except ValueError:

@@ -93,6 +93,26 @@ QUICK = {"prompt_tokens": 64, "max_new": 8, "repeats": 1, "step_prompts": 2, "st
          "step_G": 2, "step_max_new": 8, "matmul": 256}
 
 
+_UNSET = object()
+
+
+def parse_with_quick(ap: argparse.ArgumentParser, argv, quick: dict) -> argparse.Namespace:
+    """`ap.parse_args(argv)` where, with ``--quick``, the `quick` sizes ({dest: value}) replace the defaults of
+    the options not given on the command line: a typed value wins, even one equal to the default (``--quick
+    --prompt-tokens 1500`` measures 1 500 tokens). `ap` must have a ``--quick`` flag; its defaults are restored
+    after parsing."""
+    defaults = {k: ap.get_default(k) for k in quick}
+    ap.set_defaults(**{k: _UNSET for k in quick})
+    try:
+        args = ap.parse_args(argv)
+    finally:
+        ap.set_defaults(**defaults)
+    for k, v in quick.items():
+        if getattr(args, k) is _UNSET:
+            setattr(args, k, v if args.quick else defaults[k])
+    return args
+
+
 # ------------------------------------------------------------------------------------------- pure parts
 def ratio(num: float | None, den: float | None) -> float | None:
     """num / den, or None when either is missing or den is 0."""
@@ -524,15 +544,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--iteration-after", type=float, metavar="S", help="seconds of one main-job iteration now")
     ap.add_argument("--main-job-rss", type=float, metavar="GIB", help="the main job's peak RSS, GiB")
     ap.add_argument("--out", help=f"default {os.path.relpath(DEFAULT_OUT, ROOT)} ({QUICK_OUT} with --quick)")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run: " + json.dumps(QUICK))
+    ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run (sizes given on the command line win): " + json.dumps(QUICK))
     ap.add_argument("--dry-run", action="store_true",
                     help="check the arguments, model, prompts and vLLM venv, print the plan, measure nothing")
     ap.add_argument("--vllm-worker", metavar="SPEC", help=argparse.SUPPRESS)
     ap.add_argument("--step-worker", metavar="SPEC", help=argparse.SUPPRESS)
-    args = ap.parse_args(argv)
-    if args.quick:
-        for k, v in QUICK.items():
-            setattr(args, k, v)
+    args = parse_with_quick(ap, argv, QUICK)
     args.out = args.out or (QUICK_OUT if args.quick else DEFAULT_OUT)
     sections = tuple(s for s in args.sections.split(",") if s)
     if not sections or set(sections) - set(SECTIONS):

@@ -91,6 +91,10 @@ def test_arguments():
     assert (a.step_prompts, a.step_prompt_tokens, a.step_G, a.step_max_new) == (4, 300, 4, 64)  # engine_bench's step
     q = sp.parse_args(["--quick"])
     assert q.out != sp.DEFAULT_OUT and q.prompt_tokens < 1500 and (q.group, q.distinct) == (8, 8)
+    # a size typed beside --quick wins, also one equal to the default; the others take the quick sizes
+    q = sp.parse_args(["--quick", "--prompt-tokens", "1500", "--max-new=5"])
+    assert (q.prompt_tokens, q.max_new, q.repeats) == (1500, 5, sp.QUICK["repeats"])
+    assert sp.parse_args(["--prompt-tokens", "77"]).prompt_tokens == 77 and sp.parse_args([]).max_new == 64
     for bad in (["--iteration-before", "60"], ["--main-job-rss", "0"], ["--sections", "ours,gpu"]):
         with pytest.raises(SystemExit):
             sp.parse_args(bad)
