@@ -34,10 +34,12 @@ import datetime
 import json
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -114,19 +116,40 @@ def root_case(tok, workload: dict) -> dict:
 
 @contextlib.contextmanager
 def detached_worktree(rev: str, where: str):
-    """A detached git worktree of this checkout at revision `rev` under `where`, removed on exit; yields its
-    path. Raises ValueError when `rev` is not a commit of this checkout."""
+    """A detached git worktree of this checkout at revision `rev` under `where`, removed on exit, also on SIGTERM
+    (`sigterm_unwinds`); yields its path. Raises ValueError when `rev` is not a commit of this checkout."""
     found = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", f"{rev}^{{commit}}"],
                            check=False, capture_output=True, text=True)
     if found.returncode != 0:
         raise ValueError(f"not a git revision of {ROOT}: {rev!r} ({found.stderr.strip()})")
-    subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", where, found.stdout.strip()],
-                   check=True, capture_output=True)
+    with sigterm_unwinds():
+        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", where, found.stdout.strip()],
+                       check=True, capture_output=True)
+        try:
+            yield where
+        finally:
+            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", where], check=False,
+                           capture_output=True)
+
+
+@contextlib.contextmanager
+def sigterm_unwinds():
+    """While inside, SIGTERM (``kill``, ``timeout``) raises SystemExit(143) instead of ending the process at once,
+    so `finally` blocks run: a stopped benchmark removes its worktree and temporary folder (a running worker
+    child is killed by `subprocess.run` on the way out). SIGKILL cannot be caught. Outside the main thread,
+    where Python cannot set handlers, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    old = signal.signal(signal.SIGTERM, stop)
     try:
-        yield where
+        yield
     finally:
-        subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", where], check=False,
-                       capture_output=True)
+        signal.signal(signal.SIGTERM, old)
 
 
 def model_argument(ref: str) -> str:

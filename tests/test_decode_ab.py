@@ -54,3 +54,24 @@ def test_bad_arguments_stop_before_any_work(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             _bench().main(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err
+
+
+def test_sigterm_removes_the_worktree_and_temp_folder(tmp_path):
+    """A benchmark stopped by SIGTERM (kill, timeout) unwinds: its before-worktree and temporary folder go."""
+    where = tmp_path / "envace-decode-ab-sigterm" / "before"
+    code = ("import os, signal, sys, time\n"
+            f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+            "import decode_ab\n"
+            f"with decode_ab.detached_worktree('HEAD', {str(where)!r}) as w:\n"
+            "    assert os.path.isdir(w)\n"
+            "    print('ready', flush=True)\n"
+            "    time.sleep(60)\n")
+    proc = subprocess.Popen([__import__("sys").executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.terminate()
+        assert proc.wait(timeout=60) == 143
+    finally:
+        proc.kill()
+    assert not where.exists()
+    assert not [line for line in _worktrees() if "envace-decode-ab-sigterm" in line]
