@@ -117,32 +117,68 @@ def root_case(tok, workload: dict) -> dict:
 @contextlib.contextmanager
 def detached_worktree(rev: str, where: str):
     """A detached git worktree of this checkout at revision `rev` under `where`, removed on exit, also on SIGTERM
-    (`sigterm_unwinds`); yields its path. Raises ValueError when `rev` is not a commit of this checkout."""
+    (`sigterm_unwinds`); yields its path. Raises ValueError when `rev` is not a commit of this checkout, when
+    `where` exists and is not an empty folder, or when ``git worktree add`` fails (git's message)."""
     found = subprocess.run(["git", "-C", ROOT, "rev-parse", "--verify", f"{rev}^{{commit}}"],
                            check=False, capture_output=True, text=True)
     if found.returncode != 0:
         raise ValueError(f"not a git revision of {ROOT}: {rev!r} ({found.stderr.strip()})")
+    existed = os.path.lexists(where)
+    if existed and not (os.path.isdir(where) and not os.path.islink(where) and not os.listdir(where)):
+        raise ValueError(f"{where} exists and is not an empty folder: give a worktree path that does not exist")
     with sigterm_unwinds():
-        subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", where, found.stdout.strip()],
-                       check=True, capture_output=True)
-        try:
+        try:  # a stop during `worktree add` leaves a half-made, locked worktree: removed below as well
+            added = subprocess.run(["git", "-C", ROOT, "worktree", "add", "--detach", where, found.stdout.strip()],
+                                   check=False, capture_output=True, text=True)
+            if added.returncode != 0:
+                raise ValueError(f"git worktree add {where} failed: {added.stderr.strip()}")
             yield where
         finally:
-            subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", where], check=False,
-                           capture_output=True)
+            remove_worktree(where, keep_folder=existed)
+
+
+def remove_worktree(where: str, keep_folder: bool = False) -> None:
+    """Removes the worktree at `where` (``--force`` twice: also a locked one, as a stopped ``worktree add`` leaves),
+    deletes what git left of it (with `keep_folder`, the folder itself stays: it was there, empty, before), then
+    prunes this checkout's records of worktrees whose folder is gone. Never raises."""
+    subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", "--force", where], check=False,
+                   capture_output=True)
+    if os.path.isdir(where) and not os.path.islink(where):
+        if keep_folder:
+            for name in os.listdir(where):
+                full = os.path.join(where, name)
+                if os.path.isdir(full) and not os.path.islink(full):
+                    shutil.rmtree(full, ignore_errors=True)
+                else:
+                    with contextlib.suppress(OSError):
+                        os.unlink(full)
+        else:
+            shutil.rmtree(where, ignore_errors=True)
+    if keep_folder and not os.path.lexists(where):  # `worktree remove` takes the folder too
+        with contextlib.suppress(OSError):
+            os.mkdir(where)
+    subprocess.run(["git", "-C", ROOT, "worktree", "prune"], check=False, capture_output=True)
+
+
+_STOPPING = False  # set by the first SIGTERM under `sigterm_unwinds`: the process is on its way out
 
 
 @contextlib.contextmanager
 def sigterm_unwinds():
     """While inside, SIGTERM (``kill``, ``timeout``) raises SystemExit(143) instead of ending the process at once,
     so `finally` blocks run: a stopped benchmark removes its worktree and temporary folder (a running worker
-    child is killed by `subprocess.run` on the way out). SIGKILL cannot be caught. Outside the main thread,
-    where Python cannot set handlers, it does nothing."""
+    child is killed by `subprocess.run` on the way out). Further SIGTERMs are ignored until it exits, so they
+    cannot interrupt that cleanup. Nests (the innermost restores the outer handler). SIGKILL cannot be caught.
+    Outside the main thread, where Python cannot set handlers, it does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
 
     def stop(signum, frame):
+        global _STOPPING
+        if _STOPPING:  # a second SIGTERM must not cut the cleanup short
+            return
+        _STOPPING = True
         raise SystemExit(128 + signum)
 
     old = signal.signal(signal.SIGTERM, stop)
@@ -295,6 +331,12 @@ def main(argv=None) -> int:
     out_json = before_json_model_arguments(
         ap, args, "/tmp/envace-decode-ab-quick.json" if args.quick else DEFAULT_JSON)
 
+    with sigterm_unwinds():
+        return _main_run(ap, args, out_json)
+
+
+def _main_run(ap: argparse.ArgumentParser, args, out_json: str) -> int:
+    """`main` after the arguments: the worktree, the rounds and the report, the temporary folder removed after."""
     tmp = tempfile.mkdtemp(prefix="envace-decode-ab-")
     trees = {"after": ROOT}
     try:

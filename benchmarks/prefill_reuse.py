@@ -132,7 +132,7 @@ def table(summary: dict) -> str:
 
 
 def main(argv=None) -> int:
-    from decode_ab import before_json_model_arguments, detached_worktree, run_worker, write_report
+    from decode_ab import before_json_model_arguments, sigterm_unwinds
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--before", help="git revision of the 'before' variant (omit: after only)")
@@ -159,10 +159,19 @@ def main(argv=None) -> int:
     for name in ("prompt_tokens", "calls", "rounds"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.pool_tokens < 4 * (args.prompt_tokens + max(tails)) + 64:
-        ap.error("--pool-tokens must hold the prompt and four tails at least (4 x (prompt + tail) + 64)")
+    least = 4 * (args.prompt_tokens + max(tails)) + 64
+    if args.pool_tokens < least:
+        ap.error(f"--pool-tokens must hold the prompt and four tails at least (4 x (prompt + tail) + 64 = {least} "
+                 f"here), got {args.pool_tokens}")
     out_json = before_json_model_arguments(
         ap, args, "/tmp/envace-prefill-reuse-quick.json" if args.quick else DEFAULT_JSON)
+    with sigterm_unwinds():
+        return _main_run(ap, args, tails, out_json)
+
+
+def _main_run(ap: argparse.ArgumentParser, args, tails: list[int], out_json: str) -> int:
+    """`main` after the arguments: the worktree, the rounds and the report, the temporary folder removed after."""
+    from decode_ab import detached_worktree, run_worker, write_report
 
     tmp = tempfile.mkdtemp(prefix="envace-prefill-reuse-")
     try:

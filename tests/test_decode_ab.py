@@ -75,3 +75,48 @@ def test_sigterm_removes_the_worktree_and_temp_folder(tmp_path):
         proc.kill()
     assert not where.exists()
     assert not [line for line in _worktrees() if "envace-decode-ab-sigterm" in line]
+
+
+def test_second_sigterm_does_not_cut_the_cleanup_short(tmp_path):
+    """Two SIGTERMs in a row (a impatient `kill`, a supervisor's retry): the first unwinds, the second is ignored while
+    the worktree is removed."""
+    where = tmp_path / "envace-decode-ab-sigterm2" / "before"
+    code = ("import os, signal, sys, time\n"
+            f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
+            "import decode_ab\n"
+            "real = decode_ab.remove_worktree\n"
+            "def slow(*a, **k):\n"
+            "    print('cleaning', flush=True)\n"
+            "    time.sleep(1.5)\n"
+            "    real(*a, **k)\n"
+            "decode_ab.remove_worktree = slow\n"
+            "with decode_ab.sigterm_unwinds():\n"
+            f"    with decode_ab.detached_worktree('HEAD', {str(where)!r}) as w:\n"
+            "        print('ready', flush=True)\n"
+            "        time.sleep(60)\n")
+    proc = subprocess.Popen([__import__("sys").executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        proc.terminate()
+        assert proc.stdout.readline().strip() == "cleaning"
+        proc.terminate()
+        assert proc.wait(timeout=60) == 143
+    finally:
+        proc.kill()
+    assert not where.exists()
+    assert not [line for line in _worktrees() if "envace-decode-ab-sigterm2" in line]
+
+
+def test_worktree_path_that_exists_is_refused_and_left_alone(tmp_path):
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="exists and is not an empty folder"):
+        with _bench().detached_worktree("HEAD", str(busy)):
+            pass
+    assert (busy / "keep.txt").read_text() == "mine"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with _bench().detached_worktree("HEAD", str(empty)) as w:
+        assert (Path(w) / "pyproject.toml").is_file()
+    assert empty.is_dir() and not any(empty.iterdir())  # it was there before: emptied, kept
