@@ -26,14 +26,18 @@ Per model × condition, over the seeds S at which both the condition and ``none`
 - seconds_per_episode: the mean over the seeds' timed episodes; rehearsals made / rejected and real calls in
   rehearsal summed over seeds (the last must be 0: METHOD.md §4, rehearsal never touches the real environment).
 
-Writes the pooled block under ``--key`` into ``--json`` (other keys kept; the key is replaced when it exists) and
-appends a table to RESULTS.md unless ``--no-append``. Bad arguments: a one-line error, exit status 2.
+Every report is checked before anything is pooled (`check_report`: an integer seed, a reference per model, per-task
+outcomes of 0 or 1, counts and seconds of the right kind); a real call during rehearsal is printed as a warning.
+Writes the pooled block under ``--key`` into ``--json`` (other keys kept; a key is replaced only when it holds an
+earlier pooled block, `check_target`; a run's own held-out report is refused as --json) and appends a table to
+RESULTS.md unless ``--no-append``. Bad arguments or reports: a one-line error, exit status 2, nothing written.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -50,28 +54,80 @@ from rehearsal_effect import BenchmarkError, append_section
 
 HERE = Path(__file__).resolve().parent
 DEFAULT_JSON = HERE / "results" / "rehearsal_effect.json"
+POOLED_KIND = "rehearsal_effect_pool"  # run.kind of a pooled block: the only kind --key may replace
 SAME_RUN = ("heldout_file", "task_ids", "dataset", "synth_seed", "levels", "protocol", "profile", "overrides")
 
 
 def load_report(path: str) -> dict[str, Any]:
-    """One held-out report; raises `BenchmarkError` for a missing, unreadable or non-JSON file, or one that is
-    not a `rehearsal_effect_heldout` report (no run block with a seed and task ids, no model cells)."""
+    """One held-out report, checked (`check_report`); raises `BenchmarkError` for a missing, unreadable or non-JSON
+    file, or one that is not a `rehearsal_effect_heldout` report."""
     p = Path(path)
+    if p.is_dir():
+        raise BenchmarkError(f"{path}: a folder; give a report file")
     if not p.is_file():
         raise BenchmarkError(f"{path}: no such file")
     try:
         rep = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BenchmarkError(f"{path}: not a readable JSON report ({type(e).__name__}: {e})") from None
+    check_report(path, rep)
+    return rep
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def is_heldout_report(rep: Any) -> bool:
+    """Whether `rep` looks like one run's held-out report (a run block with a seed and task ids), whatever else."""
     run = rep.get("run") if isinstance(rep, dict) else None
-    if not isinstance(run, dict) or not isinstance(run.get("seed"), int) or not isinstance(run.get("task_ids"), list):
+    return isinstance(run, dict) and "seed" in run and "task_ids" in run
+
+
+def check_report(path: str, rep: Any) -> None:
+    """Raises `BenchmarkError` naming the file and field unless `rep` is a held-out report this script can pool: a
+    run block with an integer seed, the task ids and a reference per model label (``run.models``); per model and
+    condition a cell with ``complete`` (bool), ``outcomes`` ({task id: 0 or 1}, tau2's is_successful), counts
+    (rehearsals made / rejected, real calls in rehearsal: integers ≥ 0) and seconds (a finite number ≥ 0 or null)."""
+    if not is_heldout_report(rep):
         raise BenchmarkError(f"{path}: not a held-out report of rehearsal_effect.py --heldout (its 'run' block with "
                              "'seed' and 'task_ids' is missing)")
+    run = rep["run"]
+    if not _is_int(run["seed"]):
+        raise BenchmarkError(f"{path}: run.seed must be an integer (the run's sampling seed), got {run['seed']!r}")
+    if not isinstance(run["task_ids"], list) or not all(isinstance(t, str) for t in run["task_ids"]):
+        raise BenchmarkError(f"{path}: run.task_ids must be a list of task ids")
     models = {k: v for k, v in rep.items() if k != "run"}
-    if not models or not all(isinstance(v, dict) and all(isinstance(c, dict) and "outcomes" in c for c in v.values())
-                             for v in models.values()):
+    if not models:
         raise BenchmarkError(f"{path}: no model × condition cells with per-task outcomes")
-    return rep
+    refs = run.get("models")
+    for model, conds in models.items():
+        where = f"{path}: model {model!r}"
+        entry = refs.get(model) if isinstance(refs, dict) else None
+        if not isinstance(entry, dict) or not isinstance(entry.get("ref"), str) or not entry["ref"]:
+            raise BenchmarkError(f"{where} has no reference in run.models (needed to pool only the same model)")
+        if not isinstance(conds, dict) or not conds:
+            raise BenchmarkError(f"{where}: no condition cells")
+        for cond, c in conds.items():
+            here = f"{where} condition {cond!r}"
+            if not isinstance(c, dict) or not isinstance(c.get("outcomes"), dict):
+                raise BenchmarkError(f"{here}: no per-task outcomes")
+            if not isinstance(c.get("complete"), bool):
+                raise BenchmarkError(f"{here}: 'complete' must be true or false, got {c.get('complete')!r}")
+            bad = [(t, v) for t, v in c["outcomes"].items() if not _is_number(v) or v not in (0, 1)]
+            if bad:
+                raise BenchmarkError(f"{here}: outcome {bad[0][1]!r} of task {bad[0][0]!r} is not 0 or 1 "
+                                     f"(tau2's is_successful){f' (and {len(bad) - 1} more)' if len(bad) > 1 else ''}")
+            for key in ("rehearsals_made", "rehearsals_rejected", "real_calls_in_rehearsal", "seconds_timed_episodes"):
+                if key in c and not (_is_int(c[key]) and c[key] >= 0):
+                    raise BenchmarkError(f"{here}: {key} must be an integer >= 0, got {c[key]!r}")
+            sec = c.get("seconds_per_episode")
+            if sec is not None and not (_is_number(sec) and sec >= 0):
+                raise BenchmarkError(f"{here}: seconds_per_episode must be a finite number >= 0 or null, got {sec!r}")
 
 
 def check_same_run(reports: dict[str, dict[str, Any]]) -> None:
@@ -116,10 +172,11 @@ def collect(reports: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, dic
     return cells, left
 
 
-def pooled_cell(by_seed: dict[int, dict], none_by_seed: dict[int, dict], n_boot: int) -> dict[str, Any] | None:
-    """The pooled entry of one model × condition (module docstring), over the seeds both it and ``none`` have;
-    None when there is no such seed. Raises `BenchmarkError` when a seed's condition and ``none`` scored
-    different tasks."""
+def pooled_cell(label: str, by_seed: dict[int, dict], none_by_seed: dict[int, dict],
+                n_boot: int) -> dict[str, Any] | None:
+    """The pooled entry of one model × condition (`label`, for messages; module docstring) over the seeds both it
+    and ``none`` have; None when there is no such seed. Raises `BenchmarkError` when a seed's condition or
+    ``none`` scored other tasks than the first seed's condition, or no task at all."""
     from envace_core.evaluation.stats import mean_ci
     from learning import t_interval
 
@@ -127,13 +184,17 @@ def pooled_cell(by_seed: dict[int, dict], none_by_seed: dict[int, dict], n_boot:
     if not seeds:
         return None
     tasks = sorted(by_seed[seeds[0]]["outcomes"])
+    if not tasks:
+        raise BenchmarkError(f"{label} at seed {seeds[0]}: no scored task")
     for s in seeds:
-        for name, c in (("condition", by_seed[s]), ("none", none_by_seed[s])):
-            if sorted(c["outcomes"]) != tasks:
-                raise BenchmarkError(f"seed {s}: the {name} cell scored other tasks than seed {seeds[0]}'s "
-                                     "condition: pool only complete runs of one task set")
+        for name, c in ((label, by_seed[s]), (f"{label.split(' ')[0]} none", none_by_seed[s])):
+            other = set(c["outcomes"]) ^ set(tasks)
+            if other:
+                raise BenchmarkError(f"{name} at seed {s} scored other tasks than {label} at seed {seeds[0]} "
+                                     f"({len(other)} differ, e.g. {sorted(other)[0]!r}): pool runs of one task set")
     own = [statistics.fmean(by_seed[s]["outcomes"][t] for s in seeds) for t in tasks]
-    diff = [statistics.fmean(by_seed[s]["outcomes"][t] - none_by_seed[s]["outcomes"][t] for s in seeds) for t in tasks]
+    base = [statistics.fmean(none_by_seed[s]["outcomes"][t] for s in seeds) for t in tasks]
+    diff = [a - b for a, b in zip(own, base)]
 
     def ci(xs: list[float]) -> dict[str, Any]:
         m = mean_ci(xs, n_boot, 0)
@@ -142,16 +203,19 @@ def pooled_cell(by_seed: dict[int, dict], none_by_seed: dict[int, dict], n_boot:
     per_seed = {}
     for s in seeds:
         o, b = by_seed[s]["outcomes"], none_by_seed[s]["outcomes"]
-        per_seed[str(s)] = {"success": statistics.fmean(o.values()),
+        per_seed[str(s)] = {"success": statistics.fmean(o[t] for t in tasks),
                             "paired_vs_none": statistics.fmean(o[t] - b[t] for t in tasks),
                             "gained": sum(1 for t in tasks if o[t] > b[t]), "lost": sum(1 for t in tasks if o[t] < b[t]),
                             "seconds_per_episode": by_seed[s].get("seconds_per_episode")}
     paired_means = [v["paired_vs_none"] for v in per_seed.values()]
+    seed_ci = None
+    if len(seeds) >= 2:  # a paired mean of 0/1 outcomes lies in [-1, 1]: the t-interval is cut there
+        seed_ci = [max(-1.0, float(x)) if i == 0 else min(1.0, float(x)) for i, x in enumerate(t_interval(paired_means))]
     timed = [(by_seed[s].get("seconds_per_episode"), by_seed[s].get("seconds_timed_episodes") or 0) for s in seeds]
     n_timed = sum(k for sec, k in timed if sec is not None)
-    total = lambda key: sum(int(by_seed[s].get(key) or 0) for s in seeds)
-    return {"success": ci(own), "paired_vs_none": {**ci(diff), "n": len(tasks)},
-            "seed_ci": [float(x) for x in t_interval(paired_means)] if len(seeds) >= 2 else None,
+    total = lambda key: sum(by_seed[s].get(key) or 0 for s in seeds)
+    return {"success": ci(own), "none_success_same_seeds": statistics.fmean(base),
+            "paired_vs_none": {**ci(diff), "n": len(tasks)}, "seed_ci": seed_ci,
             "seeds": seeds, "n": len(tasks), "n_episodes": len(tasks) * len(seeds),
             "seconds_per_episode": (sum(sec * k for sec, k in timed if sec is not None) / n_timed) if n_timed else None,
             "rehearsals_made": total("rehearsals_made"), "rehearsals_rejected": total("rehearsals_rejected"),
@@ -161,34 +225,40 @@ def pooled_cell(by_seed: dict[int, dict], none_by_seed: dict[int, dict], n_boot:
 def pool(reports: dict[str, dict[str, Any]], n_boot: int = 2000) -> dict[str, Any]:
     """The pooled block {"run": {...}, <model>: {<condition>: `pooled_cell`}} of `reports` ({path: report});
     raises `BenchmarkError` (`check_same_run`, `collect`, `pooled_cell`), also when no condition has a seed
-    shared with ``none``."""
+    shared with ``none``. Cells left out (unfinished, or at a seed where ``none`` did not finish) are listed in
+    run.left_out."""
     check_same_run(reports)
     cells, left = collect(reports)
     out: dict[str, Any] = {}
     for model, conds in cells.items():
         none = conds.get("none", {})
-        block = {c: p for c, by_seed in conds.items() if (p := pooled_cell(by_seed, none, n_boot)) is not None}
+        for cond, by_seed in conds.items():
+            left += [f"{model} {cond} at seed {s}: no finished none at that seed to pair with"
+                     for s in sorted(set(by_seed) - set(none))]
+        block = {c: p for c, by_seed in conds.items()
+                 if (p := pooled_cell(f"{model} {c}", by_seed, none, n_boot)) is not None}
         if block:
             out[model] = block
     if not any(c != "none" for b in out.values() for c in b):
         raise BenchmarkError("no condition besides none finished at a seed where none finished too: nothing to pool")
     first = next(iter(reports.values()))["run"]
-    out["run"] = {**{k: first.get(k) for k in SAME_RUN if k != "task_ids"}, "n_tasks": len(first["task_ids"]),
-                  "models": first.get("models"), "reports": list(reports), "left_out": left,
-                  "code": {p: r["run"].get("code") for p, r in reports.items()},
+    out["run"] = {"kind": POOLED_KIND, **{k: first.get(k) for k in SAME_RUN if k != "task_ids"},
+                  "n_tasks": len(first["task_ids"]), "models": first.get("models"), "reports": list(reports),
+                  "left_out": left, "code": {p: r["run"].get("code") for p, r in reports.items()},
                   "date": time.strftime("%Y-%m-%d %H:%M %Z"), "n_boot": n_boot,
                   "ci": f"95% percentile bootstrap over tasks ({n_boot} resamples), each task averaged over the seeds; "
-                        "seed_ci: Student-t over the seeds' paired means"}
+                        "seed_ci: Student-t over the seeds' paired means, cut to [-1, 1]"}
     return out
 
 
 def markdown(block: dict[str, Any]) -> str:
-    """One row per model × condition: seeds, episodes, success [CI], Δ vs none [CI], t-CI over seeds, each
-    seed's Δ (gained/lost), rehearsals (rejected), real calls in rehearsal, seconds per episode."""
+    """One row per model × condition: seeds, episodes, success [CI], none's success at the same seeds, Δ vs none
+    [CI], t-CI over seeds, each seed's Δ (gained/lost), rehearsals (rejected), real calls in rehearsal, seconds
+    per episode."""
     f = lambda s, fmt: f"{fmt.format(s['mean'])} [{fmt.format(s['ci_low'])}, {fmt.format(s['ci_high'])}]"
-    rows = ["| model | condition | seeds | tasks × seeds | success [95% CI] | Δ vs none [95% CI] | Δ t-CI over seeds "
-            "| Δ per seed (gained/lost) | rehearsals (rejected) | real calls in rehearsal | s / episode |",
-            "|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| model | condition | seeds | tasks × seeds | success [95% CI] | none, same seeds | Δ vs none [95% CI] "
+            "| Δ t-CI over seeds | Δ per seed (gained/lost) | rehearsals (rejected) | real calls in rehearsal "
+            "| s / episode |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, conds in block.items():
         if model == "run":
             continue
@@ -199,7 +269,8 @@ def markdown(block: dict[str, Any]) -> str:
                                              for s, v in c["per_seed"].items())
             sec = "n/a" if c["seconds_per_episode"] is None else f"{c['seconds_per_episode']:.1f}"
             rows.append(f"| {model} | {name} | {','.join(map(str, c['seeds']))} | {c['n']} × {len(c['seeds'])} | "
-                        f"{f(c['success'], '{:.3f}')} | {'—' if none else f(c['paired_vs_none'], '{:+.3f}')} | {tci} | "
+                        f"{f(c['success'], '{:.3f}')} | {'—' if none else format(c['none_success_same_seeds'], '.3f')} | "
+                        f"{'—' if none else f(c['paired_vs_none'], '{:+.3f}')} | {tci} | "
                         f"{per} | {c['rehearsals_made']} ({c['rehearsals_rejected']}) | {c['real_calls_in_rehearsal']} "
                         f"| {sec} |")
     return "\n".join(rows)
@@ -219,8 +290,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_args(args: argparse.Namespace) -> None:
-    """--key (non-empty, not ``run``), --n-boot (>= 100), --json and --results-md (`check_results_md`), and no
-    report named twice or as --json. Raises `BenchmarkError`."""
+    """--key (non-empty, not ``run``), --n-boot (>= 100), --json and --results-md (`check_results_md`,
+    `check_target`), and no report named twice or as --json. Raises `BenchmarkError`."""
     from rehearsal_effect import check_results_md
 
     if not args.key.strip() or args.key.strip() != args.key or args.key in ("run", "runs_added"):
@@ -234,6 +305,33 @@ def check_args(args: argparse.Namespace) -> None:
         raise BenchmarkError("a report is named twice: each seed's report once")
     if Path(args.json).expanduser().resolve() in paths:
         raise BenchmarkError(f"--json {args.json} is one of the reports: write the pooled block elsewhere")
+    check_target(args.json, args.key)
+
+
+def check_target(path: str, key: str) -> None:
+    """Raises `BenchmarkError` unless the pooled block can go under `key` in the JSON at `path`: a file that can be
+    written (`store.files.writable_file_problem`), not a run's held-out report (the block would make it unreadable
+    as one), and whose `key`, when taken, holds an earlier pooled block (run.kind) rather than a measurement."""
+    from envace_core.store.files import writable_file_problem
+
+    if not path.strip():
+        raise BenchmarkError("--json is empty; give a file path")
+    why = writable_file_problem(path)
+    if why:
+        raise BenchmarkError(f"--json {path}: {why}")
+    p = Path(path).expanduser()
+    if not p.is_file():
+        return
+    try:
+        old = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return  # check_results_md's report_overwrite_problem refused it already
+    if is_heldout_report(old):
+        raise BenchmarkError(f"--json {path} is a run's held-out report: write the pooled block to a collection such "
+                             f"as {os.path.relpath(DEFAULT_JSON)} or a new file")
+    taken = old.get(key) if isinstance(old, dict) else None
+    if taken is not None and not (isinstance(taken, dict) and (taken.get("run") or {}).get("kind") == POOLED_KIND):
+        raise BenchmarkError(f"--json {path} already holds {key!r}, which is not a pooled block: choose another --key")
 
 
 def write_block(path: Path, key: str, block: dict[str, Any]) -> bool:
@@ -257,6 +355,13 @@ def write_block(path: Path, key: str, block: dict[str, Any]) -> bool:
     return replaced
 
 
+def _shown(path: str) -> str:
+    """`path` relative to the checkout when inside it (a section's command reads the same wherever it ran)."""
+    full = Path(path).expanduser().resolve()
+    root = HERE.parent
+    return str(full.relative_to(root)) if full.is_relative_to(root) else str(full)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = build_parser()
     args = ap.parse_args(argv)
@@ -271,12 +376,17 @@ def main(argv: list[str] | None = None) -> int:
     print(table)
     for why in block["run"]["left_out"]:
         print(f"left out: {why}")
+    for model, conds in block.items():
+        for cond, c in conds.items() if model != "run" else ():
+            if c["real_calls_in_rehearsal"]:
+                print(f"WARNING: {model} {cond}: {c['real_calls_in_rehearsal']} real calls during rehearsal (must be 0: "
+                      "rehearsal never touches the real environment, METHOD.md §4)")
     print(f"{'replaced' if replaced else 'wrote'} {args.key!r} in {args.json}")
     if not args.no_append:
         r = block["run"]
         append_section(Path(args.results_md), "\n".join([
             f"## Private Rehearsal effect pooled over seeds ({args.key}), {r['date']}", "",
-            f"`{' '.join(['benchmarks/rehearsal_effect_pool.py', *args.reports, '--key', args.key])}`: "
+            f"`{' '.join(['benchmarks/rehearsal_effect_pool.py', *map(_shown, args.reports), '--key', args.key])}`: "
             f"{r['n_tasks']} held-out tasks ({r['heldout_file']}), protocol {r['protocol']}, overrides "
             f"{r['overrides']!r}. CIs: {r['ci']}.", "", table]))
         print(f"appended to {args.results_md}")

@@ -135,3 +135,109 @@ def test_json_target_that_is_not_an_object_left_alone(tmp_path, capsys):
     out.write_text("[1, 2]")
     assert pool_bench.main([a, "--key", "k", "--json", str(out), "--no-append"]) == 2
     assert "not a JSON report" in capsys.readouterr().err and out.read_text() == "[1, 2]"
+
+
+def _edited(tmp: Path, name: str, edit) -> str:
+    path = _report(tmp, name, 1, [1, 0, 0, 1, 0, 0], {"parallel:4": _cell([1, 1, 0, 1, 0, 0])})
+    rep = json.loads(Path(path).read_text())
+    edit(rep)
+    Path(path).write_text(json.dumps(rep))
+    return path
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda r: r["m"]["parallel:4"]["outcomes"].update({TASKS[0]: 5.0}), "is not 0 or 1"),
+    (lambda r: r["m"]["parallel:4"]["outcomes"].update({TASKS[0]: 0.5}), "is not 0 or 1"),
+    (lambda r: r["m"]["parallel:4"]["outcomes"].update({TASKS[0]: "1"}), "is not 0 or 1"),
+    (lambda r: r["m"]["parallel:4"]["outcomes"].update({TASKS[0]: None}), "is not 0 or 1"),
+    (lambda r: r["m"]["parallel:4"]["outcomes"].update({TASKS[0]: True}), "is not 0 or 1"),
+    (lambda r: r["m"]["parallel:4"].update(complete="false"), "'complete' must be true or false"),
+    (lambda r: r["m"]["parallel:4"].update(rehearsals_made=2.7), "rehearsals_made must be an integer"),
+    (lambda r: r["m"]["parallel:4"].update(seconds_per_episode="19"), "seconds_per_episode must be"),
+    (lambda r: r["run"].update(seed=True), "run.seed must be an integer"),
+    (lambda r: r["run"].update(seed="1"), "run.seed must be an integer"),
+    (lambda r: r["run"].pop("models"), "has no reference in run.models"),
+    (lambda r: r["run"].update(models={"m": None}), "has no reference in run.models"),
+    (lambda r: r["run"].update(models="m"), "has no reference in run.models"),
+    (lambda r: r.update(m={}), "no condition cells"),
+])
+def test_reports_with_bad_values_refused_before_anything_is_written(tmp_path, capsys, edit, match):
+    good = _report(tmp_path, "a.json", 0, [1, 0, 0, 1, 0, 0], {"parallel:4": _cell([1, 1, 0, 1, 0, 0])})
+    bad = _edited(tmp_path, "b.json", edit)
+    out = tmp_path / "o.json"
+    assert pool_bench.main([good, bad, "--key", "k", "--json", str(out), "--no-append"]) == 2
+    assert match in capsys.readouterr().err and not out.exists()
+
+
+def test_nan_outcome_refused(tmp_path, capsys):
+    good = _report(tmp_path, "a.json", 0, [1, 0, 0, 1, 0, 0], {"parallel:4": _cell([1, 1, 0, 1, 0, 0])})
+    bad = tmp_path / "b.json"
+    bad.write_text(Path(good).read_text().replace('"seed": 0', '"seed": 1').replace('"airline/t0": 1', '"airline/t0": NaN', 1))
+    assert pool_bench.main([good, str(bad), "--key", "k", "--json", str(tmp_path / "o.json"), "--no-append"]) == 2
+    assert "is not 0 or 1" in capsys.readouterr().err
+
+
+def test_condition_without_none_at_its_seed_is_listed_as_left_out(tmp_path):
+    a = _report(tmp_path, "a.json", 0, [1, 0, 0, 1, 0, 0], {"parallel:4": _cell([1, 1, 0, 1, 0, 0])})
+    b = _edited(tmp_path, "b.json", lambda r: r["m"].pop("none"))
+    c = _edited(tmp_path, "c.json", lambda r: (r["run"].update(seed=2), r["m"]["none"].update(complete=False)))
+    block = pool_bench.pool({p: pool_bench.load_report(p) for p in (a, b, c)}, n_boot=200)
+    assert block["m"]["parallel:4"]["seeds"] == [0]
+    left = block["run"]["left_out"]
+    assert any("parallel:4 at seed 1: no finished none" in x for x in left)
+    assert any("parallel:4 at seed 2: no finished none" in x for x in left)
+    assert any("none (seed 2" in x and "not complete" in x for x in left)
+
+
+def test_none_success_at_the_same_seeds_and_seed_ci_cut_to_the_possible_range(tmp_path):
+    a = _report(tmp_path, "a.json", 0, [0, 0, 0, 0, 0, 0], {"parallel:4": _cell([1, 1, 1, 1, 1, 1])})
+    b = _report(tmp_path, "b.json", 1, [1, 1, 1, 1, 1, 1], {"parallel:4": _cell([1, 1, 1, 1, 1, 1])})
+    c = _report(tmp_path, "c.json", 2, [1, 1, 1, 1, 1, 1], {})
+    block = pool_bench.pool({p: pool_bench.load_report(p) for p in (a, b, c)}, n_boot=200)
+    p4 = block["m"]["parallel:4"]
+    assert block["m"]["none"]["seeds"] == [0, 1, 2] and p4["seeds"] == [0, 1]
+    assert p4["none_success_same_seeds"] == pytest.approx(0.5)  # seeds 0 and 1 only, not seed 2's none
+    assert p4["seed_ci"][0] >= -1.0 and p4["seed_ci"][1] == 1.0  # per-seed Δ 1 and 0: t(0.975, 1) = 12.7 spreads far
+    assert "| 0.500 |" in pool_bench.markdown(block)
+
+
+def test_task_sets_that_differ_are_named(tmp_path):
+    a = _report(tmp_path, "a.json", 0, [1, 0, 0, 1, 0, 0], {"parallel:4": _cell([1, 1, 0, 1, 0, 0])})
+    b = _edited(tmp_path, "b.json", lambda r: r["m"]["none"]["outcomes"].pop(TASKS[2]))
+    with pytest.raises(pool_bench.BenchmarkError, match=r"m none at seed 1 scored other tasks .* 'airline/t2'"):
+        pool_bench.pool({p: pool_bench.load_report(p) for p in (a, b)}, n_boot=200)
+
+
+def test_real_calls_in_rehearsal_are_warned_about(tmp_path, capsys):
+    a = _report(tmp_path, "a.json", 0, [1, 0, 0, 1, 0, 0], {"parallel:4": _cell([1, 1, 0, 1, 0, 0])})
+    b = _edited(tmp_path, "b.json", lambda r: r["m"]["parallel:4"].update(real_calls_in_rehearsal=3))
+    assert pool_bench.main([a, b, "--key", "k", "--json", str(tmp_path / "o.json"), "--no-append"]) == 0
+    assert "WARNING: m parallel:4: 3 real calls during rehearsal" in capsys.readouterr().out
+
+
+def test_targets_that_would_lose_data_refused(tmp_path, capsys):
+    a = _report(tmp_path, "a.json", 0, [1, 0, 0, 1, 0, 0], {"parallel:4": _cell([1, 1, 0, 1, 0, 0])})
+    b = _report(tmp_path, "b.json", 1, [1, 0, 0, 1, 0, 0], {"parallel:4": _cell([1, 1, 0, 1, 0, 0])})
+    other = _report(tmp_path, "other_run.json", 3, [1, 0, 0, 1, 0, 0], {})
+    measured = tmp_path / "effect.json"
+    measured.write_text(json.dumps({"act48": {"none": {"n": 60}}}))
+    folder = tmp_path / "adir"
+    folder.mkdir()
+    cases = [(["--json", other], "is a run's held-out report"),
+             (["--json", str(measured), "--key", "act48"], "not a pooled block"),
+             (["--json", str(folder)], "a folder"), (["--json", ""], "--json is empty")]
+    for extra, match in cases:
+        argv = [a, b, "--no-append"] + extra + ([] if "--key" in extra else ["--key", "k"])
+        before = {p: Path(p).read_text() for p in (a, b, other, str(measured))}
+        assert pool_bench.main(argv) == 2, extra
+        assert match in capsys.readouterr().err
+        assert {p: Path(p).read_text() for p in before} == before
+    assert list(folder.iterdir()) == [] and not list(tmp_path.glob("*.tmp"))
+    assert pool_bench.main([a, b, "--key", "pooled", "--json", str(measured), "--no-append"]) == 0
+    assert pool_bench.main([a, b, "--key", "pooled", "--json", str(measured), "--no-append"]) == 0  # a pooled block: replaced
+    assert "replaced 'pooled'" in capsys.readouterr().out
+
+
+def test_a_folder_given_as_a_report_is_named_so(tmp_path, capsys):
+    assert pool_bench.main([str(tmp_path), "--key", "k", "--json", str(tmp_path / "o.json"), "--no-append"]) == 2
+    assert "a folder; give a report file" in capsys.readouterr().err
