@@ -174,7 +174,7 @@ def heldout_tasks(dataset_dir: str, per_domain: int, seed: int, levels: list[int
     """(held-out tasks, {"dataset", "file", "disjoint": `check_disjoint`}) for `per_domain` tasks per domain,
     read from ``<out>/heldout_tasks/<dataset version>-h<N>-s<seed>-L<levels>.json`` when built before, else
     built (`build_heldout`, minutes) and written there. Disjointness from the dataset's train split is
-    checked either way (raises `BenchmarkError`)."""
+    checked either way (raises `BenchmarkError`; a freshly built set that overlaps is not written)."""
     from envace_core.stages.dataset import task_from_record, task_record
 
     splits = load_dataset_dir(dataset_dir)
@@ -183,14 +183,15 @@ def heldout_tasks(dataset_dir: str, per_domain: int, seed: int, levels: list[int
     f = out / "heldout_tasks" / name
     if f.is_file():
         tasks = [task_from_record(r) for r in json.loads(f.read_text())]
+        proof = check_disjoint(tasks, train)
     else:
         log(f"[effect] synthesizing {per_domain} held-out tasks per domain (seed {seed}, levels {levels}) ...")
         tasks = build_heldout(train, per_domain, levels, seed)
+        proof = check_disjoint(tasks, train)  # a set that overlaps the train split is not kept
         from envace_core.store.files import atomic_write_text
 
         f.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(f, json.dumps([task_record(t) for t in tasks], indent=1))
-    proof = check_disjoint(tasks, train)
     ids = {t.id for t in tasks}
     proof["dataset_heldout_included"] = f"{sum(t.id in ids for t in splits.get('heldout', []))} of the dataset's " \
         f"{len(splits.get('heldout', []))} held-out tasks are in this set (same synthesis order)"

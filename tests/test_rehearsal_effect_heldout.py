@@ -305,3 +305,19 @@ def test_tiny_model_end_to_end_then_resume(tiny_model_dir, tmp_path, monkeypatch
         assert c["outcomes"] == rep["tiny"][name]["outcomes"]
         assert c["seconds_per_episode"] == pytest.approx(rep["tiny"][name]["seconds_per_episode"])
         assert c["seconds_note"].startswith("0 timed in this run, 2 when")
+
+
+def test_a_built_set_that_overlaps_the_train_split_is_not_kept(tmp_path, monkeypatch):
+    """A synthesis seed whose held-out set shares a task with the train split fails, and leaves no task file that a
+    rerun would read back (it would fail again without a rebuild)."""
+    from envace_core.envs.tau2.tasks import load_tasks
+
+    ds, stand_in, _ = stand_in_heldout(tmp_path)
+    overlapping = [load_tasks("airline", "train")[0], *stand_in]  # the dataset's first train task
+    monkeypatch.setattr(h, "build_heldout", lambda train, n, levels, seed: overlapping)
+    with pytest.raises(h.BenchmarkError, match="overlap the training dataset's train split"):
+        h.heldout_tasks(str(ds), 1, 2, [1, 2, 3], tmp_path / "out", log=lambda *a: None)
+    assert not list((tmp_path / "out").rglob("*.json"))
+    monkeypatch.setattr(h, "build_heldout", lambda train, n, levels, seed: stand_in)
+    tasks, info = h.heldout_tasks(str(ds), 1, 2, [1, 2, 3], tmp_path / "out", log=lambda *a: None)
+    assert [t.id for t in tasks] == [t.id for t in stand_in] and Path(info["file"]).is_file()
