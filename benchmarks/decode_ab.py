@@ -314,7 +314,8 @@ def main(argv=None) -> int:
                     help="decode a policy as the trainer does: a LoRA adapter of rank R on q/v (0: the base model)")
     ap.add_argument("--worktree", default=None, help="where the before worktree goes (default: a temp dir)")
     ap.add_argument("--json", default=None, help=f"default {os.path.relpath(DEFAULT_JSON, ROOT)}")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run (sizes given on the command line win): " + json.dumps(QUICK))
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny sizes, a smoke run (sizes given on the command line win): " + json.dumps(QUICK))
     ap.add_argument("--worker", nargs=2, metavar=("SRC", "SPEC"), help=argparse.SUPPRESS)
     from speed import parse_with_quick
 

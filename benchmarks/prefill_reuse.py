@@ -143,7 +143,8 @@ def main(argv=None) -> int:
     ap.add_argument("--calls", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--json", default=None, help=f"default {os.path.relpath(DEFAULT_JSON, ROOT)}")
-    ap.add_argument("--quick", action="store_true", help="tiny sizes, a smoke run (sizes given on the command line win): " + json.dumps(QUICK))
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny sizes, a smoke run (sizes given on the command line win): " + json.dumps(QUICK))
     ap.add_argument("--worker", nargs=2, metavar=("SRC", "SPEC"), help=argparse.SUPPRESS)
     from speed import parse_with_quick
 

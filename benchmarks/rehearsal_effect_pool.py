@@ -191,7 +191,7 @@ def pooled_cell(label: str, by_seed: dict[int, dict], none_by_seed: dict[int, di
             other = set(c["outcomes"]) ^ set(tasks)
             if other:
                 raise BenchmarkError(f"{name} at seed {s} scored other tasks than {label} at seed {seeds[0]} "
-                                     f"({len(other)} differ, e.g. {sorted(other)[0]!r}): pool runs of one task set")
+                                     f"({len(other)} differ, e.g. {min(other)!r}): pool runs of one task set")
     own = [statistics.fmean(by_seed[s]["outcomes"][t] for s in seeds) for t in tasks]
     base = [statistics.fmean(none_by_seed[s]["outcomes"][t] for s in seeds) for t in tasks]
     diff = [a - b for a, b in zip(own, base)]
@@ -256,9 +256,9 @@ def markdown(block: dict[str, Any]) -> str:
     [CI], t-CI over seeds, each seed's Δ (gained/lost), rehearsals (rejected), real calls in rehearsal, seconds
     per episode."""
     f = lambda s, fmt: f"{fmt.format(s['mean'])} [{fmt.format(s['ci_low'])}, {fmt.format(s['ci_high'])}]"
-    rows = ["| model | condition | seeds | tasks × seeds | success [95% CI] | none, same seeds | Δ vs none [95% CI] "
-            "| Δ t-CI over seeds | Δ per seed (gained/lost) | rehearsals (rejected) | real calls in rehearsal "
-            "| s / episode |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [("| model | condition | seeds | tasks × seeds | success [95% CI] | none, same seeds | Δ vs none [95% CI] "
+             "| Δ t-CI over seeds | Δ per seed (gained/lost) | rehearsals (rejected) | real calls in rehearsal "
+             "| s / episode |"), "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for model, conds in block.items():
         if model == "run":
             continue
@@ -386,9 +386,9 @@ def main(argv: list[str] | None = None) -> int:
         r = block["run"]
         append_section(Path(args.results_md), "\n".join([
             f"## Private Rehearsal effect pooled over seeds ({args.key}), {r['date']}", "",
-            f"`{' '.join(['benchmarks/rehearsal_effect_pool.py', *map(_shown, args.reports), '--key', args.key])}`: "
-            f"{r['n_tasks']} held-out tasks ({r['heldout_file']}), protocol {r['protocol']}, overrides "
-            f"{r['overrides']!r}. CIs: {r['ci']}.", "", table]))
+            (f"`{' '.join(['benchmarks/rehearsal_effect_pool.py', *map(_shown, args.reports), '--key', args.key])}`: "
+             f"{r['n_tasks']} held-out tasks ({r['heldout_file']}), protocol {r['protocol']}, overrides "
+             f"{r['overrides']!r}. CIs: {r['ci']}."), "", table]))
         print(f"appended to {args.results_md}")
     return 0
 

@@ -111,9 +111,8 @@ def test_worktree_path_that_exists_is_refused_and_left_alone(tmp_path):
     busy = tmp_path / "busy"
     busy.mkdir()
     (busy / "keep.txt").write_text("mine")
-    with pytest.raises(ValueError, match="exists and is not an empty folder"):
-        with _bench().detached_worktree("HEAD", str(busy)):
-            pass
+    with pytest.raises(ValueError, match="exists and is not an empty folder"), _bench().detached_worktree("HEAD", str(busy)):
+        pass
     assert (busy / "keep.txt").read_text() == "mine"
     empty = tmp_path / "empty"
     empty.mkdir()

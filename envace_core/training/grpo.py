@@ -133,7 +133,8 @@ def estimate_advantages(rows: Sequence[TrainingRow], estimator: str = "role_wise
     Returns:
         the estimator's stats ("frac_zero_std": fraction of buckets with >= 1 valid row whose
         rewards are all equal; "baseline_buckets": the number of buckets with >= 1 valid row), then
-        "adv_mean", "adv_std", "adv_abs_max" (over valid rows; sample std) and "reward_mean/<role>", "reward_std/<role>" (over each role's valid rows).
+        "adv_mean", "adv_std", "adv_abs_max" (over valid rows; sample std) and "reward_mean/<role>",
+        "reward_std/<role>" (over each role's valid rows).
 
     Raises:
         EnvaceError: unknown `estimator` (the message lists the registered ones); ValueError: bad options.
