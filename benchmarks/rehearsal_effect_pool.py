@@ -29,7 +29,7 @@ Per model × condition, over the seeds S at which both the condition and ``none`
 Every report is checked before anything is pooled (`check_report`: an integer seed, a reference per model, per-task
 outcomes of 0 or 1, counts and seconds of the right kind); a real call during rehearsal is printed as a warning.
 Writes the pooled block under ``--key`` into ``--json`` (other keys kept; a key is replaced only when it holds an
-earlier pooled block, `check_target`; a run's own held-out report is refused as --json) and appends a table to
+earlier pooled block, `check_target`; a held-out report that takes one stays poolable) and appends a table to
 RESULTS.md unless ``--no-append``. Bad arguments or reports: a one-line error, exit status 2, nothing written.
 """
 
@@ -88,6 +88,16 @@ def is_heldout_report(rep: Any) -> bool:
     return isinstance(run, dict) and "seed" in run and "task_ids" in run
 
 
+def is_pooled_block(block: Any) -> bool:
+    """Whether `block` is one this script wrote (run.kind `POOLED_KIND`)."""
+    return isinstance(block, dict) and isinstance(block.get("run"), dict) and block["run"].get("kind") == POOLED_KIND
+
+
+def report_models(rep: dict[str, Any]) -> dict[str, Any]:
+    """The model blocks of a held-out report: every top-level key but ``run`` and pooled blocks written into it."""
+    return {k: v for k, v in rep.items() if k != "run" and not is_pooled_block(v)}
+
+
 def check_report(path: str, rep: Any) -> None:
     """Raises `BenchmarkError` naming the file and field unless `rep` is a held-out report this script can pool: a
     run block with an integer seed, the task ids and a reference per model label (``run.models``); per model and
@@ -101,7 +111,7 @@ def check_report(path: str, rep: Any) -> None:
         raise BenchmarkError(f"{path}: run.seed must be an integer (the run's sampling seed), got {run['seed']!r}")
     if not isinstance(run["task_ids"], list) or not all(isinstance(t, str) for t in run["task_ids"]):
         raise BenchmarkError(f"{path}: run.task_ids must be a list of task ids")
-    models = {k: v for k, v in rep.items() if k != "run"}
+    models = report_models(rep)
     if not models:
         raise BenchmarkError(f"{path}: no model × condition cells with per-task outcomes")
     refs = run.get("models")
@@ -154,9 +164,7 @@ def collect(reports: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, dic
     left: list[str] = []
     for path, rep in reports.items():
         seed = rep["run"]["seed"]
-        for model, conds in rep.items():
-            if model == "run":
-                continue
+        for model, conds in report_models(rep).items():
             for cond, c in conds.items():
                 if not c.get("complete"):
                     left.append(f"{path}: {model} {cond} (seed {seed}, {c.get('n_run', 0)} tasks run, not complete)")
@@ -310,8 +318,9 @@ def check_args(args: argparse.Namespace) -> None:
 
 def check_target(path: str, key: str) -> None:
     """Raises `BenchmarkError` unless the pooled block can go under `key` in the JSON at `path`: a file that can be
-    written (`store.files.writable_file_problem`), not a run's held-out report (the block would make it unreadable
-    as one), and whose `key`, when taken, holds an earlier pooled block (run.kind) rather than a measurement."""
+    written (`store.files.writable_file_problem`) whose `key`, when taken, holds an earlier pooled block (run.kind)
+    rather than a measurement. A run's held-out report may take the block: pooled blocks in a report are skipped
+    when it is read (`report_models`), so it stays poolable."""
     from envace_core.store.files import writable_file_problem
 
     if not path.strip():
@@ -326,11 +335,8 @@ def check_target(path: str, key: str) -> None:
         old = json.loads(p.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return  # check_results_md's report_overwrite_problem refused it already
-    if is_heldout_report(old):
-        raise BenchmarkError(f"--json {path} is a run's held-out report: write the pooled block to a collection such "
-                             f"as {os.path.relpath(DEFAULT_JSON)} or a new file")
     taken = old.get(key) if isinstance(old, dict) else None
-    if taken is not None and not (isinstance(taken, dict) and (taken.get("run") or {}).get("kind") == POOLED_KIND):
+    if taken is not None and not is_pooled_block(taken):
         raise BenchmarkError(f"--json {path} already holds {key!r}, which is not a pooled block: choose another --key")
 
 
@@ -351,7 +357,7 @@ def write_block(path: Path, key: str, block: dict[str, Any]) -> bool:
     replaced = key in old
     old[key] = block
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps(old, indent=2, sort_keys=True, default=str))
+    atomic_write_text(path, json.dumps(old, indent=2, default=str))  # keys in their order: a diff shows the block
     return replaced
 
 

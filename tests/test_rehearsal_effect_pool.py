@@ -223,8 +223,7 @@ def test_targets_that_would_lose_data_refused(tmp_path, capsys):
     measured.write_text(json.dumps({"act48": {"none": {"n": 60}}}))
     folder = tmp_path / "adir"
     folder.mkdir()
-    cases = [(["--json", other], "is a run's held-out report"),
-             (["--json", str(measured), "--key", "act48"], "not a pooled block"),
+    cases = [(["--json", str(measured), "--key", "act48"], "not a pooled block"),
              (["--json", str(folder)], "a folder"), (["--json", ""], "--json is empty")]
     for extra, match in cases:
         argv = [a, b, "--no-append"] + extra + ([] if "--key" in extra else ["--key", "k"])
@@ -236,6 +235,11 @@ def test_targets_that_would_lose_data_refused(tmp_path, capsys):
     assert pool_bench.main([a, b, "--key", "pooled", "--json", str(measured), "--no-append"]) == 0
     assert pool_bench.main([a, b, "--key", "pooled", "--json", str(measured), "--no-append"]) == 0  # a pooled block: replaced
     assert "replaced 'pooled'" in capsys.readouterr().out
+    # a held-out report may take the block (rehearsal_effect.json is one) and is still read as a report after it
+    assert pool_bench.main([a, b, "--key", "pooled", "--json", other, "--no-append"]) == 0
+    assert "pooled" in json.loads(Path(other).read_text())
+    block = pool_bench.pool({p: pool_bench.load_report(p) for p in (a, other)}, n_boot=200)
+    assert "pooled" not in block and block["m"]["none"]["seeds"] == [0, 3]
 
 
 def test_a_folder_given_as_a_report_is_named_so(tmp_path, capsys):
