@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,55 +57,46 @@ def test_bad_arguments_stop_before_any_work(tmp_path, capsys):
         assert e.value.code == 2 and msg in capsys.readouterr().err
 
 
+def _stopped_by_sigterm(where: Path, body: str, stops: tuple[str, ...]) -> None:
+    """Runs `body` (Python after ``import decode_ab``; it prints each line of `stops` when it gets there) in a child
+    process, sends SIGTERM as each line arrives, and checks that the child exits 143 and the worktree at `where` is
+    gone from disk and from ``git worktree list``."""
+    code = (f"import os, sys, time\nsys.path.insert(0, {str(ROOT / 'benchmarks')!r})\nimport decode_ab\n" + body)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    try:
+        for line in stops:
+            assert proc.stdout.readline().strip() == line
+            proc.terminate()
+        assert proc.wait(timeout=60) == 143
+    finally:
+        proc.kill()
+    assert not where.exists()
+    assert not [line for line in _worktrees() if where.parent.name in line]
+
+
 def test_sigterm_removes_the_worktree_and_temp_folder(tmp_path):
     """A benchmark stopped by SIGTERM (kill, timeout) unwinds: its before-worktree and temporary folder go."""
     where = tmp_path / "envace-decode-ab-sigterm" / "before"
-    code = ("import os, signal, sys, time\n"
-            f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
-            "import decode_ab\n"
-            f"with decode_ab.detached_worktree('HEAD', {str(where)!r}) as w:\n"
-            "    assert os.path.isdir(w)\n"
-            "    print('ready', flush=True)\n"
-            "    time.sleep(60)\n")
-    proc = subprocess.Popen([__import__("sys").executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        proc.terminate()
-        assert proc.wait(timeout=60) == 143
-    finally:
-        proc.kill()
-    assert not where.exists()
-    assert not [line for line in _worktrees() if "envace-decode-ab-sigterm" in line]
+    _stopped_by_sigterm(where, (f"with decode_ab.detached_worktree('HEAD', {str(where)!r}) as w:\n"
+                                "    assert os.path.isdir(w)\n"
+                                "    print('ready', flush=True)\n"
+                                "    time.sleep(60)\n"), ("ready",))
 
 
 def test_second_sigterm_does_not_cut_the_cleanup_short(tmp_path):
-    """Two SIGTERMs in a row (a impatient `kill`, a supervisor's retry): the first unwinds, the second is ignored while
-    the worktree is removed."""
+    """Two SIGTERMs in a row (an impatient `kill`, a supervisor's retry): the first unwinds, the second is ignored
+    while the worktree is removed."""
     where = tmp_path / "envace-decode-ab-sigterm2" / "before"
-    code = ("import os, signal, sys, time\n"
-            f"sys.path.insert(0, {str(ROOT / 'benchmarks')!r})\n"
-            "import decode_ab\n"
-            "real = decode_ab.remove_worktree\n"
-            "def slow(*a, **k):\n"
-            "    print('cleaning', flush=True)\n"
-            "    time.sleep(1.5)\n"
-            "    real(*a, **k)\n"
-            "decode_ab.remove_worktree = slow\n"
-            "with decode_ab.sigterm_unwinds():\n"
-            f"    with decode_ab.detached_worktree('HEAD', {str(where)!r}) as w:\n"
-            "        print('ready', flush=True)\n"
-            "        time.sleep(60)\n")
-    proc = subprocess.Popen([__import__("sys").executable, "-c", code], stdout=subprocess.PIPE, text=True, cwd=ROOT)
-    try:
-        assert proc.stdout.readline().strip() == "ready"
-        proc.terminate()
-        assert proc.stdout.readline().strip() == "cleaning"
-        proc.terminate()
-        assert proc.wait(timeout=60) == 143
-    finally:
-        proc.kill()
-    assert not where.exists()
-    assert not [line for line in _worktrees() if "envace-decode-ab-sigterm2" in line]
+    _stopped_by_sigterm(where, ("real = decode_ab.remove_worktree\n"
+                                "def slow(*a, **k):\n"
+                                "    print('cleaning', flush=True)\n"
+                                "    time.sleep(1.5)\n"
+                                "    real(*a, **k)\n"
+                                "decode_ab.remove_worktree = slow\n"
+                                "with decode_ab.sigterm_unwinds():\n"
+                                f"    with decode_ab.detached_worktree('HEAD', {str(where)!r}) as w:\n"
+                                "        print('ready', flush=True)\n"
+                                "        time.sleep(60)\n"), ("ready", "cleaning"))
 
 
 def test_worktree_path_that_exists_is_refused_and_left_alone(tmp_path):
