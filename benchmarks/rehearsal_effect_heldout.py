@@ -235,7 +235,8 @@ def outcomes(records: list[dict[str, Any]]) -> dict[str, float]:
     return {r["task_id"]: float(r["success"]) for r in records if r.get("success") is not None}
 
 
-def _ci(s: dict[str, Any]) -> dict[str, Any]:
+def ci_fields(s: dict[str, Any]) -> dict[str, Any]:
+    """{"mean", "ci_low", "ci_high"} of a `stats.mean_ci` result ({"mean", "ci95": [lo, hi] or None})."""
     lo, hi = s["ci95"] if s["ci95"] else (None, None)
     return {"mean": s["mean"], "ci_low": lo, "ci_high": hi}
 
@@ -265,8 +266,8 @@ def cell(records: list[dict[str, Any]], none_records: list[dict[str, Any]] | Non
     both = sorted(set(own) & set(base))
     paired = mean_ci([own[t] - base[t] for t in both], n_boot, seed)
     ids = [r["task_id"] for r in records]
-    return {"success": _ci(mean_ci([own[t] for t in sorted(own)], n_boot, seed)),
-            "paired_vs_none": {**_ci(paired), "n": len(both)},
+    return {"success": ci_fields(mean_ci([own[t] for t in sorted(own)], n_boot, seed)),
+            "paired_vs_none": {**ci_fields(paired), "n": len(both)},
             "n": len(own), "n_unscored": len(records) - len(own), "n_run": len(records), "complete": len(records) >= n_tasks,
             "errors": sum(1 for r in records if r.get("error")),
             **seconds(timings, ids, fresh), **isolation(records),

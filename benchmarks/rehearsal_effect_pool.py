@@ -180,13 +180,16 @@ def collect(reports: dict[str, dict[str, Any]]) -> tuple[dict[str, dict[str, dic
     return cells, left
 
 
-def pooled_cell(label: str, by_seed: dict[int, dict], none_by_seed: dict[int, dict],
+def pooled_cell(model: str, condition: str, by_seed: dict[int, dict], none_by_seed: dict[int, dict],
                 n_boot: int) -> dict[str, Any] | None:
-    """The pooled entry of one model × condition (`label`, for messages; module docstring) over the seeds both it
-    and ``none`` have; None when there is no such seed. Raises `BenchmarkError` when a seed's condition or
-    ``none`` scored other tasks than the first seed's condition, or no task at all."""
+    """The pooled entry of one model × condition (module docstring) over the seeds both it and ``none`` have;
+    None when there is no such seed. Raises `BenchmarkError` when a seed's condition or ``none`` scored other
+    tasks than the first seed's condition, or no task at all."""
     from envace_core.evaluation.stats import mean_ci
     from learning import t_interval
+    from rehearsal_effect_heldout import ci_fields
+
+    label = f"{model} {condition}"
 
     seeds = sorted(set(by_seed) & set(none_by_seed))
     if not seeds:
@@ -195,7 +198,7 @@ def pooled_cell(label: str, by_seed: dict[int, dict], none_by_seed: dict[int, di
     if not tasks:
         raise BenchmarkError(f"{label} at seed {seeds[0]}: no scored task")
     for s in seeds:
-        for name, c in ((label, by_seed[s]), (f"{label.split(' ')[0]} none", none_by_seed[s])):
+        for name, c in ((label, by_seed[s]), (f"{model} none", none_by_seed[s])):
             other = set(c["outcomes"]) ^ set(tasks)
             if other:
                 raise BenchmarkError(f"{name} at seed {s} scored other tasks than {label} at seed {seeds[0]} "
@@ -203,10 +206,6 @@ def pooled_cell(label: str, by_seed: dict[int, dict], none_by_seed: dict[int, di
     own = [statistics.fmean(by_seed[s]["outcomes"][t] for s in seeds) for t in tasks]
     base = [statistics.fmean(none_by_seed[s]["outcomes"][t] for s in seeds) for t in tasks]
     diff = [a - b for a, b in zip(own, base)]
-
-    def ci(xs: list[float]) -> dict[str, Any]:
-        m = mean_ci(xs, n_boot, 0)
-        return {"mean": m["mean"], "ci_low": m["ci95"][0], "ci_high": m["ci95"][1]}
 
     per_seed = {}
     for s in seeds:
@@ -218,12 +217,13 @@ def pooled_cell(label: str, by_seed: dict[int, dict], none_by_seed: dict[int, di
     paired_means = [v["paired_vs_none"] for v in per_seed.values()]
     seed_ci = None
     if len(seeds) >= 2:  # a paired mean of 0/1 outcomes lies in [-1, 1]: the t-interval is cut there
-        seed_ci = [max(-1.0, float(x)) if i == 0 else min(1.0, float(x)) for i, x in enumerate(t_interval(paired_means))]
+        lo, hi = t_interval(paired_means)
+        seed_ci = [max(-1.0, float(lo)), min(1.0, float(hi))]
     timed = [(by_seed[s].get("seconds_per_episode"), by_seed[s].get("seconds_timed_episodes") or 0) for s in seeds]
     n_timed = sum(k for sec, k in timed if sec is not None)
     total = lambda key: sum(by_seed[s].get(key) or 0 for s in seeds)
-    return {"success": ci(own), "none_success_same_seeds": statistics.fmean(base),
-            "paired_vs_none": {**ci(diff), "n": len(tasks)}, "seed_ci": seed_ci,
+    return {"success": ci_fields(mean_ci(own, n_boot, 0)), "none_success_same_seeds": statistics.fmean(base),
+            "paired_vs_none": {**ci_fields(mean_ci(diff, n_boot, 0)), "n": len(tasks)}, "seed_ci": seed_ci,
             "seeds": seeds, "n": len(tasks), "n_episodes": len(tasks) * len(seeds),
             "seconds_per_episode": (sum(sec * k for sec, k in timed if sec is not None) / n_timed) if n_timed else None,
             "rehearsals_made": total("rehearsals_made"), "rehearsals_rejected": total("rehearsals_rejected"),
@@ -244,7 +244,7 @@ def pool(reports: dict[str, dict[str, Any]], n_boot: int = 2000) -> dict[str, An
             left += [f"{model} {cond} at seed {s}: no finished none at that seed to pair with"
                      for s in sorted(set(by_seed) - set(none))]
         block = {c: p for c, by_seed in conds.items()
-                 if (p := pooled_cell(f"{model} {c}", by_seed, none, n_boot)) is not None}
+                 if (p := pooled_cell(model, c, by_seed, none, n_boot)) is not None}
         if block:
             out[model] = block
     if not any(c != "none" for b in out.values() for c in b):
