@@ -205,10 +205,14 @@ def warn_unused_act_settings(train: Any) -> None:
 
 def warn_unused_rehearsal_settings(rehearsal: Any) -> Any:
     """Warn (`UnusedSettingWarning`) for rehearsal.grounded_errors=true with the verifier off (it is one of the
-    verifier's checks); returns `rehearsal` (a pydantic after-validator)."""
+    verifier's checks) and for rehearsal.prune_rejected=true set explicitly with the verifier off (it stops
+    rehearsals the verifier rejects); returns `rehearsal` (a pydantic after-validator)."""
     if rehearsal.grounded_errors and not rehearsal.verifier:
         warnings.warn("rehearsal.grounded_errors=true has no effect: it is a verifier check, and rehearsal.verifier "
                       "is false", UnusedSettingWarning, stacklevel=3)
+    if "prune_rejected" in rehearsal.model_fields_set and rehearsal.prune_rejected and not rehearsal.verifier:
+        warnings.warn("rehearsal.prune_rejected=true has no effect: it stops rehearsals the verifier rejects, and "
+                      "rehearsal.verifier is false", UnusedSettingWarning, stacklevel=3)
     return rehearsal
 
 

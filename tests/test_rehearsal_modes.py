@@ -157,6 +157,58 @@ def test_parallel_verifier_rejects_unknown_tools(tok, write_task):
     assert "self_eval" not in engine.calls  # parallel: no SELF-EVAL unless asked
 
 
+def _lookup(task):
+    gold = next(a for a in task.gold_actions if a.name.startswith("get_"))
+    return call(gold.name, **gold.arguments)
+
+
+def _agents(tok, mode, act_texts, checks, **kw):
+    """The same rehearsal set-up twice, without and with `prune_rejected` (each on its own engine)."""
+    return [(e := EvalEngine(tok, act_texts),
+             RehearsalAgent(e, mode, 3, 512, act=P3, rehearse=P3, seed=0, verifier=checks, prune_rejected=prune, **kw))
+            for prune in (False, True)]
+
+
+@pytest.mark.parametrize("memory_content", ["calls", "consensus"])
+def test_pruning_stops_a_rejected_rehearsal_and_leaves_the_memory_as_it_was(tok, write_task, memory_content):
+    task, write_text = write_task
+    ctx = task_context(task, 300)
+    reject_first = lambda t, c: ["first one is rejected"] if t.group_index == 0 and t.steps else []
+    (e_full, full), (e_pruned, pruned) = _agents(tok, "parallel", [_lookup(task), write_text, write_text],
+                                                 [reject_first], memory_content=memory_content)
+    a, b = full.rehearse_round(ctx), pruned.rehearse_round(ctx)
+    assert b.memory == a.memory and b.memory  # the kept rehearsals (and every first call) are the same
+    assert [len(t.steps) for t in a.rehearsals] == [3, 3, 3]
+    assert [len(t.steps) for t in b.rehearsals] == [1, 3, 3]  # rejected in its first turn, stopped there
+    assert b.rehearsals[0].termination == "stopped" and a.rehearsals[0].termination == "max_turns"
+    assert [(t.group_index, r) for t, r in b.rejected] == [(0, ["first one is rejected"])]
+    assert e_pruned.calls.count("rehearse") == e_full.calls.count("rehearse") - 2  # its turns 2 and 3 not decoded
+    assert e_pruned.calls.count("act") == e_full.calls.count("act") - 2
+
+
+def test_pruning_in_sequential_mode_keeps_each_memory(tok, write_task):
+    task, write_text = write_task
+    ctx = task_context(task, 300)
+    cancel_unread = call("cancel_reservation", reservation_id="ZZ9XQ1")
+    (e_full, full), (e_pruned, pruned) = _agents(tok, "sequential", [_lookup(task), cancel_unread, write_text],
+                                                 default_checks("airline"))
+    a, b = full.rehearse_round(ctx), pruned.rehearse_round(ctx)
+    assert len(a.rejected) == len(b.rejected) == 3 and a.memory == b.memory == ""
+    assert all(len(t.steps) == 3 for t in a.rehearsals)
+    assert all(len(t.steps) == 2 and t.termination == "stopped" for t in b.rehearsals)  # cancelled unread, turn 2
+    assert all(any("check the reservation before changing it) at step 1" in r for r in reasons)
+               for _, reasons in b.rejected)
+    acts = lambda e: [t for k, t in e.prompts if k == "act"]
+    assert acts(e_pruned) == [t for t in acts(e_full) if t.count("<|im_start|>assistant") <= 2]
+
+
+def test_pruning_needs_a_verifier(tok, write_task):
+    task, write_text = write_task
+    agent = RehearsalAgent(EvalEngine(tok, [write_text]), "parallel", 2, 128, act=P, rehearse=P, prune_rejected=True)
+    assert agent.prune_rejected is False
+    assert all(t.termination != "stopped" for t in agent.rehearse_round(task_context(task, 300)).rehearsals)
+
+
 def test_parallel_mode_equals_rehearsal_rollouts(tiny_model_dir):
     engine = HFEngine(load_model(tiny_model_dir), load_tokenizer(tiny_model_dir), compute_dtype="float32")
     ctx = task_context(load_tasks("airline", "test", limit=1)[0], 300)

@@ -193,6 +193,27 @@ def test_grounded_errors_without_the_verifier_warns():
         load_config("test", "rehearsal.grounded_errors=true,rehearsal.verifier=false")
 
 
+def test_pruning_without_the_verifier_warns_only_when_asked_for():
+    import warnings
+
+    from envace_core.config import load_config
+    from envace_core.config_checks import UnusedSettingWarning
+    from envace_core.evaluation.tau2 import policy_agent
+
+    with pytest.warns(UnusedSettingWarning, match="prune_rejected=true has no effect"):
+        load_config("test", "rehearsal.prune_rejected=true,rehearsal.verifier=false")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UnusedSettingWarning)
+        cfg = load_config("test", "rehearsal.verifier=false")  # the default alone is no request
+    assert cfg.rehearsal.prune_rejected is True
+    engine = type("E", (), {"tokenizer": None})()
+    on = policy_agent(load_config("test"), engine, "parallel", 2, domain="airline", seed=0)
+    off = policy_agent(load_config("test", "rehearsal.prune_rejected=false"), engine, "parallel", 2,
+                       domain="airline", seed=0)
+    assert (on.prune_rejected, off.prune_rejected) == (True, False)
+    assert policy_agent(cfg, engine, "parallel", 2, domain="airline", seed=0).prune_rejected is False
+
+
 def test_memory_lines_keep_non_ascii_arguments_as_written():
     from envace_core.rehearsal.agent import summarise
 

@@ -64,7 +64,7 @@ def policy_agent(cfg: RunConfig, engine, mode: str = "none", n: int = 0, *, doma
     ("none" | "parallel" | "sequential") with `n` per round (`training.policy.rehearsal_params`: at
     ``rehearsal.temperature``, format-constrained only with ``rehearsal.constrained_decoding``), the config's
     memory budget and content, re-entry and (``rehearsal.verifier``) `domain`'s verifier checks (with
-    ``rehearsal.grounded_errors``, `verifier.grounded_error_check` too)."""
+    ``rehearsal.grounded_errors``, `verifier.grounded_error_check` too; ``rehearsal.prune_rejected``)."""
     from envace_core.rehearsal.verifier import default_checks
     from envace_core.training.policy import rehearsal_params, rollout_params
 
@@ -75,7 +75,7 @@ def policy_agent(cfg: RunConfig, engine, mode: str = "none", n: int = 0, *, doma
               if cfg.rehearsal.verifier and mode != "none" else None)
     return RehearsalAgent(engine, mode, n, cfg.rehearsal.memory_max_tokens, act, reh, seed=seed,
                           verifier=checks, reenter=cfg.rehearsal.reenter,
-                          memory_content=cfg.rehearsal.memory_content)
+                          memory_content=cfg.rehearsal.memory_content, prune_rejected=cfg.rehearsal.prune_rejected)
 
 
 # ---------------------------------------------------------------------------- tau2_orchestrator

@@ -9,8 +9,9 @@ context (Committed Execution). Modes:
     it, what to do instead. SELF-EVAL outputs are recorded as `Role.SELF_EVAL` generations on the
     rehearsal (never trained by default).
 Options: `verifier` (a list of `verifier.Check`s; rejected rehearsals are left out of the memory and
-listed in `RehearsalResult.rejected`) and `reenter` (rehearse again before every real ACT step, from
-the current real history, not only before the first).
+listed in `RehearsalResult.rejected`), `prune_rejected` (stop a rehearsal once the verifier rejects it) and
+`reenter` (rehearse again before every real ACT step, from the current real history, not only before the
+first).
 
 Isolation: rehearsal receives only the `TaskContext` (and, with `reenter`, the real history so far);
 no environment handle. `run` records the environment's call counter and state hash around every
@@ -145,6 +146,15 @@ class RehearsalAgent:
         reenter: rehearse again before every real ACT step, from the real history so far.
         self_eval: run SELF-EVAL after each rehearsal; None means "only in sequential mode".
         self_eval_max_tokens, self_eval_temperature: SELF-EVAL generation settings (default greedy).
+        prune_rejected: with `verifier`, a rehearsal ends (termination `training.rollout.STOPPED`) after the
+            turn in which the checks first reject it, instead of running to its own end: a rejected rehearsal
+            enters neither the memory nor SELF-EVAL, and the consensus vote reads each rehearsal's first call
+            alone, so its later turns would be decoded for nothing. The memory is then the one the whole
+            rehearsal would give, provided every check is prefix-monotone (a reason found in a trajectory is
+            found in each continuation of it), as all of `verifier.default_checks` are: each flags a step
+            by itself or by the steps before it. The pruned rehearsal keeps its steps up to that turn and
+            the reasons found by then. Sampling differs from the unpruned run (fewer engine calls consume
+            fewer seeds, and smaller batches draw other tokens), not the distribution of what is kept.
         memory_content: what a kept rehearsal puts in the memory, one of `MEMORY_CONTENTS` (`summarise`);
             SELF-EVAL always sees the whole episode, and its line follows the rehearsal's block; under
             "pitfalls" a rehearsal that met no imagined error still adds its SELF-EVAL line when that names a
@@ -161,7 +171,8 @@ class RehearsalAgent:
                  act: RolloutParams, rehearse: RolloutParams, seed: int | None = 0, *,
                  verifier: Sequence[Check] | None = None, reenter: bool = False,
                  self_eval: bool | None = None, self_eval_max_tokens: int = 128,
-                 self_eval_temperature: float = 0.0, memory_content: str = "episode"):
+                 self_eval_temperature: float = 0.0, memory_content: str = "episode",
+                 prune_rejected: bool = False):
         if mode not in MODES:
             raise EnvaceError(f"unknown rehearsal mode {mode!r}; choose one of {MODES}")
         if memory_content not in MEMORY_CONTENTS:
@@ -174,6 +185,7 @@ class RehearsalAgent:
         self.memory_max_tokens, self.act, self.rehearse_params, self.seed = memory_max_tokens, act, rehearse, seed
         self.verifier = list(verifier) if verifier is not None else None
         self.reenter, self.memory_content = reenter, memory_content
+        self.prune_rejected = prune_rejected and self.verifier is not None
         # a consensus memory names the call to make next: the ACT turn after its round reads it, later ones do not
         self.memory_turns = 1 if memory_content == "consensus" else None
         self.self_eval = (mode == "sequential") if self_eval is None else self_eval
@@ -232,12 +244,19 @@ class RehearsalAgent:
                             text = f"Rehearsal {base + i + 1}:\n{ev.as_text()}"  # a constraint it found
                     blocks.append(text)
 
+        stop = None
+        if self.prune_rejected:
+            checks = self.verifier
+
+            def stop(t: Trajectory) -> bool:
+                return bool(verify([self._view(t, prefix)], ctx, checks)[1])
+
         if self.mode == "parallel":
-            judge(unroll(self.engine, ctx, history, self.n, p, seeds, None))
+            judge(unroll(self.engine, ctx, history, self.n, p, seeds, None, stop=stop))
         else:  # sequential: rehearsal k sees the memory of rehearsals 1..k-1
             for k in range(self.n):
                 memory = memory_text(blocks, self.memory_max_tokens, tok)
-                t = unroll(self.engine, ctx, history, 1, p, seeds, memory or None)[0]
+                t = unroll(self.engine, ctx, history, 1, p, seeds, memory or None, stop=stop)[0]
                 t.group_index = k
                 judge([t])
         if self.memory_content != "consensus":

@@ -128,7 +128,8 @@ def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int 
     reh = rehearsal_params(cfg, turns)
     agent = RehearsalAgent(engine, mode, n, cfg.rehearsal.memory_max_tokens, act, reh, seed=seed,
                            verifier=default_checks(task.domain, cfg.rehearsal.grounded_errors) if verifier else None,
-                           reenter=reenter, memory_content=cfg.rehearsal.memory_content)
+                           reenter=reenter, memory_content=cfg.rehearsal.memory_content,
+                           prune_rejected=cfg.rehearsal.prune_rejected)
     env = Tau2Environment(task.domain)
     env.reset(task)
     hash_before, calls_before = env.snapshot(), env.calls_made

@@ -56,6 +56,8 @@ if TYPE_CHECKING:
 # (METHOD.md §3), never scored 0 or penalised (`mask_unjudgeable`).
 PROMPT_TOO_LONG = "prompt_too_long"
 MASKED_TERMINATIONS = (PROMPT_TOO_LONG,)
+# `unroll`'s `stop` ended it (Private Rehearsal: a rehearsal its verifier had already rejected)
+STOPPED = "stopped"
 
 
 @dataclass(frozen=True)
@@ -293,7 +295,8 @@ def _user_turn(engine: Engine, instructions: str, trajs: list[Trajectory], histo
 
 
 def unroll(engine: Engine, ctx: TaskContext, history: list[Message], n: int, p: RolloutParams,
-           seeds: SeedStream, memory: Optional[str] = None, user: Optional[str] = None) -> list[Trajectory]:
+           seeds: SeedStream, memory: Optional[str] = None, user: Optional[str] = None,
+           stop: Optional[Callable[[Trajectory], bool]] = None) -> list[Trajectory]:
     """n self-unfolded trajectories continuing from `history`, ACT and REHEARSE alternating.
 
     A trajectory ends when ACT speaks to the user ("agent_message"), an output fails to parse
@@ -304,6 +307,8 @@ def unroll(engine: Engine, ctx: TaskContext, history: list[Message], n: int, p: 
     to the user is answered by an imagined user turn instead, and the trajectory ends when that user
     stops ("user_stop"); a message on the last allowed ACT turn still ends it as "agent_message"
     (the turn budget, not the agent, cut the conversation short of a user turn).
+    With `stop`, a trajectory still running after a turn ends as `STOPPED` when ``stop(trajectory)`` is
+    true (Private Rehearsal: the verifier has already rejected it, `rehearsal.agent.RehearsalAgent`).
     `seeds` is consumed one seed per engine call, so callers can share one stream across rounds.
     Rewards are not set here (see `rewards.replay_reward`).
     """
@@ -316,6 +321,10 @@ def unroll(engine: Engine, ctx: TaskContext, history: list[Message], n: int, p: 
         if user is not None and turn + 1 < p.max_turns:
             talking = [i for i in active if trajs[i].termination == "agent_message"]
             _user_turn(engine, user, trajs, histories, talking, p, seeds)
+        if stop is not None:
+            for i in active:
+                if not trajs[i].termination and stop(trajs[i]):
+                    trajs[i].termination = STOPPED
         if all(t.termination for t in trajs):
             break
     for t in trajs:
