@@ -481,10 +481,8 @@ class RehearsalConfig(_Strict):
                            "unknown tools, non-JSON responses, code-checkable policy rules; METHOD.md §4)")
     grounded_errors: bool = Field(False, description="verifier: also drop rehearsals with an imagined error for a call whose "
                                   "arguments all come from the request or a real result (verifier.grounded_error_check)")
-    prune_rejected: bool = Field(True, description="with the verifier on, a rehearsal stops after the turn in "
-                                 "which the verifier first rejects it: it could no longer enter m_x or the consensus "
-                                 "vote, so m_x is unchanged and its later turns are not decoded "
-                                 "(rehearsal.agent.RehearsalAgent)")
+    prune_rejected: bool = Field(True, description="with the verifier on, a rehearsal ends after the turn the verifier "
+                                 "rejects it in: m_x is unchanged, its later turns are not decoded (rehearsal.agent)")
     reenter: bool = Field(False, description="rehearse again before every real step, from the real history so far")
     memory_content: Literal["episode", "calls", "pitfalls", "consensus"] = Field("pitfalls", description="a kept rehearsal "
         "in m_x: 'episode' = calls, imagined results, messages, ending; 'calls' = calls and results; 'pitfalls' = only calls "
