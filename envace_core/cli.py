@@ -27,7 +27,7 @@ import sys
 
 import envace_core  # noqa: F401  (offline environment first)
 from envace_core import EnvaceError
-from envace_core.cli_args import OnceArgumentParser
+from envace_core.cli_args import OnceArgumentParser, seed_arg
 from envace_core.config import PROFILES, ConfigError, apply_setting, load_config
 from envace_core.evaluation.protocols import MAX_STEPS, PROTOCOLS, TAU2_ORCHESTRATOR
 
@@ -170,6 +170,8 @@ def _rehearse(args) -> int:
     if args.max_turns is not None and args.max_turns < 1:
         raise EnvaceError(f"--max-turns must be >= 1, got {args.max_turns}")
     cfg = load_config(args.profile, args.overrides)
+    if args.n is not None:
+        apply_setting(cfg, "rehearsal.n", str(args.n), "--n")  # the config's bounds
     if (args.mode or cfg.rehearsal.mode) == "none":
         check_rehearse_flags(args, mode_none=True)
     if args.model is not None:
@@ -420,7 +422,7 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--user-url-model", default="default", help="model name sent to --user-url / --judge-url")
     e.add_argument("--judge-model", help="VitaBench rubric judge model ref (default: the user simulator)")
     e.add_argument("--judge-url", help="VitaBench rubric judge as an OpenAI-compatible base URL")
-    e.add_argument("--seed", type=int, default=0)
+    e.add_argument("--seed", type=seed_arg, default=0, help="sampling and bootstrap seed, 0..2^31-1")
     a = sub.add_parser("adapt-tools", help="teach a model new tools by rehearsal; registers a new version")
     a.add_argument("--model", required=True, help="the parent: registry:NAME@VERSION, a local HF folder, "
                    "bundled:smollm2-135m-instruct or s3://...")
@@ -437,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
     a.add_argument("--registry", help="model registry: folder or s3:// URI (default: store.registry)")
     a.add_argument("--measure", action="store_true", help="also measure parent vs adapted on the held-out tasks")
     a.add_argument("--trials", type=int, default=1, help="--measure: trials per held-out task")
-    a.add_argument("--seed", type=int, default=0, help="--measure: sampling and bootstrap seed")
+    a.add_argument("--seed", type=seed_arg, default=0, help="--measure: sampling and bootstrap seed, 0..2^31-1")
     w = sub.add_parser("warm-start", help="curate, then make (or reuse from the store) the config's SFT warm start; "
                        "print its adapter")
     w.add_argument("--json", action="store_true", help="print the stage's whole record (id, settings, "
@@ -458,6 +460,9 @@ def main(argv: list[str] | None = None) -> int:
     except EnvaceError as e:
         print(f"envace: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback; 130 as a shell reports SIGINT
+        print("envace: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:  # `envace registry show … | head`: the reader left; not an error
         sys.stdout = None  # nothing more to flush to the closed pipe
         return 0

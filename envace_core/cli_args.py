@@ -43,3 +43,18 @@ class OnceArgumentParser(argparse.ArgumentParser):
         ns, extras = super().parse_known_args(args, namespace)
         ns.__dict__.pop(GIVEN_ATTR, None)
         return ns, extras
+
+
+MAX_SEED = 2**31 - 1  # train.seed's range: seeds derived from it (seed x 1 000 003 + step) fit torch's generator
+
+
+def seed_arg(text: str) -> int:
+    """argparse ``type`` of a ``--seed``: an integer in [0, `MAX_SEED`], the range of ``train.seed``.
+    Raises argparse.ArgumentTypeError (an argparse error naming the option) for anything else."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer seed") from None
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"{value} is outside 0..{MAX_SEED} (the range of train.seed)")
+    return value

@@ -179,7 +179,7 @@ class RolloutConfig(_Strict):
     """
 
     group_size: int = Field(
-        4, ge=2, description="G: rollouts per task per iteration, one GRPO group; advantages are taken "
+        4, ge=2, le=1024, description="G: rollouts per task per iteration, one GRPO group; advantages are taken "
         "against the mean reward of the group's rows of the same role (METHOD.md §3), so G ≥ 2 (with one "
         "rollout every advantage is 0)")
     tasks_per_iteration: int = Field(
@@ -475,8 +475,8 @@ class RehearsalConfig(_Strict):
         "parallel", description="'parallel': N independent rehearsals from the current real state; "
         "'sequential': rehearsal n sees the memory and SELF-EVALs of rehearsals 1..n−1; 'none' = plain "
         "ACT (METHOD.md §4)")
-    n: int = Field(2, ge=1, description="N: rehearsals per round (one round before the first real step, and before "
-                   "every real step with reenter)")
+    n: int = Field(2, ge=1, le=64, description="N: rehearsals per round (one round before the first real step, and "
+                   "before every real step with reenter)")
     verifier: bool = Field(True, description="drop rehearsals the domain's code checks reject (tool-schema violations, "
                            "unknown tools, non-JSON responses, code-checkable policy rules; METHOD.md §4)")
     grounded_errors: bool = Field(False, description="verifier: also drop rehearsals with an imagined error for a call whose "

@@ -49,6 +49,32 @@ def test_bad_mode_and_bad_n_are_clear_errors(capsys):
     assert "invalid choice: 'bogus'" in capsys.readouterr().err
     assert main(["rehearse", "--task", "airline/2", "--n", "0"]) == 2
     assert "--n must be >= 1" in capsys.readouterr().err
+    assert main(["rehearse", "--task", "airline/2", "--n", "100000"]) == 2  # refused before any model loads
+    err = capsys.readouterr().err
+    assert "--n '100000' (the setting rehearsal.n)" in err and "less than or equal to 64" in err
+
+
+@pytest.mark.parametrize("argv", [["eval", "--model", "bundled:smollm2-135m-instruct", "--bench", "tau2:airline"],
+                                  ["adapt-tools", "--model", "bundled:smollm2-135m-instruct", "--tools", "t.json"]])
+@pytest.mark.parametrize("seed, why", [("-1", "-1 is outside 0..2147483647"),
+                                       (str(2**31), "2147483648 is outside 0..2147483647"),
+                                       ("1.5", "'1.5' is not an integer seed")])
+def test_a_seed_outside_train_seeds_range_is_an_argparse_error(capsys, argv, seed, why):
+    with pytest.raises(SystemExit) as e:
+        main([*argv, "--seed", seed])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"argument --seed: {why}" in err
+
+
+def test_ctrl_c_ends_the_cli_with_one_line_and_status_130(capsys, monkeypatch):
+    import envace_core.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "_rehearse", interrupted)
+    assert cli.main(["rehearse", "--task", "airline/2"]) == 130
+    assert capsys.readouterr().err == "envace: interrupted\n"
 
 
 def test_rehearse_list_ids(capsys):
