@@ -25,3 +25,16 @@ def test_rewriting_replaces_the_folder_so_a_resumed_run_has_no_duplicate_steps(t
 
 def test_scalars_keeps_finite_numbers_only():
     assert scalars({"a": 1, "b": 2.5, "c": float("inf"), "d": None, "e": False, "f": "3"}) == {"a": 1.0, "b": 2.5}
+
+
+def test_the_printed_tensorboard_command_names_the_environments_own_script(tmp_path, monkeypatch):
+    import sys
+
+    from envace_core.training.tracking import tensorboard_command
+
+    exe = tmp_path / "venv" / "bin" / "python"
+    exe.parent.mkdir(parents=True)
+    monkeypatch.setattr(sys, "executable", str(exe))
+    assert tensorboard_command("/s/runs/r/tensorboard") == "tensorboard --logdir /s/runs/r/tensorboard"  # none there
+    (exe.parent / "tensorboard").write_text("#!/bin/sh\n")
+    assert tensorboard_command("/s/runs/r/tensorboard") == f"{exe.parent / 'tensorboard'} --logdir /s/runs/r/tensorboard"

@@ -20,7 +20,7 @@ from envace_core.training.loop import (
     training_run_id,
 )
 from envace_core.training.policy import load_policy, policy_engine, rollout_params
-from envace_core.training.tracking import TENSORBOARD_KEY, write_history
+from envace_core.training.tracking import TENSORBOARD_KEY, tensorboard_command, write_history
 
 
 def publish_metrics(store: Any, run_id: str, history: list[dict[str, Any]]) -> str:
@@ -112,7 +112,7 @@ def rollout_and_train(cfg: RunConfig, dataset: dict[str, Any], warm: dict[str, A
     history = state.history
     if world.is_main:
         print_training_table(history, cfg.rollout.source)
-        run.say(f"[train] metrics: tensorboard --logdir {store.uri(TENSORBOARD_KEY.format(run_id=run_id))}")
+        run.say(f"[train] metrics: {tensorboard_command(store.uri(TENSORBOARD_KEY.format(run_id=run_id)))}")
     if history and all(r.get("frac_zero_std") == 1.0 or "train/loss" not in r for r in history):
         run.say("[train] WARNING: no learning signal in any iteration: every group's trajectories got "
                 "equal rewards (frac_zero_std = 1), so every advantage was 0 and the adapter did not "

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import sys
 from collections.abc import Mapping, Sequence
 from numbers import Real
 from pathlib import Path
@@ -23,6 +24,14 @@ from typing import Any
 
 # the store key of a training run's TensorBoard folder, beside `runs/<run_id>/checkpoint`
 TENSORBOARD_KEY = "runs/{run_id}/tensorboard"
+
+
+def tensorboard_command(logdir: str) -> str:
+    """The command that opens `logdir` in TensorBoard: the ``tensorboard`` script of the environment this
+    Python runs in (e.g. ``/repo/.venv/bin/tensorboard``, which is not on PATH unless the venv is
+    activated), or plain ``tensorboard`` when there is none beside the interpreter."""
+    script = Path(sys.executable).with_name("tensorboard")
+    return f"{script if script.is_file() else 'tensorboard'} --logdir {logdir}"
 
 
 def scalars(record: Mapping[str, Any]) -> dict[str, float]:
