@@ -321,10 +321,19 @@ def check_adapter_dir(path: str | Path) -> list[Path]:
     """The adapter folders to load from `path`: ``[path]``, or ``[path/act, path/rehearse]`` for a per-role
     policy (`train.policy_per_role`). Reads only the configs and the safetensors headers, no weights.
 
+    An ``s3://`` `path` (e.g. the adapter URI `envace warm-start` prints for an S3 store, or a registry
+    version's ``.../artifacts/adapter``) is first made local the way train.init_adapter reads it
+    (`training.loop.init_adapter_dir`: a verified download of the store directory committed at it or at
+    its nearest ancestor, cached); the folders returned are then in that local copy.
+
     Raises `AdapterError` naming the folder or file: it does not exist, has no ``adapter_config.json`` (or
     only one of act/ and rehearse/), the config is damaged (`read_adapter_config`), or the weights
-    (`ADAPTER_WEIGHTS`) are missing, unreadable, truncated, or of another LoRA rank than the config's.
+    (`ADAPTER_WEIGHTS`) are missing, unreadable, truncated, or of another LoRA rank than the config's;
+    for an s3:// one also no AWS credentials, no such bucket, nothing committed there, or another URI
+    scheme (store.s3.TransientStoreError when S3 failed in a way a retry may fix).
     """
+    if "://" in str(path):
+        path = _s3_adapter_dir(str(path))
     d = Path(path).expanduser()
     if not os.path.isdir(d):  # (False, not OSError, for a name over the filesystem's limit)
         raise AdapterError(f"LoRA adapter folder {d} does not exist" if not os.path.exists(d)
@@ -334,6 +343,34 @@ def check_adapter_dir(path: str | Path) -> list[Path]:
     for one in dirs:
         _check_one_adapter(one)
     return dirs
+
+
+def _s3_adapter_dir(uri: str) -> Path:
+    """The local copy of the LoRA adapter at `uri` (`check_adapter_dir`); AdapterError, keeping the URI
+    as given, for anything but a usable s3:// one (a transient S3 failure stays a TransientStoreError)."""
+    from envace_core import TransientError
+    from envace_core.store.base import StoreError
+    from envace_core.store.s3 import S3Store
+
+    if not uri.startswith("s3://"):
+        raise AdapterError(f"LoRA adapter {uri!r}: give a local LoRA adapter folder or an s3:// URI of one")
+    try:
+        # credentials, endpoint and bucket first, so that their errors name the adapter, not store.root
+        S3Store(f"s3://{uri[len('s3://'):].split('/', 1)[0]}", setting="the adapter URI").check()
+        from envace_core.training.loop import init_adapter_dir
+
+        d = init_adapter_dir(uri, "LoRA adapter")
+    except StoreError as e:
+        if isinstance(e, TransientError):
+            raise
+        raise AdapterError(f"LoRA adapter {uri!r}: {e}") from None
+    except EnvaceError:  # no commit object at or above it
+        d = None
+    if d is None or not os.path.isdir(d):
+        raise AdapterError(f"LoRA adapter {uri!r}: no adapter folder written by envace there (an S3 store's or "
+                           "registry's committed directory, as train.init_adapter reads it); give such a URI "
+                           "(e.g. what `envace warm-start` prints) or a local LoRA adapter folder")
+    return d
 
 
 def _check_one_adapter(d: Path) -> None:

@@ -50,6 +50,7 @@ def test_registry_show_unknown_and_bad_ref(tmp_path, capsys):
 
 def test_empty_registry_list_says_so_and_train_refuses_a_registry_model_ref(tmp_path, capsys):
     over = f"store.registry={tmp_path / 'r'}"
+    (tmp_path / "r").mkdir()  # an empty registry (a missing folder is an error: test_preflight_remote_settings.py)
     assert main(["--overrides", over, "registry", "list"]) == 0
     out = capsys.readouterr()
     assert out.out == "" and "no models registered" in out.err

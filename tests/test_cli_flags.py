@@ -213,7 +213,8 @@ def test_config_markdown_refuses_a_check_flag_it_would_ignore(p, capsys, flag):
     assert capsys.readouterr().out == ""  # no table printed either
 
 
-def test_registry_list_refuses_a_model_reference(p, capsys):
+def test_registry_list_refuses_a_model_reference(p, capsys, tmp_path):
     err = _err(capsys, [*p, "registry", "list", "foo@1"])
     assert "registry list takes no NAME@VERSION (got 'foo@1')" in err and "registry show foo@1" in err
+    (tmp_path / "reg").mkdir()  # an empty registry: listing a missing folder is an error
     assert main([*p, "registry", "list"]) == 0

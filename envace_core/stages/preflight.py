@@ -22,7 +22,11 @@ def preflight(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False
     else listed), so a bad path fails in seconds instead of after training. Raises the EnvaceError
     that names the setting to fix: `check_model` for `model.ref` and `reward.judge_model` (a local
     folder with config.json, the bundled GGUF, an s3:// prefix that lists with the AWS credentials
-    here), `check_init_adapter` for a local `train.init_adapter` (an s3:// one must list an
+    here), a StoreError for a `store.root` or `store.registry` that cannot be used (a local folder that
+    cannot be made or written, `registry.RegistryError` for the registry's; an s3:// one: no
+    credentials, endpoint unreachable, no such bucket; `registry.Registry.check`), a ConfigError for
+    an s3:// `data.dvc_remote` curate could not push to (the same one-request probe; not with
+    data.dvc=off), `check_init_adapter` for a local `train.init_adapter` (an s3:// one must list an
     adapter_config.json), `models.LoraTargetError` for a `train.lora_target_modules` name the base
     model lacks (checked when its config.json is on this machine), and for a local run
     model.device=cuda on a machine without CUDA (`training.policy.policy_device`).
@@ -53,7 +57,13 @@ def preflight(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False
     if cfg.reward.judge_model and not remote:
         check_model(cfg.reward.judge_model, "reward.judge_model", resolve_remote)
     _named(lambda: open_store(cfg.store.root).check(), "store.root", cfg.store.root)
-    _named(lambda: Registry(cfg.store.registry), "store.registry", cfg.store.registry)
+    _named(lambda: Registry(cfg.store.registry).check(), "store.registry", cfg.store.registry)
+    dvc_remote = cfg.data.dvc_remote or ""
+    if cfg.data.dvc != "off" and dvc_remote.startswith("s3://") and not remote:  # the remote check probed it
+        from envace_core.store.s3 import S3Store
+
+        _s3_check(lambda: S3Store(dvc_remote.rstrip("/"), setting="data.dvc_remote", **PROBE).check(),
+                  "data.dvc_remote", dvc_remote)
     adapter = cfg.train.init_adapter
     if adapter and not adapter.startswith("s3://"):
         check_init_adapter(cfg)

@@ -24,7 +24,12 @@ from typing import Any
 
 from envace_core import EnvaceError, TransientError
 from envace_core.store.base import StoreError
-from envace_core.store.files import CHECKSUMS, atomic_dir, dir_checksums
+from envace_core.store.files import (
+    CHECKSUMS,
+    atomic_dir,
+    dir_checksums,
+    writable_dir_problem,
+)
 from envace_core.store.s3 import S3Store
 
 MANIFEST = "manifest.json"
@@ -54,8 +59,9 @@ class Registry:
     sibling and renamed into place. S3: the same files as one `storage.S3Store` directory
     `<prefix>/<name>/<version>` (content-addressed objects, then the CHECKSUMS.json commit object
     last, written with If-None-Match), so a reader never sees half a version and an upload that
-    dies midway registers nothing. Opening an S3 registry makes no request; endpoint, region and
-    credentials come from the standard AWS environment/config (see store/s3.py).
+    dies midway registers nothing. Opening a registry makes no request and creates nothing (a local
+    folder is made by the first `register`); `check` tries it before a run. Endpoint, region and
+    credentials of an S3 registry come from the standard AWS environment/config (see store/s3.py).
     """
 
     def __init__(self, root: str | Path):
@@ -64,10 +70,32 @@ class Registry:
             self.root: Any = self._s3.root
             return
         self.root = Path(root).expanduser().resolve()
-        try:
-            self.root.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise RegistryError(f"cannot use {self.root} as the model registry (store.registry): {e}") from e
+
+    def check(self) -> None:
+        """Check that models can be registered here, before a run that will register one: an S3 registry's
+        credentials, endpoint and bucket (`S3Store.check`, one HeadBucket); a local folder is made if missing
+        and tried with a temporary file.
+
+        Raises:
+            RegistryError: the local folder cannot be made or written; StoreError naming store.registry for
+                an S3 registry that cannot be used (store.s3.TransientStoreError when a retry may fix it).
+        """
+        if self._s3 is not None:
+            self._s3.check()
+            return
+        why = writable_dir_problem(self.root)
+        if why:
+            raise RegistryError(f"cannot use {self.root} as the model registry (store.registry): {why}")
+
+    def _local_root(self, ref: str = "") -> None:
+        """For reading a local registry: RegistryError when its folder does not exist or is a file (reads
+        never create it); the message starts with `ref` (NAME@VERSION) is not registered, when given."""
+        if not os.path.isdir(self.root):  # (False, not OSError, for a name over the filesystem's limit)
+            what = "is a file, not a folder" if os.path.exists(self.root) else "does not exist"
+            head = f"{ref} is not registered: " if ref else ""
+            raise RegistryError(f"{head}the model registry folder {self.root} (store.registry) {what}: nothing is "
+                                "registered there; fix store.registry (or --registry) if it is misspelt "
+                                "(registering the first model creates the folder)")
 
     def version_dir(self, name: str, version: str) -> Path:
         """The local directory of `name@version` (RegistryError for an invalid name or an S3 registry)."""
@@ -91,6 +119,7 @@ class Registry:
         if self._s3 is None:
             vdir = self.version_dir(name, version)
             if not (vdir / MANIFEST).is_file():
+                self._local_root(f"{name}@{version}")
                 raise RegistryError(f"{name}@{version} is not registered in {self.root}")
             return vdir
         _check_ref(name, version)
@@ -133,11 +162,16 @@ class Registry:
         and, when $ENVACE_REGISTRY_HMAC_KEY is set, `signature` (HMAC-SHA256). Returns the version
         directory (a Path), or its s3:// URI (a str) for an S3 registry.
 
+        A local registry's folder is made if missing.
+
         Raises:
             RegistryError: the version already exists (versions are immutable), also when another
-                writer registered it concurrently; S3 failures as storage.StoreError.
+                writer registered it concurrently; the local folder cannot be made or written (`check`);
+                S3 failures as storage.StoreError.
         """
         _check_ref(name, version)
+        if self._s3 is None:
+            self.check()
         if self._exists(name, version):
             raise RegistryError(f"{name}@{version} is already registered at {self.uri(name, version)}; "
                                 "versions are immutable: register a new version")
@@ -177,8 +211,14 @@ class Registry:
         return self._s3.exists(f"{name}/{version}/{CHECKSUMS}")
 
     def list(self) -> list[tuple[str, str]]:
-        """(name, version) of every registered model, sorted; S3 uploads that never committed are skipped."""
+        """(name, version) of every registered model, sorted; S3 uploads that never committed are skipped.
+
+        Raises:
+            RegistryError: a local registry folder that does not exist (listing does not create it) or
+                is a file; StoreError for an S3 registry that cannot be read.
+        """
         if self._s3 is None:
+            self._local_root()
             return sorted((d.parent.name, d.name) for d in self.root.glob("*/*")
                           if (d / MANIFEST).is_file())
         return sorted(tuple(k.split("/")) for k in self._s3.list_dirs() if k.count("/") == 1)  # type: ignore[misc]
@@ -202,6 +242,7 @@ class Registry:
             return self._s3.read_bytes(f"{name}/{version}/{MANIFEST}")
         path = self.version_dir(name, version) / MANIFEST
         if not os.path.isfile(path):  # (False, not OSError, for a name over the filesystem's limit)
+            self._local_root(f"{name}@{version}")
             raise RegistryError(f"{name}@{version} is not registered in {self.root}")
         return path.read_bytes()
 
