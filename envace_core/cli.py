@@ -396,7 +396,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="rehearsal mode (default: the profile's rehearsal.mode)")
     h.add_argument("--n", type=int, help="rehearsals N per round (default: the profile's rehearsal.n)")
     h.add_argument("--model", help="base model: a local HF folder, bundled:..., or s3:// (model.ref)")
-    h.add_argument("--adapter", help="a LoRA adapter folder (e.g. a registered model's artifacts/adapter)")
+    h.add_argument("--adapter", help="a LoRA adapter folder, or the s3:// URI of one envace wrote (what `envace "
+                   "warm-start` prints, a registry version's .../artifacts/adapter)")
     h.add_argument("--reenter", action="store_true", help="rehearse again before every real step")
     h.add_argument("--no-verifier", action="store_true", help="keep rehearsals the verifier would reject")
     h.add_argument("--max-turns", type=int, help="ACT turns (default: the profile's eval.max_turns)")
