@@ -323,7 +323,7 @@ def check_adapter_dir(path: str | Path) -> list[Path]:
 
     An ``s3://`` `path` (e.g. the adapter URI `envace warm-start` prints for an S3 store, or a registry
     version's ``.../artifacts/adapter``) is first made local the way train.init_adapter reads it
-    (`training.loop.init_adapter_dir`: a verified download of the store directory committed at it or at
+    (`store.uri.init_adapter_dir`: a verified download of the store directory committed at it or at
     its nearest ancestor, cached); the folders returned are then in that local copy.
 
     Raises `AdapterError` naming the folder or file: it does not exist, has no ``adapter_config.json`` (or
@@ -357,7 +357,7 @@ def _s3_adapter_dir(uri: str) -> Path:
     try:
         # credentials, endpoint and bucket first, so that their errors name the adapter, not store.root
         S3Store(f"s3://{uri[len('s3://'):].split('/', 1)[0]}", setting="the adapter URI").check()
-        from envace_core.training.loop import init_adapter_dir
+        from envace_core.store.uri import init_adapter_dir
 
         d = init_adapter_dir(uri, "LoRA adapter")
     except StoreError as e:

@@ -21,7 +21,7 @@ from envace_core import EnvaceError
 from envace_core.config import RunConfig
 from envace_core.evaluation.stats import mean_or_none
 from envace_core.store.files import dir_checksums, sha256_bytes
-from envace_core.store.uri import open_store
+from envace_core.store.uri import init_adapter_dir, open_store
 from envace_core.training.checkpoint import RunState, recover_checkpoint, resume_run_state, save_run_state
 from envace_core.training.heap import release_free_heap
 from envace_core.types import Role, Task, Trajectory
@@ -320,34 +320,6 @@ def training_run_id(cfg: RunConfig, dataset: dict[str, Any], warm: dict[str, Any
     elif cfg.train.init_adapter:  # the adapter's content, not only its path, decides the run
         key.append(dir_checksums(init_adapter_dir(cfg.train.init_adapter)))
     return sha256_bytes(json.dumps(key, sort_keys=True).encode())[:12]
-
-
-def init_adapter_dir(ref: str, setting: str = "train.init_adapter") -> Path:
-    """The local directory of `train.init_adapter`: a local path, or a verified local copy of an
-    s3:// URI (the store directory committed at the URI, or at its nearest ancestor that holds it,
-    e.g. a registry version holding artifacts/adapter).
-
-    Raises:
-        EnvaceError: no directory at `ref` (naming `setting`); storage.StoreError for S3 failures.
-    """
-    from envace_core.store.base import StoreError
-
-    if ref.startswith("s3://"):
-        bucket, _, key = ref[len("s3://"):].partition("/")
-        parts = [p for p in key.split("/") if p]
-        store = open_store(f"s3://{bucket}")
-        for i in range(len(parts), 0, -1):
-            try:
-                return store.get_dir("/".join(parts[:i])).joinpath(*parts[i:])
-            except StoreError as e:
-                if "not found" not in str(e):
-                    raise
-        raise EnvaceError(f"{setting}={ref!r}: no committed artifact directory at or above it")
-    d = Path(ref).expanduser()
-    if not d.is_dir():
-        raise EnvaceError(f"{setting}={ref!r} is not a directory: give a LoRA adapter directory "
-                          "(e.g. <registry>/NAME/VERSION/artifacts/adapter) or an s3:// URI of one")
-    return d
 
 
 def load_init_adapter(trainer, ref: str, setting: str = "train.init_adapter") -> None:
