@@ -461,6 +461,13 @@ class S3Store:
         return [f"removed {len(stale)} object(s) under {self.uri(key)}/objects/ {what}, left by an "
                 "interrupted or superseded upload"]
 
+    def checksums(self, key: str) -> dict[str, str] | None:
+        """The files of the directory committed at `key` as its commit object lists them ({relpath:
+        sha256}), or None when nothing is committed there; one GET of `<key>/CHECKSUMS.json`, no file
+        downloaded. Raises StoreError (a corrupt commit object, no such bucket, S3 unusable)."""
+        found = self._manifest(self._key(key))
+        return found[0] if found else None
+
     def get_dir(self, key: str) -> Path:
         """A verified local copy of the committed directory `key` (cached per commit).
 
