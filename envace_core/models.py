@@ -388,14 +388,14 @@ def _check_one_adapter(d: Path) -> None:
         _check_lora_ranks(weights[0], shapes, conf)
 
 
-def read_adapter_config(cfg_path: Path) -> dict:
+def read_adapter_config(cfg_path: Path | str, data: bytes | None = None) -> dict:
     """`adapter_config.json` as a dict, checked: a JSON object with a string `peft_type`; for LoRA a positive
     integer `r`, a positive number `lora_alpha`, `target_modules` a string or a list of strings, and a
-    `rank_pattern`, when present, mapping to positive integers (peft's `LoraConfig` fields).
-
-    Raises `AdapterError` naming the file and the field."""
+    `rank_pattern`, when present, mapping to positive integers (peft's `LoraConfig` fields). `data`: the file's
+    bytes when not on this disk (an s3:// adapter's; `cfg_path` then only names it). Raises `AdapterError`
+    naming the file and the field."""
     try:
-        conf = json.loads(cfg_path.read_text())
+        conf = json.loads(data.decode() if data is not None else Path(cfg_path).read_text())
     except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as e:
         raise AdapterError(f"{cfg_path} is not JSON ({e}); the adapter folder is damaged") from None
     if not isinstance(conf, dict):

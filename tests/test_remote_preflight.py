@@ -141,7 +141,7 @@ def test_adapter_judge_and_registry_refs_are_checked_before_any_work(s3_server, 
         preflight(_cfg(store=good, train={"init_adapter": f"{root}/adapters/none"},
                        reward={"name": "judge", "judge_model": str(tmp_path)}), remote=True)
     problems = _problems(err)
-    assert problems[0].startswith(f"train.init_adapter='{root}/adapters/none' holds no adapter_config.json")
+    assert problems[0].startswith(f"train.init_adapter='{root}/adapters/none': no committed artifact directory")
     assert problems[1].startswith("reward.judge_model=") and "is a local path" in problems[1]
     with pytest.raises(ConfigError, match=r"model.ref='registry:p@v1' is a registry reference"):
         preflight(_cfg(store=good, model={"ref": "registry:p@v1"}), remote=True)

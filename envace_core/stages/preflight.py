@@ -6,9 +6,8 @@ from pathlib import Path
 
 from envace_core import EnvaceError
 from envace_core.config import PLACEHOLDER, ConfigError, RunConfig
-from envace_core.models import AdapterError, check_adapter_dir, read_adapter_config
-from envace_core.store.uri import open_store
-from envace_core.training.loop import init_adapter_dir
+from envace_core.models import ROLES, AdapterError, check_adapter_dir, read_adapter_config
+from envace_core.store.uri import committed_dir, init_adapter_dir, open_store
 
 
 PROBE = {"connect_timeout": 3, "read_timeout": 5, "max_attempts": 2}  # seconds, seconds, tries per S3 probe
@@ -26,8 +25,8 @@ def preflight(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False
     cannot be made or written, `registry.RegistryError` for the registry's; an s3:// one: no
     credentials, endpoint unreachable, no such bucket; `registry.Registry.check`), a ConfigError for
     an s3:// `data.dvc_remote` curate could not push to (the same one-request probe; not with
-    data.dvc=off), `check_init_adapter` for a local `train.init_adapter` (an s3:// one must list an
-    adapter_config.json), `models.LoraTargetError` for a `train.lora_target_modules` name the base
+    data.dvc=off), `check_init_adapter` for `train.init_adapter` (local or s3://, as the train stage will
+    read it), `models.LoraTargetError` for a `train.lora_target_modules` name the base
     model lacks (checked when its config.json is on this machine), and for a local run
     model.device=cuda on a machine without CUDA (`training.policy.policy_device`).
 
@@ -36,7 +35,7 @@ def preflight(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False
     pod's disk, is a placeholder, or names S3 that cannot be used), and the vLLM and CUDA checks are
     skipped (the rollout runs in the training image, on the GPU nodes, not in this pod).
     """
-    from envace_core.models import check_lora_targets, meta_model, s3_model_listing
+    from envace_core.models import check_lora_targets, meta_model
     from envace_core.store.registry import Registry
 
     if remote:
@@ -65,11 +64,8 @@ def preflight(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False
         _s3_check(lambda: S3Store(dvc_remote.rstrip("/"), setting="data.dvc_remote", **PROBE).check(),
                   "data.dvc_remote", dvc_remote)
     adapter = cfg.train.init_adapter
-    if adapter and not adapter.startswith("s3://"):
+    if adapter and not (remote and adapter.startswith("s3://")):  # the remote check read an s3:// one already
         check_init_adapter(cfg)
-    elif adapter and not remote:  # the remote check listed it already
-        _s3_check(lambda: s3_model_listing(adapter, "train.init_adapter", "adapter_config.json"),
-                  "train.init_adapter", adapter)
     model = meta_model(model_dir) if model_dir is not None else None
     if model is not None:
         check_lora_targets(list(cfg.train.lora_target_modules), model)
@@ -159,8 +155,9 @@ def check_remote_settings(cfg: RunConfig, probe: bool = True) -> None:
     the placeholder ``CHANGE-ME``, and each s3:// bucket is probed once (`store.s3.S3Store.check`: one
     HeadBucket with `PROBE`'s 3 s connect / 5 s read timeouts and 2 tries: credentials present, endpoint
     reachable, bucket exists); `model.ref` (and `reward.judge_model` for the judge reward) must also list a
-    ``config.json``, `train.init_adapter` an ``adapter_config.json`` (one LIST request each; a
-    ``registry:`` adapter is resolved from the registry checked here). After the
+    ``config.json`` (one LIST request each), and `train.init_adapter` must pass `check_init_adapter` (its
+    committed store directory's CHECKSUMS.json and adapter_config.json, no weights; a ``registry:`` adapter
+    is resolved from the registry checked here). After the
     first unreachable endpoint no further bucket is probed, so a dead endpoint costs one probe's time.
     `data.dvc=require` without a DVC repository here is refused too.
 
@@ -169,8 +166,7 @@ def check_remote_settings(cfg: RunConfig, probe: bool = True) -> None:
     Raises:
         ConfigError: one message listing every bad setting, each with what to set instead.
     """
-    from envace_core.models import ModelNotFoundError, s3_model_listing
-    from envace_core.store.base import StoreError
+    from envace_core.models import s3_model_listing
     from envace_core.store.dvc import DVCError, push_target
     from envace_core.store.s3 import S3Store
 
@@ -183,12 +179,11 @@ def check_remote_settings(cfg: RunConfig, probe: bool = True) -> None:
                                      "bundled:smollm2-135m-instruct"),
     ]
     optional = [("train.init_adapter", cfg.train.init_adapter, "train.init_adapter=s3://BUCKET/PREFIX (a LoRA "
-                 "adapter folder)", "adapter_config.json")]
+                 "adapter folder)")]
     if cfg.reward.name == "judge" and cfg.reward.judge_model:
         optional.append(("reward.judge_model", cfg.reward.judge_model, "reward.judge_model=s3://BUCKET/PREFIX "
-                         "(a HF model folder), or unset (the policy's base model judges)", "config.json"))
-    settings += [(name, value, fix) for name, value, fix, _ in optional if value]
-    listed = {"model.ref": "config.json", **{name: f for name, _, _, f in optional}}  # must list this file
+                         "(a HF model folder), or unset (the policy's base model judges)"))
+    settings += [(name, value, fix) for name, value, fix in optional if value]
     problems: list[str] = []
     try:
         url, where = push_target(cfg.data)
@@ -234,9 +229,11 @@ def check_remote_settings(cfg: RunConfig, probe: bool = True) -> None:
             if bucket not in usable:
                 S3Store(value.rstrip("/"), setting=name, **PROBE).check()
                 usable.add(bucket)
-            if name in listed:
-                s3_model_listing(value, name, listed[name])
-        except (StoreError, ModelNotFoundError) as e:
+            if name == "train.init_adapter":
+                check_init_adapter(cfg)
+            elif name in ("model.ref", "reward.judge_model"):
+                s3_model_listing(value, name, "config.json")
+        except EnvaceError as e:
             # after a dead endpoint or missing credentials every other probe would fail the same way
             unreachable = "cannot reach S3" in str(e) or "no AWS credentials" in str(e)
             problems.append(str(e) if str(e).startswith(name) else f"{setting}={value!r}: {e}")
@@ -247,25 +244,23 @@ def check_remote_settings(cfg: RunConfig, probe: bool = True) -> None:
 
 
 def check_init_adapter(cfg: RunConfig) -> None:
-    """Check a local `train.init_adapter` the way the train stage will load it (`training.loop.
-    load_init_adapter`), reading configs and safetensors headers only: `models.check_adapter_dir` (config
-    fields, weights present, not truncated, LoRA ranks that match the config), then the layout and LoRA
-    settings against `train.*`: per-role act/ and rehearse/ folders exactly when `train.policy_per_role`,
-    and each folder's (r, lora_alpha, target_modules) equal to (train.lora_r, train.lora_alpha,
+    """Check `train.init_adapter` the way the train stage will load it (`store.uri.init_adapter_dir`, then
+    `training.loop.load_init_adapter`), reading no weights: a local folder with `models.check_adapter_dir`
+    (config fields, weights present, not truncated, LoRA ranks that match the config: safetensors headers
+    only); an s3:// URI by the listing of the store directory committed at or above it (`_s3_adapter`).
+    Then, for both, the layout and LoRA settings against `train.*`: per-role act/ and rehearse/ folders
+    exactly when `train.policy_per_role`, an adapter_model.safetensors in each (the file the train stage
+    loads), and each folder's (r, lora_alpha, target_modules) equal to (train.lora_r, train.lora_alpha,
     train.lora_target_modules).
 
-    Raises `EnvaceError` (no folder / no adapter at the path) or `models.AdapterError` naming the file and
-    the setting."""
+    Raises `EnvaceError` (no folder / no adapter at the path or URI, nothing committed there) or
+    `models.AdapterError` naming the file and the setting; for an s3:// URI a ConfigError naming the
+    setting when S3 refuses (no credentials, no such bucket), a TransientStoreError naming it when S3 is
+    unreachable.
+    """
     ref = cfg.train.init_adapter
-    d = init_adapter_dir(ref)
-    if not any((d / sub / "adapter_config.json").is_file() for sub in (".", "act", "rehearse")):
-        raise EnvaceError(f"train.init_adapter={ref!r} holds no LoRA adapter "
-                          "(adapter_config.json, or act/ and rehearse/ for a per-role policy)")
-    try:
-        dirs = check_adapter_dir(d)
-    except AdapterError as e:
-        raise AdapterError(f"train.init_adapter={ref!r}: {e}") from None
-    per_role = len(dirs) == 2
+    folders = _s3_adapter(ref) if ref.startswith("s3://") else _local_adapter(ref)
+    per_role = len(folders) == 2
     if per_role != cfg.train.policy_per_role:
         have = "per-role act/ and rehearse/ adapters" if per_role else "one shared adapter"
         raise AdapterError(f"train.init_adapter={ref!r} holds {have}, but train.policy_per_role="
@@ -273,11 +268,71 @@ def check_init_adapter(cfg: RunConfig) -> None:
                            f"{str(per_role).lower()} or give an adapter of that layout")
     t = cfg.train
     ours = (t.lora_r, t.lora_alpha, sorted(t.lora_target_modules))
-    for one in dirs:
-        conf = read_adapter_config(one / "adapter_config.json")
+    for name, conf, safetensors in folders:
+        if not safetensors:
+            raise AdapterError(f"train.init_adapter={ref!r}: no adapter_model.safetensors beside {name}, and that "
+                               "is the weights file the train stage loads; save the adapter with safetensors")
         tm = conf.get("target_modules")
         theirs = (conf.get("r"), conf.get("lora_alpha"), sorted(tm) if isinstance(tm, list) else tm)
         if theirs != ours:
-            raise AdapterError(f"train.init_adapter={ref!r}: {one / 'adapter_config.json'} has (r, lora_alpha, "
+            raise AdapterError(f"train.init_adapter={ref!r}: {name} has (r, lora_alpha, "
                                f"target_modules) = {theirs}, but train.* has (lora_r, lora_alpha, "
                                f"lora_target_modules) = {ours}; use the adapter's LoRA settings")
+
+
+NO_ADAPTER = "holds no LoRA adapter (adapter_config.json, or act/ and rehearse/ for a per-role policy)"
+
+
+def _local_adapter(ref: str) -> list[tuple[str, dict, bool]]:
+    """(adapter_config.json's path, its content, whether adapter_model.safetensors is beside it) for each
+    adapter folder of the local `train.init_adapter` `ref` (`models.check_adapter_dir`)."""
+    d = init_adapter_dir(ref)
+    if not any((d / sub / "adapter_config.json").is_file() for sub in (".", *ROLES)):
+        raise EnvaceError(f"train.init_adapter={ref!r} {NO_ADAPTER}")
+    try:
+        dirs = check_adapter_dir(d)
+    except AdapterError as e:
+        raise AdapterError(f"train.init_adapter={ref!r}: {e}") from None
+    return [(str(one / "adapter_config.json"), read_adapter_config(one / "adapter_config.json"),
+             (one / "adapter_model.safetensors").is_file()) for one in dirs]
+
+
+def _s3_adapter(ref: str) -> list[tuple[str, dict, bool]]:
+    """`_local_adapter` for an s3:// `ref`, from what `init_adapter_dir` would download: the files below
+    `ref` in the CHECKSUMS.json of the store directory committed at or above it (`store.uri.committed_dir`,
+    with `PROBE`'s timeouts), reading only the adapter_config.json files (sha256-verified). An S3 failure
+    names the setting: a ConfigError, or the TransientStoreError itself when a retry may pass."""
+    setting = "train.init_adapter"
+
+    def s3(call):
+        return _named(lambda: _s3_check(call, setting, ref), setting, ref)
+
+    store, key, rel, files = s3(lambda: committed_dir(ref, setting, **PROBE))
+    roles = [r for r in ROLES if f"{r}/adapter_config.json" in files]
+    if len(roles) == 1:
+        miss = next(r for r in ROLES if r not in roles)
+        raise AdapterError(f"train.init_adapter={ref!r} has {roles[0]}/ but no {miss}/adapter_config.json; a "
+                           "per-role policy needs both act/ and rehearse/")
+    if not roles and "adapter_config.json" not in files:
+        below = _adapter_below(files)  # e.g. a registry version's artifacts/adapter
+        hint = f"; one is below it: train.init_adapter={ref.rstrip('/')}/{below}" if below else ""
+        raise EnvaceError(f"train.init_adapter={ref!r} {NO_ADAPTER}{hint}")
+    out = []
+    for sub in [f"{r}/" for r in roles] or [""]:
+        name = f"{ref.rstrip('/')}/{sub}adapter_config.json"
+        file_key = "/".join(p for p in (key, rel, f"{sub}adapter_config.json") if p)
+        data = s3(lambda k=file_key: store.read_bytes(k))
+        try:
+            conf = read_adapter_config(name, data)
+        except AdapterError as e:
+            raise AdapterError(f"train.init_adapter={ref!r}: {e}") from None
+        out.append((name, conf, f"{sub}adapter_model.safetensors" in files))
+    return out
+
+
+def _adapter_below(files: dict[str, str]) -> str | None:
+    """The shortest folder among `files` (paths) holding an adapter_config.json, a per-role one's parent
+    for its act/ or rehearse/; None when there is none."""
+    folders = {p.rsplit("/", 1)[0] for p in files if p.endswith("/adapter_config.json")}
+    parents = {f.rsplit("/", 1)[0] if "/" in f and f.rsplit("/", 1)[1] in ROLES else f for f in folders}
+    return min(parents, key=len) if parents else None
