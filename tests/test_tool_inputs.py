@@ -294,11 +294,8 @@ def test_training_starts_from_init_adapter_and_a_checkpoint_wins(tiny_model_dir,
 def test_init_adapter_errors_and_run_id(tiny_model_dir, parent_adapter, tmp_path):
     from envace_core import EnvaceError
     from envace_core.config import load_config
-    from envace_core.training.loop import (
-        init_adapter_dir,
-        load_init_adapter,
-        training_run_id,
-    )
+    from envace_core.store.uri import init_adapter_dir
+    from envace_core.training.loop import load_init_adapter, training_run_id
     from envace_core.training.trainer import AdapterLoadError
     from tests.test_trainer import make_trainer
 
@@ -325,10 +322,7 @@ def test_init_adapter_from_an_s3_registry_version(parent_adapter, s3_server, tmp
     import shutil
 
     from envace_core import EnvaceError
-    from envace_core.store.uri import open_store
-    from envace_core.training.loop import (
-        init_adapter_dir,
-    )
+    from envace_core.store.uri import init_adapter_dir, open_store
 
     adapter, _ = parent_adapter
     shutil.copytree(adapter, tmp_path / "version" / "artifacts" / "adapter")

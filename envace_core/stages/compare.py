@@ -42,14 +42,12 @@ def warm_start_adapter(cfg: RunConfig, trained: dict[str, Any]) -> str | None:
     train.init_adapter (the adapter it started from), or None when it started from a fresh LoRA
     (then there is nothing between base and trained to compare)."""
     from envace_core.stages.warm_start import WARM_START_KEY
-    from envace_core.store.uri import open_store
+    from envace_core.store.uri import init_adapter_dir, open_store
 
     warm = trained.get("warm_start") or {}
     if not warm.get("steps"):  # no SFT: the run started from train.init_adapter (or a fresh LoRA)
         if not warm.get("init_adapter"):
             return None
-        from envace_core.training.loop import init_adapter_dir
-
         return str(init_adapter_dir(warm["init_adapter"]))
     if not warm.get("warm_start_id"):
         return None

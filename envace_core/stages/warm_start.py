@@ -41,7 +41,7 @@ from envace_core.config_checks import (
     effective_act_repeats,
 )
 from envace_core.store.files import CHECKSUMS, dir_checksums, sha256_bytes
-from envace_core.store.uri import open_store
+from envace_core.store.uri import init_adapter_dir, open_store
 from envace_core.types import Task
 
 # The SFT warm-up's batch order (`sft.batch_order`): part of the warm-start id, so a warm start
@@ -109,8 +109,6 @@ def warm_start_id(cfg: RunConfig, dataset: dict[str, Any], model_sha256: str) ->
     """12 hex digits of sha256 over `warm_start_settings`, the base model's fingerprint `model_sha256`
     (`models.base_model_lineage`) and the file checksums of train.init_adapter (its content, not only
     its path). Raises EnvaceError when train.init_adapter names no directory."""
-    from envace_core.training.loop import init_adapter_dir  # torch: only with an init adapter
-
     key: list[Any] = [warm_start_settings(cfg, dataset), model_sha256]
     if cfg.train.init_adapter:
         key.append(dir_checksums(init_adapter_dir(cfg.train.init_adapter)))
