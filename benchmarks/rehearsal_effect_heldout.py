@@ -18,7 +18,8 @@ domain's tasks are interleaved over levels, so ``--limit L`` (first L per domain
 
 Conditions (`parse_conditions`): ``none``, ``parallel:K``, ``sequential:K``, each rehearsing one with
 ``rehearsal.verifier`` on and, written ``<mode>:<K>+noverify``, off (``none`` has no verifier). They run in
-the given order, every model per condition, one episode at a time through `evaluation.tau2.evaluate_policy`
+the given order, every model per condition, one episode at a time (``--concurrency K``: K at a time, their
+engine calls merged; seconds per episode = a batch's wall / its episodes) through `evaluation.tau2.evaluate_policy`
 (protocol ``--protocol``, default opening_request, the evaluate stage's ``eval.protocol``: synthesized tasks
 carry no scripted user, only a structured scenario). Every episode is appended to a JSONL cache keyed by
 `evaluation.options.fingerprint` (model weights, config with the verifier flag, protocol, seed, condition),
@@ -419,32 +420,43 @@ def read_timings(path: Path) -> dict[str, float]:
 
 
 def run_cell(cfg: Any, engine_for, tasks: list, cond: dict[str, Any], cdir: Path, protocol: str, seed: int,
-             deadline: float | None, evaluate=None) -> tuple[list[dict], set[str], bool]:
-    """Every task of one model × condition, one episode at a time (`evaluate_policy` with the cache
-    ``<cdir>/episodes.jsonl``; fresh episodes' wall seconds appended to ``<cdir>/timing.jsonl``).
+             deadline: float | None, evaluate=None, concurrency: int = 1) -> tuple[list[dict], set[str], bool]:
+    """Every task of one model × condition through `evaluate_policy` with the cache ``<cdir>/episodes.jsonl``:
+    one episode at a time, or with `concurrency` K > 1 batches of up to 2 K uncached tasks, K episodes at a
+    time with their engine calls merged (`evaluation.tau2.run_tau2`). Fresh episodes' wall seconds are
+    appended to ``<cdir>/timing.jsonl`` (a batch's wall divided by its episodes, with "concurrency").
     `engine_for()` loads the model on first need (a fully cached cell loads nothing). Stops after the
-    episode that passes `deadline` (time.monotonic() seconds; cached episodes are still read). Returns (records, task ids run now,
-    stopped early)."""
+    episode (batch) that passes `deadline` (time.monotonic() seconds; cached episodes are still read).
+    Returns (records, task ids run now, stopped early)."""
     if evaluate is None:
         from envace_core.evaluation.tau2 import evaluate_policy as evaluate
     ccfg = condition_config(cfg, cond)
     cdir.mkdir(parents=True, exist_ok=True)
     cache, tfile = cdir / "episodes.jsonl", cdir / "timing.jsonl"
-    records, fresh = [], set()
-    for task in tasks:
-        cached = _cached(cache, task)
-        if not cached and deadline is not None and time.monotonic() > deadline:
+    records, fresh, i, size = [], set(), 0, 1 if concurrency <= 1 else 2 * concurrency
+    extra = {"concurrency": concurrency} if concurrency > 1 else {}
+    while i < len(tasks):
+        if _cached(cache, tasks[i]):
+            records += evaluate(ccfg, None, [tasks[i]], protocol, mode=cond["mode"], n=cond["n"], seed=seed,
+                                cache_path=cache)["results"]
+            i += 1
+            continue
+        if deadline is not None and time.monotonic() > deadline:
             return records, fresh, True  # cached episodes still count: they cost nothing
-        engine = None if cached else engine_for()  # loading the model is not part of an episode's time
+        batch = [tasks[i]]
+        while len(batch) < size and i + len(batch) < len(tasks) and not _cached(cache, tasks[i + len(batch)]):
+            batch.append(tasks[i + len(batch)])
+        engine = engine_for()  # loading the model is not part of an episode's time
         t0 = time.perf_counter()
-        res = evaluate(ccfg, engine, [task], protocol, mode=cond["mode"],
-                       n=cond["n"], seed=seed, cache_path=cache)
-        dt = time.perf_counter() - t0
+        res = evaluate(ccfg, engine, batch, protocol, mode=cond["mode"], n=cond["n"], seed=seed, cache_path=cache,
+                       **extra)
+        dt = (time.perf_counter() - t0) / len(batch)
         records += res["results"]
-        if not res.get("skipped"):
-            fresh.add(task.id)
-            with tfile.open("a") as fh:
-                fh.write(json.dumps({"task_id": task.id, "seconds": dt, "load1": os.getloadavg()[0]}) + "\n")
+        with tfile.open("a") as fh:
+            for task in batch:
+                fresh.add(task.id)
+                fh.write(json.dumps({"task_id": task.id, "seconds": dt, "load1": os.getloadavg()[0], **extra}) + "\n")
+        i += len(batch)
     return records, fresh, False
 
 
@@ -483,6 +495,7 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
                  "heldout_per_domain": args.heldout, "limit_per_domain": args.limit, "synth_seed": seed,
                  "levels": levels, "protocol": args.protocol, "seed": args.seed, "profile": args.profile,
                  "overrides": args.overrides, "n_boot": args.n_boot, "conditions": [c["name"] for c in conditions],
+                 "concurrency": args.concurrency,
                  "verifier": {c["name"]: c["verifier"] for c in conditions if c["mode"] != "none"},
                  "models": {label: {"ref": ref, "label": resolved[label].label} for label, ref in models},
                  "task_ids": [t.id for t in tasks], "stopped_early": False, "code": code, "cache_notes": {},
@@ -511,7 +524,8 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
         for label, ref in models:
             cdir = cache_dir(out, cfg, ref, resolved[label], cond, args.protocol, args.seed, args.profile, args.overrides)
             ledger_begin(cdir)
-            recs, now, stopped = run_cell(cfg, engine_for(label), tasks, cond, cdir, args.protocol, args.seed, deadline)
+            recs, now, stopped = run_cell(cfg, engine_for(label), tasks, cond, cdir, args.protocol, args.seed, deadline,
+                                          concurrency=args.concurrency)
             records[label][cond["name"]], fresh[label][cond["name"]] = recs, now
             note = reuse_note(cdir, len(recs) - len(now), code)  # cached episodes from other code, if any
             record(cdir, len(now), code)
@@ -540,7 +554,8 @@ def results_section(report: dict[str, Any]) -> str:
          f"({r['heldout_per_domain']} per domain built, limit {r['limit_per_domain']}; levels {r['levels']}, "
          f"synthesis seed {r['synth_seed']}), disjoint from the train split of {r['dataset']} "
          f"({d['train_tasks']} tasks; 0 shared ids, requests, gold action lists); protocol {r['protocol']}; "
-         f"{r['cpus']} CPUs, load average (1/5/15 min) {load(r['load_avg_start'])} at start, "
+         f"{r['cpus']} CPUs, {r.get('concurrency', 1)} episode(s) at a time, load average (1/5/15 min) "
+         f"{load(r['load_avg_start'])} at start, "
          f"{load(r['load_avg_end'])} at end" + (f"; stopped early: {r['stopped_early']}" if r["stopped_early"] else "")
          + f". Success: {r['success']}; CIs: {r['ci']}. `+noverify`: rehearsal.verifier off."), "",
         *[f"- note ({cell}): {note}" for cell, note in (r.get("cache_notes") or {}).items()],
@@ -561,6 +576,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "sequential:4,parallel:8", help="in run order; <mode>:<K>+noverify = verifier off")
     ap.add_argument("--limit", type=int, help="first N held-out tasks per domain (a chunk; default all)")
     ap.add_argument("--max-minutes", type=float, help="stop after the episode that passes M minutes")
+    ap.add_argument("--concurrency", type=int, default=1, help="episodes run at once, engine calls merged "
+                    "(eval.concurrency); seconds per episode are then a batch's wall / its episodes (default 1)")
     ap.add_argument("--synth-seed", type=int, help="synthesis seed (default: the profile's data.synthetic_seed)")
     ap.add_argument("--protocol", default="opening_request", choices=["opening_request", "tau2_orchestrator"])
     ap.add_argument("--seed", type=int, default=0)
@@ -582,7 +599,8 @@ def check_args(args: argparse.Namespace) -> None:
     from envace_core.store.files import writable_dir_problem, writable_file_problem
     from rehearsal_effect import check_results_md, parse_models, resolve_models
 
-    for name, v, lo in (("--heldout", args.heldout, 1), ("--limit", args.limit, 1), ("--n-boot", args.n_boot, 100)):
+    for name, v, lo in (("--heldout", args.heldout, 1), ("--limit", args.limit, 1), ("--n-boot", args.n_boot, 100),
+                        ("--concurrency", args.concurrency, 1)):
         if v is not None and v < lo:
             raise BenchmarkError(f"{name} must be >= {lo}, got {v}")
     if args.max_minutes is not None and not 0 < args.max_minutes < float("inf"):  # nan and inf too

@@ -507,25 +507,25 @@ class EvalConfig(_Strict):
     max_turns: int = Field(
         3, ge=1, description="most ACT turns of an evaluation episode, and of each rehearsal in it")
     temperature: float = Field(
-        0.0, ge=0, description="T of ACT when it acts for real (committed execution, benchmarks); "
-        "0 = greedy")
+        0.0, ge=0, description="T of ACT when it acts for real (committed execution, benchmarks); 0 = greedy")
     protocol: Literal["opening_request", "tau2_orchestrator"] = Field(
-        "opening_request", description="how the evaluate stage and tool learning's measurement measure tau2 "
-        "success (envace_core/evaluation/protocols.py): "
-        "opening_request = the task's opening request is the whole user side, at most eval.max_turns ACT turns, "
-        "tool calls replayed and scored by tau2's evaluate_simulation (fast, CPU); tau2_orchestrator = tau2's own "
-        "Orchestrator with a simulated user (the policy itself), as tau2-bench's run_task; NL assertions are "
-        "skipped in both (no judge offline)")
+        "opening_request", description="how the evaluate stage and tool learning's measurement measure tau2 success "
+        "(envace_core/evaluation/protocols.py): opening_request = the task's opening request is the whole user side, "
+        "at most eval.max_turns ACT turns, tool calls replayed and scored by tau2's evaluate_simulation (fast, CPU); "
+        "tau2_orchestrator = tau2's own Orchestrator with a simulated user (the policy itself), as tau2-bench's "
+        "run_task; NL assertions are skipped in both (no judge offline)")
+    concurrency: int = Field(
+        8, ge=1, le=64, description="evaluation episodes run at once, their engine calls merged into one batch per turn "
+        "with each call's own seeds (envace_core/engines/merging.py; outcomes up to bf16 rounding); 1 = one by one")
     compare: list[Literal["base", "warm_start"]] = Field(
-        default_factory=lambda: ["base", "warm_start"], description="models the evaluate stage also "
-        "scores, greedy without rehearsal, on the test tasks and the held-out synthesized tasks "
-        "(data.synthetic_heldout_per_domain), against the trained policy with paired 95 % bootstrap "
-        "CIs (envace_core/stages/compare.py): base = the base model, warm_start = the run's SFT warm "
-        "start; [] = the trained policy only")
+        default_factory=lambda: ["base", "warm_start"], description="models the evaluate stage also scores, greedy "
+        "without rehearsal, on the test tasks and the held-out synthesized tasks (data.synthetic_heldout_per_domain), "
+        "against the trained policy with paired 95 % bootstrap CIs (envace_core/stages/compare.py): base = the base "
+        "model, warm_start = the run's SFT warm start; [] = the trained policy only")
     lenient_tool_format: bool = Field(
-        False, description="when evaluating on tau2, take ACT's tool calls written in another model "
-        "family's format (envace_core/roles/foreign.py) as calls, e.g. for a model prompted in its own "
-        "format; off by default so that they count as parse errors, as in training")
+        False, description="when evaluating on tau2, take ACT's tool calls written in another model family's format "
+        "(envace_core/roles/foreign.py) as calls, e.g. for a model prompted in its own format; off by default so "
+        "that they count as parse errors, as in training")
 
 
 class ValidateConfig(_Strict):

@@ -234,3 +234,131 @@ def _catch(fn):
     except RuntimeError as e:
         return str(e)
     return "no error"
+
+
+# ------------------------------------------------------------------------------ a bounded worker pool
+def _calls_made(items, workers, jitter=None):
+    """(results, prompts of every wrapped-engine call, on_result indices) of a pool run: item k makes
+    k % 3 + 1 calls of one prompt [10 k + turn]; `jitter(k, turn)` sleeps outside generate."""
+    import time
+
+    inner = RecordingEngine()
+    eng = MergingEngine(inner)
+    seen: list[int] = []
+
+    def work(e, k):
+        out = []
+        for turn in range(k % 3 + 1):
+            if jitter is not None:
+                time.sleep(jitter(k, turn))
+            out.append(e.generate([[10 * k + turn]], SamplingParams(seed=k))[0][0].token_ids[0])
+        return out
+
+    results = eng.map(work, items, workers=workers, on_result=lambda i, r: seen.append(i))
+    return results, [[p for p in prompts] for prompts, _ in inner.calls], seen
+
+
+def test_workers_bound_the_items_running_at_once_and_results_keep_item_order():
+    results, calls, seen = _calls_made(list(range(7)), workers=3)
+    assert results == [[10 * k + t for t in range(k % 3 + 1)] for k in range(7)]
+    assert max(len(c) for c in calls) == 3  # never more than 3 items' calls in one merged call
+    assert sum(len(c) for c in calls) == sum(k % 3 + 1 for k in range(7))
+    assert sorted(seen) == list(range(7))
+    # items start in order: the first merged call holds items 0, 1, 2's first turns
+    assert calls[0] == [[0], [10], [20]]
+
+
+def test_which_items_run_together_does_not_depend_on_thread_timing():
+    import random
+
+    rng = random.Random(0)
+    delays = {(k, t): rng.choice([0.0, 0.002, 0.02]) for k in range(9) for t in range(3)}
+    _, calls_plain, _ = _calls_made(list(range(9)), workers=4)
+    _, calls_jitter, _ = _calls_made(list(range(9)), workers=4, jitter=lambda k, t: delays[(k, t)])
+    # the same merged calls with the same prompts in them (row order may follow the worker holding an item)
+    assert [sorted(map(tuple, c)) for c in calls_plain] == [sorted(map(tuple, c)) for c in calls_jitter]
+
+
+def test_a_failed_item_starts_no_further_item_and_its_error_is_raised():
+    inner = RecordingEngine()
+    eng = MergingEngine(inner)
+    started: list[int] = []
+
+    def work(e, k):
+        started.append(k)
+        if k == 1:
+            raise KeyError("item 1 failed")
+        return e.generate([[k]], SamplingParams(seed=k))[0][0].token_ids[0]
+
+    with pytest.raises(KeyError, match="item 1 failed"):
+        eng.map(work, list(range(6)), workers=2)
+    assert sorted(started) == [0, 1]  # item 0 finished; 2..5 never started
+    assert eng.map(lambda e, k: k, [1, 2], workers=2) == [1, 2]  # usable again
+
+
+def test_one_worker_runs_the_items_in_the_calling_thread_on_the_wrapped_engine():
+    inner = RecordingEngine()
+    eng = MergingEngine(inner)
+    threads = set()
+
+    def work(e, k):
+        threads.add(threading.get_ident())
+        assert e is inner
+        return k
+
+    assert eng.map(work, [3, 4, 5], workers=1) == [3, 4, 5] and threads == {threading.get_ident()}
+    with pytest.raises(ValueError, match="workers must be >= 1"):
+        eng.map(work, [3, 4], workers=0)
+
+
+def test_a_failure_in_maps_own_thread_ends_every_worker_without_a_deadlock(monkeypatch):
+    inner = RecordingEngine()
+    eng = MergingEngine(inner)
+    rounds = []
+
+    def run(calls):
+        rounds.append(len(calls))
+        if len(rounds) == 2:
+            raise KeyboardInterrupt
+        MergingEngine._run(eng, calls)
+
+    monkeypatch.setattr(eng, "_run", run)
+
+    def work(e, k):
+        for turn in range(5):
+            e.generate([[k, turn]], SamplingParams(seed=k))
+        return k
+
+    outcome = {}
+
+    def call_map():
+        try:
+            eng.map(work, list(range(6)), workers=3)
+        except BaseException as e:  # noqa: BLE001
+            outcome["error"] = e
+
+    t = threading.Thread(target=call_map)
+    t.start()
+    t.join(30)
+    assert not t.is_alive(), "map did not return after its own thread failed"
+    assert isinstance(outcome.get("error"), KeyboardInterrupt)
+    assert rounds == [3, 3]  # nothing ran after the failure
+    monkeypatch.undo()
+    assert eng.map(lambda e, k: k, [7, 8]) == [7, 8]  # usable again
+
+
+def test_a_prefix_pool_holds_room_for_every_worker_while_map_runs():
+    class Pooled(RecordingEngine):
+        def __init__(self):
+            super().__init__()
+            self.prefix_pool = type("Pool", (), {"max_tokens": 100})()
+            self.seen = []
+
+        def generate(self, prompts, params):
+            self.seen.append(self.prefix_pool.max_tokens)
+            return super().generate(prompts, params)
+
+    inner = Pooled()
+    eng = MergingEngine(inner)
+    eng.map(lambda e, k: e.generate([[k]], SamplingParams(seed=k)), list(range(5)), workers=3)
+    assert inner.seen and set(inner.seen) == {300} and inner.prefix_pool.max_tokens == 100

@@ -184,22 +184,27 @@ class FakeEvaluate:
     fresh episodes; `sleep` seconds per fresh episode."""
 
     def __init__(self, sleep: float = 0.0):
-        self.ran, self.sleep = [], sleep
+        self.ran, self.sleep, self.calls = [], sleep, []
 
-    def __call__(self, cfg, engine, tasks, protocol, *, mode, n, seed, cache_path):
+    def __call__(self, cfg, engine, tasks, protocol, *, mode, n, seed, cache_path, concurrency=None):
         from envace_core.evaluation.tau2 import _load_cache
 
-        (t,) = tasks
+        self.calls.append(([t.id for t in tasks], concurrency))
         cache = _load_cache(Path(cache_path))
-        if (t.domain, t.id, 0) in cache:
-            return {"results": [cache[(t.domain, t.id, 0)]], "skipped": 1}
-        assert engine == "engine"
-        time.sleep(self.sleep)
-        self.ran.append(t.id)
-        r = {**rec(t.id, 1.0), "termination_reason": "agent_message", "reward": 1.0, "reward_breakdown": {}}
-        with Path(cache_path).open("a") as f:
-            f.write(json.dumps(r) + "\n")
-        return {"results": [r], "skipped": 0}
+        out, skipped = [], 0
+        for t in tasks:
+            if (t.domain, t.id, 0) in cache:
+                out.append(cache[(t.domain, t.id, 0)])
+                skipped += 1
+                continue
+            assert engine == "engine"
+            time.sleep(self.sleep)
+            self.ran.append(t.id)
+            r = {**rec(t.id, 1.0), "termination_reason": "agent_message", "reward": 1.0, "reward_breakdown": {}}
+            with Path(cache_path).open("a") as f:
+                f.write(json.dumps(r) + "\n")
+            out.append(r)
+        return {"results": out, "skipped": skipped}
 
 
 def test_resume_skips_cached_episodes_and_keeps_their_timing(tmp_path):
@@ -220,6 +225,26 @@ def test_resume_skips_cached_episodes_and_keeps_their_timing(tmp_path):
     assert set(timings) == {t.id for t in tasks}
     c = h.cell(recs, recs, timings, fresh, 3)
     assert c["seconds_timed_episodes"] == 3 and c["seconds_note"].startswith("1 timed in this run, 2 when")
+
+
+def test_concurrency_runs_uncached_tasks_in_batches_and_times_each_as_its_share(tmp_path):
+    from envace_core.config import load_config
+
+    cfg, tasks = load_config("test", ""), [task(f"synth-L1-{i}") for i in range(9)]
+    cond = h.parse_conditions("none")[0]
+    h.run_cell(cfg, lambda: "engine", [tasks[3]], cond, tmp_path / "c", "opening_request", 0, None,
+               evaluate=FakeEvaluate())  # task 3 cached
+    fake = FakeEvaluate()
+    recs, fresh, stopped = h.run_cell(cfg, lambda: "engine", tasks, cond, tmp_path / "c", "opening_request", 0,
+                                      None, evaluate=fake, concurrency=2)
+    ids = [t.id for t in tasks]
+    # batches of up to 2 K = 4 uncached tasks, cut at the cached one, in task order; K passed on
+    assert fake.calls == [(ids[0:3], 2), ([ids[3]], None), (ids[4:8], 2), (ids[8:9], 2)]
+    assert [r["task_id"] for r in recs] == ids and fresh == set(ids) - {ids[3]} and not stopped
+    lines = [json.loads(x) for x in (tmp_path / "c" / "timing.jsonl").read_text().splitlines()]
+    assert [x["task_id"] for x in lines[1:]] == ids[0:3] + ids[4:9]
+    assert all(x["concurrency"] == 2 for x in lines[1:]) and "concurrency" not in lines[0]
+    assert lines[1]["seconds"] == lines[2]["seconds"] == lines[3]["seconds"]  # a batch's wall, shared
 
 
 def test_max_minutes_stops_after_the_running_episode(tmp_path):

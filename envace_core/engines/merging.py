@@ -83,6 +83,10 @@ class MergingEngine:
         self._waiting: dict[int, _Call] = {}
         self._local = threading.local()
         self._owner: int | None = None  # the thread running `map`
+        self._claims: set[int] = set()  # workers waiting for their next item
+        self._given: dict[int, int | None] = {}  # worker -> index of its next item (None: no more)
+        self._next, self._stop = 0, False
+        self._closed: BaseException | None = None  # set when map's own thread failed: workers stop waiting
         self.merged_calls = 0
         self.calls_in = 0
 
@@ -94,51 +98,88 @@ class MergingEngine:
         return self.engine.tokenizer
 
     # ------------------------------------------------------------------ workers
-    def map(self, fn: Callable[[Engine, T], Any], items: Sequence[T]) -> list[Any]:
-        """``[fn(self, item) for item in items]``, each in its own thread, their `generate` calls merged.
+    def map(self, fn: Callable[[Engine, T], Any], items: Sequence[T], workers: int | None = None,
+            on_result: Callable[[int, Any], None] | None = None) -> list[Any]:
+        """``[fn(self, item) for item in items]`` in worker threads, their `generate` calls merged.
+
+        workers: how many items run at once (None: all). A worker that finishes an item takes the next one
+            not yet started, in `items` order. Items are handed out only while every live worker waits (in
+            `generate` or for an item), so which items run together, and so every merged call, does not
+            depend on thread timing. 1 (or a single item): ``fn(wrapped engine, item)`` in the calling
+            thread, one item after another.
+        on_result: ``on_result(index, result)`` in the worker's thread after each item that returned (e.g. to
+            append it to a cache file as soon as it is done); an exception from it counts as the item's.
 
         The wrapped engine runs only in the thread that called `map`: every torch call of a merged batch
         comes from one thread, so one OpenMP team does the work (a team per calling thread would spin
-        against the others for the same cores). Returns the results in `items` order. If any call of `fn`
-        raises, the first exception (in `items` order) is raised after every thread has ended. Not
+        against the others for the same cores). A wrapped engine with a prefix KV pool (``prefix_pool``,
+        `engines.prefix_cache.PrefixPool`) holds ``max_tokens`` per worker meanwhile. Returns the results in
+        `items` order. Once any call of `fn` raises, no further item starts, and the first exception (in
+        `items` order) is raised after every thread has ended; an exception in the calling thread (e.g.
+        KeyboardInterrupt) fails every waiting call and is raised once the workers have ended. Not
         re-entrant: one `map` at a time.
         """
         items = list(items)
         if getattr(self._local, "worker", None) is not None:
             raise RuntimeError("MergingEngine.map called from one of its own workers: a worker's calls are "
                                "already merged; call fn for its items directly")
-        if not items:
-            return []
-        if len(items) == 1:
-            return [fn(self.engine, items[0])]
+        n_threads = len(items) if workers is None else min(int(workers), len(items))
+        if workers is not None and int(workers) < 1:
+            raise ValueError(f"workers must be >= 1, got {workers}")
+        if n_threads <= 1:
+            out = []
+            for i, item in enumerate(items):
+                out.append(fn(self.engine, item))
+                if on_result is not None:
+                    on_result(i, out[-1])
+            return out
         results: list[Any] = [None] * len(items)
         errors: list[BaseException | None] = [None] * len(items)
         with self._cond:
             if self._alive:
                 raise RuntimeError("MergingEngine.map is already running")
-            self._alive, self._owner = set(range(len(items))), threading.get_ident()
+            self._alive, self._owner = set(range(n_threads)), threading.get_ident()
+            self._claims, self._given, self._next, self._stop, self._closed = set(), {}, 0, False, None
 
         def work(k: int) -> None:
             self._local.worker = k
             try:
-                results[k] = fn(self, items[k])
-            except BaseException as e:  # noqa: BLE001 - re-raised by map in the caller's thread
-                errors[k] = e
+                while (i := self._claim(k)) is not None:
+                    try:
+                        results[i] = fn(self, items[i])
+                        if on_result is not None:
+                            on_result(i, results[i])
+                    except BaseException as e:  # noqa: BLE001 - re-raised by map in the caller's thread
+                        errors[i] = e
+                        with self._cond:
+                            self._stop = True
             finally:
                 with self._cond:
                     self._alive.discard(k)
                     self._cond.notify_all()
 
-        threads = [threading.Thread(target=work, args=(k,), name=f"envace-rollout-{k}", daemon=True)
-                   for k in range(len(items))]
+        threads = [threading.Thread(target=work, args=(k,), name=f"envace-merged-{k}", daemon=True)
+                   for k in range(n_threads)]
+        pool = getattr(self.engine, "prefix_pool", None)
+        pool_tokens = getattr(pool, "max_tokens", None)
+        if pool_tokens is not None:
+            pool.max_tokens = pool_tokens * n_threads
         try:
             for t in threads:
                 t.start()
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: not self._alive or (self._waiting and len(self._waiting) >= len(self._alive)))
+                    self._cond.wait_for(lambda: not self._alive
+                                        or len(self._waiting) + len(self._claims) >= len(self._alive))
                     if not self._alive:
                         break
+                    if self._claims:  # hand out items in worker order, then wait for their first calls
+                        for k in sorted(self._claims):
+                            done = self._stop or self._next >= len(items)
+                            self._given[k], self._next = (None, self._next) if done else (self._next, self._next + 1)
+                        self._claims = set()
+                        self._cond.notify_all()
+                        continue
                     calls = [self._waiting[w] for w in sorted(self._waiting)]
                     self._waiting = {}
                 try:
@@ -152,15 +193,32 @@ class MergingEngine:
                         for c in calls:
                             c.done = True
                         self._cond.notify_all()
-        finally:  # workers still running finish their calls with the error above, then end
+        except BaseException as e:  # the workers still running end with it instead of waiting for a round
+            with self._cond:
+                self._closed, self._stop = e, True
+                self._cond.notify_all()
+            raise
+        finally:
             for t in threads:
                 t.join()
+            if pool_tokens is not None:
+                pool.max_tokens = pool_tokens
             with self._cond:
                 self._alive, self._waiting, self._owner = set(), {}, None
+                self._claims, self._given, self._closed = set(), {}, None
         for e in errors:
             if e is not None:
                 raise e
         return results
+
+    def _claim(self, worker: int) -> int | None:
+        """The index of `worker`'s next item, handed out by `map`'s thread; None when none is left (or an
+        item failed, or `map` is ending)."""
+        with self._cond:
+            self._claims.add(worker)
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: worker in self._given or self._closed is not None)
+            return self._given.pop(worker, None)
 
     def generate(self, prompts: list[list[int]], params: SamplingParams) -> list[list[Completion]]:
         """As `Engine.generate`. From a `map` worker: waits until every live worker waits or has ended;
@@ -177,9 +235,13 @@ class MergingEngine:
         seed = params.seed if params.seed is not None else int(torch.randint(0, 2**62, (1,)).item())
         call.seeds = params.prompt_seeds or tuple((seed, i) for i in range(len(prompts)))
         with self._cond:
+            if self._closed is not None:
+                raise RuntimeError(f"MergingEngine.map is ending ({type(self._closed).__name__})")
             self._waiting[worker] = call
             self._cond.notify_all()
-            self._cond.wait_for(lambda: call.done)
+            self._cond.wait_for(lambda: call.done or self._closed is not None)
+            if not call.done:
+                raise RuntimeError(f"MergingEngine.map is ending ({type(self._closed).__name__})")
         if call.error is not None:
             raise call.error
         return call.result  # type: ignore[return-value]

@@ -122,8 +122,8 @@ class _Ctx:
 
 
 def run_tau2_bench(ctx: _Ctx, domain: str) -> dict:
-    """tau2 `domain` through `tau2.evaluate_policy` under ``--protocol``, one task at a time (progress bar;
-    cached per (task, trial))."""
+    """tau2 `domain` through `tau2.evaluate_policy` under ``--protocol``, ``eval.concurrency`` tasks at a time
+    (progress bar; cached per (task, trial) as each ends)."""
     from envace_core.envs.tau2.tasks import load_tasks
     from envace_core.evaluation.tau2 import evaluate_policy, summarize
     from envace_core.evaluation.tau2_agents import SimulatedUser
@@ -133,13 +133,11 @@ def run_tau2_bench(ctx: _Ctx, domain: str) -> dict:
     cache = ctx.cache / f"tau2_{domain}.jsonl"
     user = SimulatedUser(engine=ctx.user_engine, client=ctx.user_client,
                          max_new_tokens=ctx.opts.user_max_new_tokens)
-    results: list[dict] = []
-    for task in _progress(tasks, f"tau2:{domain}", len(tasks)):
-        r = evaluate_policy(ctx.cfg, ctx.engine, [task], ctx.opts.protocol, mode=ctx.mode, n=ctx.n,
-                            trials=ctx.opts.trials, seed=ctx.opts.seed, user=user, max_steps=ctx.opts.max_steps,
-                            cache_path=cache)
-        ctx.count(f"tau2:{domain}", len(r["results"]) - r["skipped"], r["skipped"])
-        results += r["results"]
+    r = evaluate_policy(ctx.cfg, ctx.engine, tasks, ctx.opts.protocol, mode=ctx.mode, n=ctx.n,
+                        trials=ctx.opts.trials, seed=ctx.opts.seed, user=user, max_steps=ctx.opts.max_steps,
+                        cache_path=cache, progress=f"tau2:{domain}")
+    ctx.count(f"tau2:{domain}", len(r["results"]) - r["skipped"], r["skipped"])
+    results: list[dict] = r["results"]
     summary = summarize(results, ctx.opts.trials).get(domain, {})
     return {"bench": "tau2", "name": domain, "split": split, "protocol": ctx.opts.protocol, "summary": summary,
             "results": results}

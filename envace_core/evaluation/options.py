@@ -330,7 +330,8 @@ def _episode_options(opts: EvalOptions, specs: list[BenchSpec]) -> dict:
 def fingerprint(opts: EvalOptions, cfg: RunConfig, model: ResolvedModel, specs: list[BenchSpec] | None = None) -> str:
     """sha256 (16 hex) of the settings that change episodes: `_episode_options` of `opts` (`specs`: its
     parsed --bench, parsed here when not given), the model's registry version or its adapter folder's
-    content, and the config sections an episode reads (model, data, rollout, rehearsal, eval).
+    content, and the config sections an episode reads (model, data, rollout, rehearsal, eval; not
+    ``eval.concurrency``: it batches episodes together, and each call keeps its own seeds).
     Raises `BenchSpecError` when `specs` is not given and --bench does not parse."""
     keep = _episode_options(opts, parse_benches(opts.benches) if specs is None else specs)
     keep["model_version"] = (model.manifest or {}).get("version")
@@ -340,4 +341,5 @@ def fingerprint(opts: EvalOptions, cfg: RunConfig, model: ResolvedModel, specs: 
         keep["adapter_sha256"] = hashlib.sha256(json.dumps(dir_checksums(model.adapter_dir),
                                                            sort_keys=True).encode()).hexdigest()
     keep["config"] = {k: cfg.to_dict()[k] for k in ("model", "data", "rollout", "rehearsal", "eval")}
+    keep["config"]["eval"].pop("concurrency", None)  # how episodes are batched, not what they sample
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -34,11 +34,15 @@ request only, no user simulator) is an argument and every record names it.
 from __future__ import annotations
 
 import json
+import threading
 import traceback
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from tqdm.auto import tqdm
 
 import envace_core  # noqa: F401  (offline environment before tau2)
 from envace_core import EnvaceError
@@ -52,6 +56,7 @@ from envace_core.types import Role, Task, Trajectory
 
 if TYPE_CHECKING:
     from envace_core.config import RunConfig
+    from envace_core.engines.merging import MergingEngine
     from envace_core.envs.base import ToolEnvironment
 
 AgentFor = Callable[[str, int], RehearsalAgent]
@@ -207,74 +212,113 @@ def run_tau2(tasks: Sequence[Task], agent_for: AgentFor, protocol: str, *, trial
              user: SimulatedUser | None = None, max_steps: int = MAX_STEPS, max_errors: int = 10,
              policy_max_chars: int | None = None, cache_path: str | Path | None = None,
              raise_errors: bool = False, environment: Callable[[Task], ToolEnvironment] | None = None,
-             score: Callable[[Task, Trajectory], Trajectory] | None = None) -> dict:
+             score: Callable[[Task, Trajectory], Trajectory] | None = None,
+             merging: MergingEngine | None = None, concurrency: int = 1, progress: str | None = None) -> dict:
     """Each of `tasks` (our tau2 `Task`s, e.g. `envs.tau2.tasks.load_tasks`) `trials` times under `protocol`.
 
     Trial t of a task is played by ``agent_for(task.domain, seed + t)`` (`policy_agent`); `user`, `max_steps`
     and `max_errors` apply to ``tau2_orchestrator``, `environment`/`score` to ``opening_request``
     (`opening_request_trial`). A (task, trial) that raises is recorded with ``error``, reward 0 and
     termination "error" (or re-raised with `raise_errors`), and not written to `cache_path`.
+    With `merging` (the `engines.merging.MergingEngine` that `agent_for`'s agents and the user simulator
+    generate through) and `concurrency` > 1, up to `concurrency` trials run at once, their engine calls
+    merged into one batch per turn (`MergingEngine.map`): every call keeps its own seeds, so a trial's
+    record is the one it gets alone up to float rounding of the larger batches; records are returned in
+    (task, trial) order and cached as each trial ends. `progress`: a progress bar's label (None: no bar).
 
     Returns ``{"protocol", "domains": summarize(...), "results": [records], "skipped": n_from_cache}``.
-    Raises `EnvaceError` for an unknown protocol, trials < 1, or `environment`/`score` with
+    Raises `EnvaceError` for an unknown protocol, trials < 1, concurrency < 1, or `environment`/`score` with
     ``tau2_orchestrator`` (tau2's Orchestrator runs tau2's own environment and evaluator);
     `roles.user.EndpointError` when the user simulator's endpoint fails (the trials finished before it
-    stay in the cache; the failing one is neither recorded nor cached).
+    stay in the cache; the failing one is neither recorded nor cached, and no further trial starts).
     """
     check_protocol(protocol)
     if trials < 1:
         raise EnvaceError(f"trials must be >= 1, got {trials}")
+    if concurrency < 1:
+        raise EnvaceError(f"concurrency must be >= 1, got {concurrency}")
     if protocol == TAU2_ORCHESTRATOR and (environment is not None or score is not None):
         raise EnvaceError("tau2_orchestrator runs tau2's own environment and evaluator: environment= and "
                           "score= apply to opening_request only")
     path = Path(cache_path) if cache_path is not None else None
     cache = _load_cache(path)
-    results, skipped = [], 0
-    for task in tasks:
-        for trial in range(trials):
-            key = (task.domain, task.id, trial)
-            if key in cache:
-                results.append(cache[key])
-                skipped += 1
-                continue
-            rec: dict[str, Any] = {"protocol": protocol, "domain": task.domain, "task_id": task.id,
-                                   "trial": trial, "seed": seed + trial, "error": None}
-            try:
-                agent = agent_for(task.domain, seed + trial)
-                rec.update(orchestrated_trial(task, agent, seed + trial, user=user, max_steps=max_steps,
-                                              max_errors=max_errors, policy_max_chars=policy_max_chars)
-                           if protocol == TAU2_ORCHESTRATOR else
-                           opening_request_trial(task, agent, policy_max_chars=policy_max_chars,
-                                                 environment=environment, score=score))
-            except EndpointError as e:  # the user simulator's server, not the task: stop, record nothing
-                raise EndpointError(f"{e} [during {task.id} trial {trial}; not recorded: a rerun plays it]") \
-                    from None
-            except Exception as e:
-                if raise_errors:
-                    raise
-                rec.update(reward=0.0, reward_breakdown={}, termination_reason="error",
-                           error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
-            rec["success"] = None if rec.get("reward") is None else float(_successful(rec["reward"]))
-            results.append(rec)
+    keys = [(task, trial) for task in tasks for trial in range(trials)]
+    done = {i: cache[(t.domain, t.id, k)] for i, (t, k) in enumerate(keys) if (t.domain, t.id, k) in cache}
+    todo = [i for i in range(len(keys)) if i not in done]
+    bar = tqdm(total=len(keys), initial=len(done), desc=progress, unit="task", disable=progress is None)
+    lock = threading.Lock()
+
+    def play(_engine, i: int) -> dict:
+        task, trial = keys[i]
+        rec: dict[str, Any] = {"protocol": protocol, "domain": task.domain, "task_id": task.id,
+                               "trial": trial, "seed": seed + trial, "error": None}
+        try:
+            agent = agent_for(task.domain, seed + trial)
+            rec.update(orchestrated_trial(task, agent, seed + trial, user=user, max_steps=max_steps,
+                                          max_errors=max_errors, policy_max_chars=policy_max_chars)
+                       if protocol == TAU2_ORCHESTRATOR else
+                       opening_request_trial(task, agent, policy_max_chars=policy_max_chars,
+                                             environment=environment, score=score))
+        except EndpointError as e:  # the user simulator's server, not the task: stop, record nothing
+            raise EndpointError(f"{e} [during {task.id} trial {trial}; not recorded: a rerun plays it]") from None
+        except Exception as e:
+            if raise_errors:
+                raise
+            rec.update(reward=0.0, reward_breakdown={}, termination_reason="error",
+                       error=f"{type(e).__name__}: {e}\n{traceback.format_exc(limit=3)}")
+        rec["success"] = None if rec.get("reward") is None else float(_successful(rec["reward"]))
+        return rec
+
+    def finished(_k: int, rec: dict) -> None:  # in the trial's own thread when concurrent
+        with lock:
+            bar.update(1)
             if path is not None and rec["error"] is None:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 with path.open("a") as f:
                     f.write(json.dumps(rec, sort_keys=True, default=str) + "\n")
-    return {"protocol": protocol, "domains": summarize(results, trials), "results": results, "skipped": skipped}
+
+    try:
+        if merging is not None and concurrency > 1:
+            played = merging.map(play, todo, workers=concurrency, on_result=finished)
+        else:
+            played = []
+            for i in todo:
+                played.append(play(None, i))
+                finished(i, played[-1])
+    finally:
+        bar.close()
+    recs = {**done, **dict(zip(todo, played))}
+    results = [recs[i] for i in range(len(keys))]
+    return {"protocol": protocol, "domains": summarize(results, trials), "results": results, "skipped": len(done)}
 
 
 def evaluate_policy(cfg: RunConfig, engine, tasks: Sequence[Task], protocol: str, *, mode: str = "none",
                     n: int = 0, trials: int = 1, seed: int = 0, user: SimulatedUser | None = None,
                     max_steps: int = MAX_STEPS, cache_path: str | Path | None = None, raise_errors: bool = False,
                     environment: Callable[[Task], ToolEnvironment] | None = None,
-                    score: Callable[[Task, Trajectory], Trajectory] | None = None) -> dict:
+                    score: Callable[[Task, Trajectory], Trajectory] | None = None,
+                    concurrency: int | None = None, progress: str | None = None) -> dict:
     """`run_tau2` of the policy behind `engine` as `cfg` sets it up (`policy_agent` with rehearsal `mode`/`n`;
     prompts' policy text cut at ``data.policy_max_chars``). The evaluate stage, `envace eval` and tool
-    learning's measurement all call this, so the same model, tasks, protocol and seed give the same records."""
-    return run_tau2(tasks, lambda domain, s: policy_agent(cfg, engine, mode, n, domain=domain, seed=s), protocol,
+    learning's measurement all call this, so the same model, tasks, protocol and seed give the same records.
+
+    concurrency: trials run at once through one `engines.merging.MergingEngine` over `engine` (None:
+    ``eval.concurrency``). It is 1 when `user` generates with an engine of its own (that engine would
+    serve several threads at once) or with an endpoint (a worker waiting on it would hold up every
+    merged turn); a `user` on `engine` itself generates through the merged engine too."""
+    from envace_core.engines.merging import MergingEngine
+
+    conc = cfg.eval.concurrency if concurrency is None else concurrency
+    if user is not None and (user.client is not None or user.engine not in (None, engine)):
+        conc = 1
+    merging = MergingEngine(engine) if conc > 1 and len(tasks) * trials > 1 else None
+    eng = merging or engine
+    if user is not None and user.engine is engine and merging is not None:
+        user = replace(user, engine=merging)
+    return run_tau2(tasks, lambda domain, s: policy_agent(cfg, eng, mode, n, domain=domain, seed=s), protocol,
                     trials=trials, seed=seed, user=user, max_steps=max_steps,
                     policy_max_chars=cfg.data.policy_max_chars, cache_path=cache_path, raise_errors=raise_errors,
-                    environment=environment, score=score)
+                    environment=environment, score=score, merging=merging, concurrency=conc, progress=progress)
 
 
 def _successful(reward: float) -> bool:

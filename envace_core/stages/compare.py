@@ -106,8 +106,6 @@ def compare_models(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, A
     Returns {"summary": `summarize`'s result, "results": the harness records of the runs made here,
     each with "model" and "task_set"}; {} when ``eval.compare`` is empty. Errors inside a task
     propagate, as in the evaluate stage."""
-    from tqdm.auto import tqdm
-
     from envace_core.evaluation.tau2 import evaluate_policy
     from envace_core.training.policy import load_policy, policy_engine
 
@@ -135,11 +133,9 @@ def compare_models(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, A
         model, tok, _ = load_policy(cfg, adapter)
         engine = policy_engine(cfg, model, tok)
         for set_name, tasks in todo.items():
-            recs = []
-            for task in tqdm(tasks, desc=f"compare {model_name} on {set_name}", unit="task"):
-                run = evaluate_policy(cfg, engine, [task], cfg.eval.protocol, mode="none", n=0,
-                                      seed=cfg.train.seed, raise_errors=True)
-                recs += [{"model": model_name, "task_set": set_name, **r} for r in run["results"]]
+            run = evaluate_policy(cfg, engine, tasks, cfg.eval.protocol, mode="none", n=0, seed=cfg.train.seed,
+                                  raise_errors=True, progress=f"compare {model_name} on {set_name}")
+            recs = [{"model": model_name, "task_set": set_name, **r} for r in run["results"]]
             success[set_name][model_name] = success_by_task(recs)
             results += recs
         del model, engine

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from tqdm.auto import tqdm
-
 from envace_core.config import RunConfig
 from envace_core.stages.compare import compare_models
 from envace_core.stages.console import print_comparison_table, print_eval_table
@@ -40,11 +38,10 @@ def evaluate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
         conditions[f"{cfg.rehearsal.mode}:{cfg.rehearsal.n}"] = (cfg.rehearsal.mode, cfg.rehearsal.n)
     tasks = load_dataset(dataset, "test")
     results = []
-    for cond, (mode, n) in conditions.items():
-        for task in tqdm(tasks, desc=f"evaluate {cond} ({protocol})", unit="task"):
-            run = evaluate_policy(cfg, engine, [task], protocol, mode=mode, n=n, seed=cfg.train.seed,
-                                  raise_errors=True)
-            results += [{"condition": cond, **r} for r in run["results"]]
+    for cond, (mode, n) in conditions.items():  # eval.concurrency tasks at a time, engine calls merged
+        run = evaluate_policy(cfg, engine, tasks, protocol, mode=mode, n=n, seed=cfg.train.seed, raise_errors=True,
+                              progress=f"evaluate {cond} ({protocol})")
+        results += [{"condition": cond, **r} for r in run["results"]]
     summary = summarise_eval(results)
     print_eval_table(summary, protocol)
     _print_isolation(results)

@@ -142,15 +142,8 @@ def roll_out(run: TrainingRun, batch: list[Task], iteration: int) -> list[list[T
     def group(engine, k: int) -> list[Trajectory]:
         return training_group(engine, batch[k], cfg, run.params, seed=cfg.train.seed * 100003 + iteration * 1009 + k)
 
-    if cfg.rollout.merge_groups and len(mine) > 1:
-        pool = getattr(run.engine, "prefix_pool", None)  # room for every concurrent group's trajectories
-        if pool is not None:
-            pool.max_tokens = cfg.rollout.prefix_cache_tokens * len(mine)
-        try:
-            return MergingEngine(run.engine).map(group, list(mine))
-        finally:
-            if pool is not None:
-                pool.max_tokens = cfg.rollout.prefix_cache_tokens
+    if cfg.rollout.merge_groups and len(mine) > 1:  # the prefix pool holds room for every group meanwhile
+        return MergingEngine(run.engine).map(group, list(mine))
     groups = []
     for k in tqdm(mine, desc=f"rollouts iteration {iteration + 1}", leave=False, unit="task",
                   disable=not world.is_main):
