@@ -235,7 +235,7 @@ class RolloutConfig(_Strict):
         "closes, a rehearsal is one JSON value; the transformers engine only (rehearsals: rehearsal.constrained_decoding)")
     max_batch_size: int = Field(
         8, ge=1, description="most sequences in one decode batch of the transformers engine (rollouts, Private "
-        "Rehearsal, evaluation); with merge_groups, ≥ tasks_per_iteration × group_size keeps a merged turn in one batch")
+        "Rehearsal, evaluation); per group or episode while rollout.merge_groups or eval.concurrency merges their calls")
     source: Literal["imagined", "real"] = Field(
         "imagined", description="'imagined': World Rehearsal (ACT + REHEARSE, self-unfolded, METHOD.md §1); "
         "'real': the standard-GRPO ablation (METHOD.md §3), ACT only against a private copy of the real "

@@ -347,18 +347,20 @@ def test_a_failure_in_maps_own_thread_ends_every_worker_without_a_deadlock(monke
     assert eng.map(lambda e, k: k, [7, 8]) == [7, 8]  # usable again
 
 
-def test_a_prefix_pool_holds_room_for_every_worker_while_map_runs():
+def test_the_batch_limit_and_the_prefix_pool_hold_room_for_every_worker_while_map_runs():
     class Pooled(RecordingEngine):
         def __init__(self):
             super().__init__()
             self.prefix_pool = type("Pool", (), {"max_tokens": 100})()
+            self.max_batch_size = 4
             self.seen = []
 
         def generate(self, prompts, params):
-            self.seen.append(self.prefix_pool.max_tokens)
+            self.seen.append((self.prefix_pool.max_tokens, self.max_batch_size))
             return super().generate(prompts, params)
 
     inner = Pooled()
     eng = MergingEngine(inner)
     eng.map(lambda e, k: e.generate([[k]], SamplingParams(seed=k)), list(range(5)), workers=3)
-    assert inner.seen and set(inner.seen) == {300} and inner.prefix_pool.max_tokens == 100
+    assert inner.seen and set(inner.seen) == {(300, 12)}
+    assert (inner.prefix_pool.max_tokens, inner.max_batch_size) == (100, 4)  # restored
