@@ -407,10 +407,10 @@ def start_dir(warm: dict[str, Any] | None) -> str | None:
 
 
 def warm_adapter_dir(warm: dict[str, Any] | None) -> str | None:
-    """Local directory of a `stages.warm_start.warm_start` result's adapter (`loop.init_adapter_dir`
+    """Local directory of a `stages.warm_start.warm_start` result's adapter (`store.uri.init_adapter_dir`
     of its adapter_uri); None without a warm start or for one without an adapter (no SFT, no
     train.init_adapter: the fresh LoRA, i.e. the base model's function)."""
-    from envace_core.training.loop import init_adapter_dir
+    from envace_core.store.uri import init_adapter_dir
 
     if not warm or not warm.get("adapter_uri"):
         return None
