@@ -585,10 +585,33 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--profile", default="cpu-smoke")
     ap.add_argument("--overrides", default="")
     ap.add_argument("--out", default=".envace/bench/rehearsal_effect", help="cache and task-set folder")
-    ap.add_argument("--json", default=str(DEFAULT_JSON), help="the report (default: %(default)s)")
+    ap.add_argument("--json", default=str(DEFAULT_JSON), help="the report, written whole after every condition; a "
+                    "file holding other results is refused (default: %(default)s)")
     ap.add_argument("--results-md", default=str(HERE / "RESULTS.md"))
     ap.add_argument("--no-append", action="store_true")
     return ap
+
+
+def report_clash(path: str, models: list[tuple[str, str]]) -> str | None:
+    """Why writing this run's report to `path` would lose another one, else None. The report replaces the
+    file whole, so an existing file may only be a report of this benchmark (a "run" block naming its task
+    file) over no model label other than this run's `models` (a rerun, which resumes from the cache); the
+    pooled `results/rehearsal_effect.json` holds many labels and is refused."""
+    p = Path(path)
+    if not p.is_file() or p.stat().st_size == 0:
+        return None
+    try:
+        old = json.loads(p.read_text())
+    except (OSError, ValueError):
+        return "exists and is not a JSON report: writing this run's report would replace it; pass another --json"
+    labels = {label for label, _ in models}
+    others = sorted(k for k in old if k != "run") if isinstance(old, dict) else []
+    is_report = isinstance(old, dict) and isinstance(old.get("run"), dict) and "heldout_file" in old["run"]
+    if is_report and set(others) <= labels:
+        return None
+    return (f"holds other results ({', '.join(others[:4])}{', ...' if len(others) > 4 else ''}), which this run's "
+            "report would replace (it is written whole): pass --json with a new file, e.g. "
+            "benchmarks/results/heldout_<what>.json, and pool reports with benchmarks/rehearsal_effect_pool.py")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -603,6 +626,8 @@ def check_args(args: argparse.Namespace) -> None:
                         ("--concurrency", args.concurrency, 1)):
         if v is not None and v < lo:
             raise BenchmarkError(f"{name} must be >= {lo}, got {v}")
+    if args.concurrency > 64:
+        raise BenchmarkError(f"--concurrency must be <= 64 (eval.concurrency's bound), got {args.concurrency}")
     if args.max_minutes is not None and not 0 < args.max_minutes < float("inf"):  # nan and inf too
         raise BenchmarkError(f"--max-minutes must be a finite number > 0, got {args.max_minutes}")
     parse_conditions(args.conditions)
@@ -611,7 +636,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise BenchmarkError("a model may not be labelled 'run' (the report's run block)")
     if not (Path(args.dataset) / "tasks.parquet").is_file():
         raise BenchmarkError(f"--dataset {args.dataset}: no tasks.parquet there")
-    for flag, why in (("--out", writable_dir_problem(args.out)), ("--json", writable_file_problem(args.json))):
+    for flag, why in (("--out", writable_dir_problem(args.out)),
+                      ("--json", writable_file_problem(args.json) or report_clash(args.json, models))):
         if why:
             raise BenchmarkError(f"{flag} {getattr(args, flag[2:])}: {why}")
     check_results_md(args)

@@ -257,6 +257,25 @@ def test_max_minutes_stops_after_the_running_episode(tmp_path):
     assert stopped and len(fake.ran) == 1 and len(recs) == 1
 
 
+def test_a_json_target_holding_other_results_is_refused_and_a_rerun_may_rewrite_its_own():
+    import tempfile
+
+    d = Path(tempfile.mkdtemp())
+    pooled = d / "pooled.json"
+    pooled.write_text(json.dumps({"run": {"disjoint": {}}, "act48": {}, "actmem": {}}))
+    assert "holds other results (act48, actmem)" in h.report_clash(str(pooled), [("base", "x")])
+    own = d / "own.json"
+    own.write_text(json.dumps({"run": {"heldout_file": "f.json"}, "base": {}}))
+    assert h.report_clash(str(own), [("base", "x"), ("trained", "y")]) is None  # a rerun of the same run
+    assert "holds other results (base)" in h.report_clash(str(own), [("trained", "y")])
+    (d / "bad.json").write_text("not json")
+    assert "not a JSON report" in h.report_clash(str(d / "bad.json"), [("base", "x")])
+    assert h.report_clash(str(d / "new.json"), [("base", "x")]) is None
+    committed = Path(h.DEFAULT_JSON)
+    if committed.is_file():  # the committed pooled report: the default --json is refused, not overwritten
+        assert "holds other results" in h.report_clash(str(committed), [("base", "bundled:smollm2-135m-instruct")])
+
+
 def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     re_ = load_benchmark("rehearsal_effect", "rehearsal_effect_main")
     (tmp_path / "ds").mkdir()
@@ -265,6 +284,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
     (ok / "tasks.parquet").write_bytes(b"")
     for argv, msg in ((["--heldout", "0", "--dataset", str(tmp_path)], "--heldout must be >= 1"),
                       (["--heldout", "2", "--dataset", str(ok), "--max-minutes", "nan"], "--max-minutes must be a finite number > 0"),
+                      (["--heldout", "2", "--dataset", str(ok), "--concurrency", "0"], "--concurrency must be >= 1"),
+                      (["--heldout", "2", "--dataset", str(ok), "--concurrency", "65"], "--concurrency must be <= 64"),
                       (["--heldout", "2", "--dataset", str(tmp_path / "ds")], "no tasks.parquet"),
                       (["--heldout", "2", "--dataset", str(tmp_path), "--conditions", "none+noverify"], "no verifier"),
                       (["--heldout", "2", "--dataset", str(tmp_path), "--models", "run=x"], "labelled 'run'"),
@@ -287,6 +308,8 @@ def test_bad_arguments_are_one_line_errors(tmp_path, capsys):
                       (["--heldout", "2", "--dataset", str(ok), "--out", str(tmp_path / "o"), "--json",
                         str(tmp_path / "same.md"), "--results-md", str(tmp_path / "same.md")],
                        "is also --json: give each report its own file")):
+        if "--json" not in argv:  # the default --json is the committed pooled report, refused on its own
+            argv = [*argv, "--json", str(tmp_path / "fresh.json")]
         assert re_.main(argv) == 2  # rehearsal_effect.py hands --heldout runs over
         err = capsys.readouterr().err
         assert msg in err and len(err.strip().splitlines()) == 1
