@@ -106,10 +106,12 @@ def test_used_flags_still_pass_the_check(tmp_path):
 
 # ------------------------------------------------------------------------------------ fingerprint
 def _old_fingerprint(opts: EvalOptions, cfg, model) -> str:
-    """The formula caches were written under before: a run whose flags are all used keeps its cache."""
+    """The formula caches were written under before: a run whose flags are all used keeps its cache (the
+    config of then had no eval.concurrency)."""
     keep = {k: v for k, v in asdict(opts).items() if k not in ("benches", "out", "limit", "trials", "split")}
     keep["model_version"] = (model.manifest or {}).get("version")
     keep["config"] = {k: cfg.to_dict()[k] for k in ("model", "data", "rollout", "rehearsal", "eval")}
+    keep["config"]["eval"].pop("concurrency")
     return hashlib.sha256(json.dumps(keep, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
@@ -130,8 +132,10 @@ def test_fingerprint_depends_only_on_what_changes_the_episodes(tmp_path):
     assert fp(protocol="opening_request", user_model="/x", max_steps=7, user_url_model="qwen") == opening
     assert fp(judge_url=DEAD) == fp(judge_model="/nonexist") == base
     assert fp("bfcl:simple", protocol="opening_request", max_steps=9) == fp("bfcl:simple")
-    # where files go is not an episode setting
+    # where files go is not an episode setting, nor how many episodes share a batch
     assert fp(overrides=f"store.root={tmp_path}/a,store.registry={tmp_path}/r") == base
+    assert fingerprint(EvalOptions(model=MODEL, benches="tau2:airline", out=str(tmp_path)),
+                       load_config("test", "eval.concurrency=1"), model) == base
     assert fp(overrides=f"store.root={tmp_path}/a,rollout.temperature=0.5") == \
         fp(overrides=f"rollout.temperature=0.5,store.root={tmp_path}/b") != base
     # what the run uses still splits the cache
