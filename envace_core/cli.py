@@ -35,13 +35,13 @@ from envace_core.evaluation.protocols import MAX_STEPS, PROTOCOLS, TAU2_ORCHESTR
 def _train(args) -> int:
     from envace_core.stages.curate import curate
     from envace_core.stages.evaluate import evaluate
-    from envace_core.stages.preflight import preflight
+    from envace_core.stages.preflight import preflight, resolve_references
     from envace_core.stages.register import register
     from envace_core.stages.train import rollout_and_train
     from envace_core.stages.validate import validate
     from envace_core.stages.warm_start import warm_start
 
-    cfg = load_config(args.profile, args.overrides)
+    cfg = resolve_references(load_config(args.profile, args.overrides))
     preflight(cfg)  # what `make train` checks first with `envace config --check`
     ds = curate(cfg)
     tr = rollout_and_train(cfg, ds, warm_start(cfg, ds))
@@ -57,10 +57,10 @@ def _warm_start(args) -> int:
     adapter's URI (a folder a later `--overrides train.init_adapter=...` or `--adapter` takes), or with
     --json the stage's whole record. Without SFT (train.sft_warmup_steps=0) nothing is made: an error."""
     from envace_core.stages.curate import curate
-    from envace_core.stages.preflight import preflight
+    from envace_core.stages.preflight import preflight, resolve_references
     from envace_core.stages.warm_start import warm_start
 
-    cfg = load_config(args.profile, args.overrides)
+    cfg = resolve_references(load_config(args.profile, args.overrides))
     if cfg.train.sft_warmup_steps <= 0:
         raise EnvaceError("train.sft_warmup_steps=0: this config has no warm start to make (set it > 0)")
     preflight(cfg)  # a bad model.ref, train.init_adapter or store fails here, in seconds, before curate writes
@@ -87,8 +87,9 @@ def _config(args) -> int:
         return 0
     cfg = load_config(args.profile, args.overrides)
     if args.check or args.remote:
-        from envace_core.stages.preflight import preflight
+        from envace_core.stages.preflight import preflight, resolve_references
 
+        cfg = resolve_references(cfg)  # registry:NAME@VERSION in train.init_adapter → the version's adapter
         # --remote: the checks a cluster's resolve_config runs (no download, no vLLM needed here)
         preflight(cfg, remote=args.remote, resolve_remote=not args.remote)
     print(json.dumps(cfg.to_dict(), indent=2))

@@ -449,10 +449,10 @@ class TrainConfig(_Strict):
         return check_unique(v, "train.sft_act_memory_kinds")
 
     init_adapter: Optional[str] = Field(
-        None, description="start a fresh run from this LoRA adapter (a local directory or s3:// URI, e.g. "
-        "a registry version's artifacts/adapter) instead of a fresh LoRA; its r, alpha and target modules "
-        "(and per-role layout) must match train.*; its content is part of the run id. A checkpoint of "
-        "the run wins (resume)")
+        None, description="start a fresh run from this LoRA adapter (a local directory, an s3:// URI, or "
+        "registry:NAME@VERSION: that verified version's artifacts/adapter, over the same model.ref) instead of a fresh "
+        "LoRA; its r, alpha, target modules (and per-role layout) must match train.*; its content is part of the run id. "
+        "A checkpoint of the run wins (resume)")
     seed: int = Field(
         0, ge=0, le=2**31 - 1, description="base seed of the run: LoRA init, the task order of each epoch, rollout "
         "sampling, mini-batch shuffles, the SFT warm-up and the evaluate stage's sampling (derived seeds such as "

@@ -5,7 +5,7 @@ from flytekit import FlyteContextManager
 
 import envace_core  # noqa: F401  (offline environment before anything imports tau2)
 from envace_core.config import load_config
-from envace_core.stages.preflight import preflight
+from envace_core.stages.preflight import preflight, resolve_references
 from tasks.resources import stage_task
 
 
@@ -23,8 +23,10 @@ def resolve_config(profile: str, overrides: str) -> str:
     Also checks the model reference, the artifact store and the registry before any work starts; in
     a pod (`is_pod_execution`) also that none of them, nor the DVC remote, is a local path or a
     placeholder (every stage is its own pod and shares no disk with the others).
+    A `train.init_adapter` written registry:NAME@VERSION becomes that version's adapter location in
+    store.registry (`resolve_references`), so the later stages and the lineage read a verified path.
     Not cached: it takes seconds, and its preflight checks must see the world as it is now.
     """
-    cfg = load_config(profile, overrides)
+    cfg = resolve_references(load_config(profile, overrides))
     preflight(cfg, remote=is_pod_execution())
     return cfg.model_dump_json(by_alias=True)

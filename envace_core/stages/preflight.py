@@ -13,6 +13,53 @@ from envace_core.store.uri import committed_dir, init_adapter_dir, open_store
 PROBE = {"connect_timeout": 3, "read_timeout": 5, "max_attempts": 2}  # seconds, seconds, tries per S3 probe
 
 
+# ----------------------------------------------------------------------------------- references
+def resolve_references(cfg: RunConfig) -> RunConfig:
+    """`cfg` with a `train.init_adapter` written ``registry:NAME@VERSION`` replaced by where that version's
+    adapter lives in `store.registry` (``<registry>/NAME/VERSION/artifacts/adapter``: a local folder, or
+    the s3:// URI the train stage downloads, checked file by file against the version's commit object).
+    The resolved config, which every stage reads and the lineage records, then names the version by path
+    and its content by checksum (the warm start's and the run's ids). Any other value is returned as is.
+
+    The version must pass `Registry.verify` (every artifact's sha256 against the manifest; the manifest's
+    HMAC when $ENVACE_REGISTRY_HMAC_KEY is set) and its manifest's ``base_model.ref`` must equal
+    `model.ref`: the adapter's weights are deltas over that base, so another base would load a model no
+    one trained.
+
+    Raises:
+        ConfigError: a malformed reference, a version that is not registered, fails verification, has no
+            artifacts/adapter, or was trained over another base model (each message names the setting and
+            the fix); store.StoreError subclasses for an S3 registry that cannot be read.
+    """
+    from envace_core.store.registry import Registry, RegistryError
+
+    ref = cfg.train.init_adapter
+    if not ref or not ref.startswith("registry:"):
+        return cfg
+    named = f"train.init_adapter={ref!r}"
+    name, sep, version = ref[len("registry:"):].partition("@")
+    if not sep or not name or not version:
+        raise ConfigError(f"{named}: write registry:NAME@VERSION (see `envace registry list`)")
+    reg = Registry(cfg.store.registry)
+    try:
+        bad = reg.verify(name, version)
+        manifest = reg.show(name, version)
+    except RegistryError as e:
+        raise ConfigError(f"{named}: {e} (store.registry={cfg.store.registry!r}; see `envace registry list`)") from None
+    if bad:
+        raise ConfigError(f"{named} fails verification, refusing to train from it; artifacts that differ from "
+                          f"its manifest: {', '.join(bad)}")
+    if not any(k == "artifacts/adapter" or k.startswith("artifacts/adapter/") for k in manifest.get("artifacts", {})):
+        raise ConfigError(f"{named}: the version holds no artifacts/adapter (a LoRA adapter) to start from")
+    base = (manifest.get("base_model") or {}).get("ref")
+    if base != cfg.model.ref:
+        raise ConfigError(f"{named} was trained over the base model {base!r}, but model.ref={cfg.model.ref!r}: "
+                          f"its LoRA deltas fit only that base; set model.ref={base}")
+    out = cfg.model_copy(deep=True)
+    out.train.init_adapter = f"{reg.uri(name, version)}/artifacts/adapter"
+    return out
+
+
 # -------------------------------------------------------------------------------------- preflight
 def preflight(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False) -> None:
     """Check before any work that the model, the artifact store and the registry are usable.

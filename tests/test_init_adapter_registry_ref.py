@@ -1,0 +1,101 @@
+"""`train.init_adapter=registry:NAME@VERSION` starts a run from a registered model's adapter: the
+resolved config (what every stage reads and the lineage records) names the verified version's
+artifacts/adapter, in a local or an S3 registry (loopback moto server, `s3_server`); a version that is
+missing, tampered, adapter-less or trained over another base model is refused before any work."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+
+from envace_core.cli import main
+from envace_core.config import ConfigError, load_config
+from envace_core.stages.preflight import preflight, resolve_references
+from envace_core.store.registry import Registry
+from envace_core.training.loop import load_init_adapter
+from tests.test_trainer import make_trainer
+
+
+@pytest.fixture(scope="module")
+def adapter(tiny_model_dir, tmp_path_factory):
+    """A shared LoRA adapter as the trainer saves it (random B, so loading it changes the weights)."""
+    out = tmp_path_factory.mktemp("adapter") / "adapter"
+    make_trainer(tiny_model_dir, lora_b_seed=5).save_adapter(str(out))
+    return out
+
+
+def _register(root, adapter, base_ref, version="v1", with_adapter=True):
+    """Register `adapter` as policy@`version` in the registry at `root`, over the base model `base_ref`."""
+    art = root.parent / f"art-{version}"
+    art.mkdir(parents=True)
+    if with_adapter:
+        shutil.copytree(adapter, art / "adapter")
+    (art / "report.json").write_text("{}")
+    Registry(root).register("policy", version, art, {"base_model": {"ref": base_ref}})
+
+
+def _cfg(tmp_path, model_dir, ref, registry):
+    return load_config("test", {"model": {"ref": str(model_dir), "compute_dtype": "float32"},
+                                "train": {"init_adapter": ref},
+                                "store": {"root": str(tmp_path / "store"), "registry": str(registry)}})
+
+
+def test_a_local_registry_version_resolves_to_its_verified_adapter_and_loads(adapter, tiny_model_dir, tmp_path):
+    reg = tmp_path / "reg"
+    _register(reg, adapter, str(tiny_model_dir))
+    cfg = _cfg(tmp_path, tiny_model_dir, "registry:policy@v1", reg)
+    got = resolve_references(cfg)
+    assert got.train.init_adapter == str(reg.resolve() / "policy" / "v1" / "artifacts" / "adapter")
+    assert cfg.train.init_adapter == "registry:policy@v1"  # the caller's config is not changed
+    preflight(got)
+    trainer = make_trainer(tiny_model_dir, lora_b_seed=None)
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items() if "lora_B" in k}
+    load_init_adapter(trainer, got.train.init_adapter)
+    after = {k: v for k, v in trainer.model.state_dict().items() if "lora_B" in k}
+    assert any(not (before[k] == after[k]).all() for k in before)
+    # any other value passes through unchanged
+    plain = _cfg(tmp_path, tiny_model_dir, str(adapter), reg)
+    assert resolve_references(plain) is plain
+
+
+def test_bad_registry_refs_are_refused_naming_the_setting(adapter, tiny_model_dir, tmp_path):
+    reg = tmp_path / "reg"
+    _register(reg, adapter, str(tiny_model_dir), "v1")
+    _register(reg, adapter, "bundled:smollm2-135m-instruct", "other-base")
+    _register(reg, adapter, str(tiny_model_dir), "no-adapter", with_adapter=False)
+
+    def refused(ref, match):
+        with pytest.raises(ConfigError, match=match) as e:
+            resolve_references(_cfg(tmp_path, tiny_model_dir, ref, reg))
+        assert "train.init_adapter=" in str(e.value)
+
+    refused("registry:policy", "registry:NAME@VERSION")
+    refused("registry:policy@v9", "not registered")
+    refused("registry:policy@other-base", "set model.ref=bundled:smollm2-135m-instruct")
+    refused("registry:policy@no-adapter", "no artifacts/adapter")
+    weights = reg / "policy" / "v1" / "artifacts" / "adapter" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)  # same size, other bytes
+    refused("registry:policy@v1", "fails verification.*adapter_model.safetensors")
+
+
+def test_an_s3_registry_version_resolves_to_its_uri(s3_server, adapter, tiny_model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("ENVACE_CACHE", str(tmp_path / "cache"))
+    art = tmp_path / "art"
+    shutil.copytree(adapter, art / "adapter")
+    Registry(f"{s3_server.root}/reg").register("policy", "v1", art, {"base_model": {"ref": str(tiny_model_dir)}})
+    got = resolve_references(_cfg(tmp_path, tiny_model_dir, "registry:policy@v1", f"{s3_server.root}/reg"))
+    assert got.train.init_adapter == f"{s3_server.root}/reg/policy/v1/artifacts/adapter"
+    preflight(got)  # the s3:// adapter check: the version's commit object lists the weights
+
+
+def test_config_check_prints_the_resolved_adapter(adapter, tiny_model_dir, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    reg = tmp_path / "reg"
+    _register(reg, adapter, str(tiny_model_dir))
+    overrides = (f"model.ref={tiny_model_dir},model.compute_dtype=float32,train.init_adapter=registry:policy@v1,"
+                 f"store.root={tmp_path / 'store'},store.registry={reg}")
+    assert main(["config", "--profile", "test", "--overrides", overrides, "--check"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["train"]["init_adapter"] == str(reg.resolve() / "policy" / "v1" / "artifacts" / "adapter")
