@@ -89,7 +89,7 @@ def _config(args) -> int:
     if args.check or args.remote:
         from envace_core.stages.preflight import preflight, resolve_references
 
-        cfg = resolve_references(cfg)  # registry:NAME@VERSION in train.init_adapter → the version's adapter
+        cfg = resolve_references(cfg, remote=args.remote)  # registry:NAME@VERSION → the version's adapter
         # --remote: the checks a cluster's resolve_config runs (no download, no vLLM needed here)
         preflight(cfg, remote=args.remote, resolve_remote=not args.remote)
     print(json.dumps(cfg.to_dict(), indent=2))

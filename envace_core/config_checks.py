@@ -32,6 +32,7 @@ from typing import (
 PLACEHOLDER = "CHANGE-ME"  # what the profiles put where an operator must name their own bucket
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3 bucket naming rules (AWS S3 user guide)
+_REGISTRY_REF = re.compile(r"registry:[^@\s]+@[^@\s]+")  # registry:NAME@VERSION
 _JOINED = re.compile(r"\s[\w.]+=")  # "s3://b/x train.iterations=5": two overrides joined by a space
 # a registry name: one path segment of a local folder and of an S3 key, and the NAME of NAME@VERSION
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -69,6 +70,9 @@ def location(value: Optional[str], setting: str, schemes: tuple[str, ...] = ()) 
                              "3-63 lowercase letters, digits, '.' or '-', no spaces or empty path segments")
         return value
     m = _SCHEME.match(value)
+    if m and m.group(1) == "registry" and "registry" in schemes and not _REGISTRY_REF.fullmatch(value):
+        raise ValueError(f"{setting}={value!r} is malformed: write registry:NAME@VERSION, no spaces "
+                         "(see `envace registry list`)")
     if m and m.group(1) not in schemes:
         allowed = ", ".join(["s3://"] + [f"{x}:" for x in schemes])
         raise ValueError(f"{setting}={value!r} has the scheme {m.group(1)!r}, which envace does not read: "

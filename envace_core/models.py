@@ -576,8 +576,8 @@ def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smo
     adapter = vdir / "artifacts" / "adapter"
     if not (adapter / "adapter_config.json").is_file():
         raise ModelRefError(f"{named}: no LoRA adapter at {adapter}")
-    base = (manifest.get("base_model") or {}).get("ref")
-    if not base:
+    base = manifest["base_model"].get("ref") if isinstance(manifest.get("base_model"), dict) else None
+    if not base or not isinstance(base, str):
         raise ModelRefError(f"{named}: the manifest names no base_model.ref")
     return ResolvedModel(ref=ref, base_ref=base, adapter_dir=str(adapter), manifest=manifest)
 

@@ -27,6 +27,7 @@ def resolve_config(profile: str, overrides: str) -> str:
     store.registry (`resolve_references`), so the later stages and the lineage read a verified path.
     Not cached: it takes seconds, and its preflight checks must see the world as it is now.
     """
-    cfg = resolve_references(load_config(profile, overrides))
-    preflight(cfg, remote=is_pod_execution())
+    remote = is_pod_execution()
+    cfg = resolve_references(load_config(profile, overrides), remote=remote)
+    preflight(cfg, remote=remote)
     return cfg.model_dump_json(by_alias=True)

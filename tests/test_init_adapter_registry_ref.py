@@ -71,10 +71,19 @@ def test_bad_registry_refs_are_refused_naming_the_setting(adapter, tiny_model_di
             resolve_references(_cfg(tmp_path, tiny_model_dir, ref, reg))
         assert "train.init_adapter=" in str(e.value)
 
-    refused("registry:policy", "registry:NAME@VERSION")
     refused("registry:policy@v9", "not registered")
     refused("registry:policy@other-base", "set model.ref=bundled:smollm2-135m-instruct")
     refused("registry:policy@no-adapter", "no artifacts/adapter")
+    for version, base in (("string-base", "bundled:smollm2-135m-instruct"), ("no-base", None)):
+        _register(reg, adapter, str(tiny_model_dir), version)  # a manifest edited by hand: no base_model.ref
+        manifest = reg / "policy" / version / "manifest.json"
+        m = json.loads(manifest.read_text())
+        m["base_model"] = base
+        manifest.write_text(json.dumps(m))
+        refused(f"registry:policy@{version}", "records no base_model.ref")
+    _register(reg, adapter, str(tiny_model_dir), "no-manifest")
+    (reg / "policy" / "no-manifest" / "manifest.json").unlink()
+    refused("registry:policy@no-manifest", "has no manifest.json")
     weights = reg / "policy" / "v1" / "artifacts" / "adapter" / "adapter_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)  # same size, other bytes
     refused("registry:policy@v1", "fails verification.*adapter_model.safetensors")
@@ -99,3 +108,19 @@ def test_config_check_prints_the_resolved_adapter(adapter, tiny_model_dir, tmp_p
     assert main(["config", "--profile", "test", "--overrides", overrides, "--check"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert printed["train"]["init_adapter"] == str(reg.resolve() / "policy" / "v1" / "artifacts" / "adapter")
+
+
+@pytest.mark.parametrize("ref", ["registry:policy", "registry:@v1", "registry:policy@", "registry:policy @v1",
+                                 "registry:a@b@c"])
+def test_a_malformed_registry_ref_fails_when_the_config_loads(ref, tmp_path):
+    with pytest.raises(ConfigError, match="write registry:NAME@VERSION"):
+        load_config("test", {"train": {"init_adapter": ref}})
+
+
+def test_a_cluster_check_names_a_local_registry_instead_of_reading_it(tmp_path):
+    cfg = load_config("test", {"train": {"init_adapter": "registry:policy@v1"}, "data": {"dvc": "off"},
+                               "store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "nope")}})
+    assert resolve_references(cfg, remote=True) is cfg  # not read here: the cluster check names it
+    with pytest.raises(ConfigError, match=r"store.registry=.* is a local path") as e:
+        preflight(cfg, remote=True)
+    assert "not registered" not in str(e.value)

@@ -14,12 +14,14 @@ PROBE = {"connect_timeout": 3, "read_timeout": 5, "max_attempts": 2}  # seconds,
 
 
 # ----------------------------------------------------------------------------------- references
-def resolve_references(cfg: RunConfig) -> RunConfig:
+def resolve_references(cfg: RunConfig, remote: bool = False) -> RunConfig:
     """`cfg` with a `train.init_adapter` written ``registry:NAME@VERSION`` replaced by where that version's
     adapter lives in `store.registry` (``<registry>/NAME/VERSION/artifacts/adapter``: a local folder, or
     the s3:// URI the train stage downloads, checked file by file against the version's commit object).
     The resolved config, which every stage reads and the lineage records, then names the version by path
-    and its content by checksum (the warm start's and the run's ids). Any other value is returned as is.
+    and its content by checksum (the warm start's and the run's ids). Any other value is returned as is;
+    so is a registry reference when `remote` and store.registry is not s3:// (`check_remote_settings`
+    then names store.registry: a cluster's pods cannot read this machine's folder).
 
     The version must pass `Registry.verify` (every artifact's sha256 against the manifest; the manifest's
     HMAC when $ENVACE_REGISTRY_HMAC_KEY is set) and its manifest's ``base_model.ref`` must equal
@@ -27,31 +29,46 @@ def resolve_references(cfg: RunConfig) -> RunConfig:
     one trained.
 
     Raises:
-        ConfigError: a malformed reference, a version that is not registered, fails verification, has no
-            artifacts/adapter, or was trained over another base model (each message names the setting and
-            the fix); store.StoreError subclasses for an S3 registry that cannot be read.
+        ConfigError: a malformed reference, a version that is not registered, has no manifest, fails
+            verification, has no artifacts/adapter, records no base model or another one, or an S3 registry
+            that refuses (each message names the setting and the fix); store.s3.TransientStoreError when a
+            retry may pass.
     """
-    from envace_core.store.registry import Registry, RegistryError
+    from envace_core import TransientError
+    from envace_core.store.base import StoreError
+    from envace_core.store.registry import MANIFEST, Registry, RegistryError
 
     ref = cfg.train.init_adapter
     if not ref or not ref.startswith("registry:"):
+        return cfg
+    if remote and not str(cfg.store.registry).startswith("s3://"):
         return cfg
     named = f"train.init_adapter={ref!r}"
     name, sep, version = ref[len("registry:"):].partition("@")
     if not sep or not name or not version:
         raise ConfigError(f"{named}: write registry:NAME@VERSION (see `envace registry list`)")
     reg = Registry(cfg.store.registry)
+    other = "choose another version (`envace registry list --overrides store.registry=...`)"
     try:
+        vdir = None if str(cfg.store.registry).startswith("s3://") else Path(reg.uri(name, version))
+        if vdir is not None and vdir.is_dir() and not (vdir / MANIFEST).is_file():
+            raise ConfigError(f"{named}: {vdir} has no {MANIFEST}, so its artifacts cannot be verified; {other}")
         bad = reg.verify(name, version)
         manifest = reg.show(name, version)
-    except RegistryError as e:
-        raise ConfigError(f"{named}: {e} (store.registry={cfg.store.registry!r}; see `envace registry list`)") from None
+    except TransientError:
+        raise
+    except (RegistryError, StoreError) as e:  # not registered, corrupt manifest, S3 refused
+        raise ConfigError(f"{named}: {e} (store.registry={cfg.store.registry!r}); {other}") from None
     if bad:
         raise ConfigError(f"{named} fails verification, refusing to train from it; artifacts that differ from "
-                          f"its manifest: {', '.join(bad)}")
-    if not any(k == "artifacts/adapter" or k.startswith("artifacts/adapter/") for k in manifest.get("artifacts", {})):
-        raise ConfigError(f"{named}: the version holds no artifacts/adapter (a LoRA adapter) to start from")
-    base = (manifest.get("base_model") or {}).get("ref")
+                          f"its manifest: {', '.join(bad)}; {other}, or check it with `envace registry verify`")
+    if not any(k.startswith("artifacts/adapter/") for k in manifest.get("artifacts") or {}):
+        raise ConfigError(f"{named}: the version holds no artifacts/adapter (a LoRA adapter) to start from; {other}")
+    recorded = manifest.get("base_model")
+    base = recorded.get("ref") if isinstance(recorded, dict) else None
+    if not isinstance(base, str) or not base:
+        raise ConfigError(f"{named}: its manifest records no base_model.ref, so the base model its LoRA deltas "
+                          f"fit is unknown; {other}, or give its artifacts/adapter folder as a path")
     if base != cfg.model.ref:
         raise ConfigError(f"{named} was trained over the base model {base!r}, but model.ref={cfg.model.ref!r}: "
                           f"its LoRA deltas fit only that base; set model.ref={base}")
@@ -111,7 +128,8 @@ def preflight(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False
         _s3_check(lambda: S3Store(dvc_remote.rstrip("/"), setting="data.dvc_remote", **PROBE).check(),
                   "data.dvc_remote", dvc_remote)
     adapter = cfg.train.init_adapter
-    if adapter and not (remote and adapter.startswith("s3://")):  # the remote check read an s3:// one already
+    # the remote check read an s3:// one already, and named a registry:NAME@VERSION's local store.registry
+    if adapter and not (remote and adapter.startswith(("s3://", "registry:"))):
         check_init_adapter(cfg)
     model = meta_model(model_dir) if model_dir is not None else None
     if model is not None:
