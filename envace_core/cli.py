@@ -41,12 +41,20 @@ def _train(args) -> int:
     from envace_core.stages.validate import validate
     from envace_core.stages.warm_start import warm_start
 
+    from envace_core.training.heap import release_free_heap
+
+    def stage(fn, *a):  # each stage's freed heap goes back to the OS before the next (as tasks.resources.timed)
+        try:
+            return fn(*a)
+        finally:
+            release_free_heap()
+
     cfg = resolve_references(load_config(args.profile, args.overrides))
     preflight(cfg)  # what `make train` checks first with `envace config --check`
-    ds = curate(cfg)
-    tr = rollout_and_train(cfg, ds, warm_start(cfg, ds))
-    val = validate(cfg, ds, tr)
-    ev = evaluate(cfg, ds, tr)
+    ds = stage(curate, cfg)
+    tr = stage(rollout_and_train, cfg, ds, stage(warm_start, cfg, ds))
+    val = stage(validate, cfg, ds, tr)
+    ev = stage(evaluate, cfg, ds, tr)
     register(cfg, ds, tr, val, ev, execution_id="cli")
     return 0
 

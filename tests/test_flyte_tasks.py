@@ -393,17 +393,22 @@ def test_transient_and_distributed_errors_are_flyte_recoverable():
         assert t.task_function.__wrapped__ is not None and t.task_function.__name__ == t.name.rsplit(".", 1)[-1]
 
 
-def test_stage_bodies_print_their_wall_time_when_done_or_failed(capsys):
+def test_stage_bodies_print_their_wall_time_when_done_or_failed(capsys, monkeypatch):
+    import tasks.resources
     from tasks.resources import timed
 
+    released = []  # a local run's next stage must not start on this one's freed-but-resident heap
+    monkeypatch.setattr(tasks.resources, "release_free_heap", lambda: released.append(1))
     assert timed("curate", lambda x: x + 1)(1) == 2
     assert re.fullmatch(r"\[curate\] done in \d+\.\d s\n", capsys.readouterr().out)
+    assert released == [1]
 
     def boom():
         raise ValueError("bad")
     with pytest.raises(ValueError, match="bad"):
         timed("validate", boom)()
     assert re.fullmatch(r"\[validate\] failed in \d+\.\d s\n", capsys.readouterr().out)
+    assert released == [1, 1]
 
 
 def test_registry_hmac_key_is_a_declared_flyte_secret_passed_to_envace_core(monkeypatch):

@@ -107,6 +107,7 @@ def compare_models(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, A
     each with "model" and "task_set"}; {} when ``eval.compare`` is empty. Errors inside a task
     propagate, as in the evaluate stage."""
     from envace_core.evaluation.tau2 import evaluate_policy
+    from envace_core.training.heap import release_free_heap
     from envace_core.training.policy import load_policy, policy_engine
 
     if not cfg.eval.compare:
@@ -139,4 +140,5 @@ def compare_models(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, A
             success[set_name][model_name] = success_by_task(recs)
             results += recs
         del model, engine
+        release_free_heap()  # the next model loads into the pages this one freed, not beside them
     return {"summary": summarize(success, {n: len(ts) for n, ts in sets.items()}), "results": results}

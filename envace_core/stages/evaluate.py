@@ -8,6 +8,7 @@ from envace_core.config import RunConfig
 from envace_core.stages.compare import compare_models
 from envace_core.stages.console import print_comparison_table, print_eval_table
 from envace_core.stages.dataset import load_dataset
+from envace_core.training.heap import release_free_heap
 from envace_core.training.policy import load_policy, policy_engine
 
 
@@ -46,6 +47,7 @@ def evaluate(cfg: RunConfig, dataset: dict[str, Any], trained: dict[str, Any]) -
     print_eval_table(summary, protocol)
     _print_isolation(results)
     del model, engine  # the comparison loads each model in turn
+    release_free_heap()
     comparison = compare_models(cfg, dataset, trained, [r for r in results if r["condition"] == "no_rehearsal"])
     if comparison:
         print_comparison_table(comparison["summary"], protocol)
