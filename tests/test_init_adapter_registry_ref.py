@@ -13,9 +13,16 @@ import pytest
 from envace_core.cli import main
 from envace_core.config import ConfigError, load_config
 from envace_core.stages.preflight import preflight, resolve_references
-from envace_core.store.registry import Registry
+from envace_core.store.registry import HMAC_KEY_ENV, Registry
 from envace_core.training.loop import load_init_adapter
 from tests.test_trainer import make_trainer
+
+
+@pytest.fixture(autouse=True)
+def unsigned(monkeypatch):
+    """Manifests unsigned, as registered here: no $ENVACE_REGISTRY_HMAC_KEY from another test of this worker
+    (a key would make the hand-edited manifests below fail on their signature first)."""
+    monkeypatch.delenv(HMAC_KEY_ENV, raising=False)
 
 
 @pytest.fixture(scope="module")
