@@ -558,7 +558,7 @@ def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smo
             raise ModelRefError(f"{named}: {what}; give bundled:smollm2-135m-instruct, a local HF model "
                                 f"folder, a LoRA adapter folder, s3://... or registry:NAME@VERSION{hint}")
         return ResolvedModel(ref=ref, base_ref=ref)
-    from envace_core.store.registry import MANIFEST, Registry, RegistryError
+    from envace_core.store.registry import MANIFEST, Registry, RegistryError, base_model_ref
 
     name, sep, version = ref[len("registry:"):].partition("@")
     if not sep or not name or not version:
@@ -576,8 +576,8 @@ def resolve_model_ref(ref: str, registry_root: str, base_ref: str = "bundled:smo
     adapter = vdir / "artifacts" / "adapter"
     if not (adapter / "adapter_config.json").is_file():
         raise ModelRefError(f"{named}: no LoRA adapter at {adapter}")
-    base = manifest["base_model"].get("ref") if isinstance(manifest.get("base_model"), dict) else None
-    if not base or not isinstance(base, str):
+    base = base_model_ref(manifest)
+    if base is None:
         raise ModelRefError(f"{named}: the manifest names no base_model.ref")
     return ResolvedModel(ref=ref, base_ref=base, adapter_dir=str(adapter), manifest=manifest)
 

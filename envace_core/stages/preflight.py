@@ -36,7 +36,7 @@ def resolve_references(cfg: RunConfig, remote: bool = False) -> RunConfig:
     """
     from envace_core import TransientError
     from envace_core.store.base import StoreError
-    from envace_core.store.registry import MANIFEST, Registry, RegistryError
+    from envace_core.store.registry import Registry, RegistryError, base_model_ref
 
     ref = cfg.train.init_adapter
     if not ref or not ref.startswith("registry:"):
@@ -44,29 +44,23 @@ def resolve_references(cfg: RunConfig, remote: bool = False) -> RunConfig:
     if remote and not str(cfg.store.registry).startswith("s3://"):
         return cfg
     named = f"train.init_adapter={ref!r}"
-    name, sep, version = ref[len("registry:"):].partition("@")
-    if not sep or not name or not version:
-        raise ConfigError(f"{named}: write registry:NAME@VERSION (see `envace registry list`)")
+    name, _, version = ref[len("registry:"):].partition("@")  # its NAME@VERSION form: checked when the config loaded
     reg = Registry(cfg.store.registry)
     other = "choose another version (`envace registry list --overrides store.registry=...`)"
     try:
-        vdir = None if str(cfg.store.registry).startswith("s3://") else Path(reg.uri(name, version))
-        if vdir is not None and vdir.is_dir() and not (vdir / MANIFEST).is_file():
-            raise ConfigError(f"{named}: {vdir} has no {MANIFEST}, so its artifacts cannot be verified; {other}")
         bad = reg.verify(name, version)
         manifest = reg.show(name, version)
     except TransientError:
         raise
-    except (RegistryError, StoreError) as e:  # not registered, corrupt manifest, S3 refused
+    except (RegistryError, StoreError) as e:  # not registered, no or a corrupt manifest, S3 refused
         raise ConfigError(f"{named}: {e} (store.registry={cfg.store.registry!r}); {other}") from None
     if bad:
         raise ConfigError(f"{named} fails verification, refusing to train from it; artifacts that differ from "
                           f"its manifest: {', '.join(bad)}; {other}, or check it with `envace registry verify`")
     if not any(k.startswith("artifacts/adapter/") for k in manifest.get("artifacts") or {}):
         raise ConfigError(f"{named}: the version holds no artifacts/adapter (a LoRA adapter) to start from; {other}")
-    recorded = manifest.get("base_model")
-    base = recorded.get("ref") if isinstance(recorded, dict) else None
-    if not isinstance(base, str) or not base:
+    base = base_model_ref(manifest)
+    if base is None:
         raise ConfigError(f"{named}: its manifest records no base_model.ref, so the base model its LoRA deltas "
                           f"fit is unknown; {other}, or give its artifacts/adapter folder as a path")
     if base != cfg.model.ref:

@@ -20,7 +20,7 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from envace_core import EnvaceError, TransientError
 from envace_core.store.base import StoreError
@@ -119,8 +119,7 @@ class Registry:
         if self._s3 is None:
             vdir = self.version_dir(name, version)
             if not (vdir / MANIFEST).is_file():
-                self._local_root(f"{name}@{version}")
-                raise RegistryError(f"{name}@{version} is not registered in {self.root}")
+                self._no_local_manifest(name, version)
             return vdir
         _check_ref(name, version)
         try:
@@ -242,9 +241,17 @@ class Registry:
             return self._s3.read_bytes(f"{name}/{version}/{MANIFEST}")
         path = self.version_dir(name, version) / MANIFEST
         if not os.path.isfile(path):  # (False, not OSError, for a name over the filesystem's limit)
-            self._local_root(f"{name}@{version}")
-            raise RegistryError(f"{name}@{version} is not registered in {self.root}")
+            self._no_local_manifest(name, version)
         return path.read_bytes()
+
+    def _no_local_manifest(self, name: str, version: str) -> NoReturn:
+        """RegistryError for a local `name@version` without manifest.json: no registry folder, a version folder
+        left without its manifest (its artifacts cannot be verified), or not registered."""
+        self._local_root(f"{name}@{version}")
+        vdir = self.version_dir(name, version)
+        if os.path.isdir(vdir):
+            raise RegistryError(f"{name}@{version} at {vdir} has no {MANIFEST}, so its artifacts cannot be verified")
+        raise RegistryError(f"{name}@{version} is not registered in {self.root}")
 
     def _actual_artifacts(self, name: str, version: str) -> dict[str, str]:
         """{"artifacts/<relpath>": sha256 of what is stored now}; S3 objects that no longer match
@@ -284,6 +291,14 @@ class Registry:
             return None
         bad = self._s3.verify_dir(f"{name}/{version}")
         return bad if MANIFEST in bad else None
+
+
+def base_model_ref(manifest: dict[str, Any]) -> str | None:
+    """The manifest's ``base_model.ref`` (the base model the adapter's LoRA deltas fit), or None when it
+    records none (no ``base_model`` object, or a ref that is not a non-empty string)."""
+    recorded = manifest.get("base_model")
+    ref = recorded.get("ref") if isinstance(recorded, dict) else None
+    return ref if isinstance(ref, str) and ref else None
 
 
 def _differences(manifest: dict[str, Any], actual: dict[str, str]) -> list[str]:
