@@ -96,3 +96,25 @@ def test_next_turn_from_the_prefix_pool_with_a_root(model, ids_tokenizer):
     for a, b in zip(again, fresh):
         assert a[0].token_ids == b[0].token_ids
         torch.testing.assert_close(torch.tensor(a[0].logprobs), torch.tensor(b[0].logprobs), atol=1e-4, rtol=0)
+
+
+@pytest.mark.skipif(not hf_engine.packed_linear.available(torch.bfloat16, "cpu"),
+                    reason="bf16 shared-prefix decode needs packed bf16 weights (AVX-512 BF16 / AMX)")
+def test_prefill_kv_reaches_decode_in_its_dtype(model, monkeypatch, ids_tokenizer):
+    """With bf16 packed weights the prompts' KV is read in bf16: the prefill hands it over in bf16 (each row
+    cast as it is prefilled, a pool-hit prefill cast once), so no float32 copy of it lives through decode."""
+    seen = []
+    orig = shared_prefix.SharedPrefixLayer.__init__
+
+    def spy(self, prefix_keys, prefix_values, *a, **k):
+        seen.append((prefix_keys.dtype, prefix_values.dtype, a[3]))  # a[3]: the decode dtype
+        orig(self, prefix_keys, prefix_values, *a, **k)
+
+    monkeypatch.setattr(shared_prefix.SharedPrefixLayer, "__init__", spy)
+    prompts = _prompts(70, [3, 11, 6], seed=3)
+    eng = HFEngine(model, ids_tokenizer, compute_dtype="bfloat16", prefix_cache_tokens=4096)
+    first = eng.generate(prompts, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))
+    nxt = [p + row[0].token_ids + [5, 6] for p, row in zip(prompts, first)]
+    eng.generate(nxt, SamplingParams(max_new_tokens=4, temperature=0, ignore_eos=True))  # from the pool
+    assert eng.stats["cached_tokens"] > 0
+    assert seen and all(k == v == dt == torch.bfloat16 for k, v, dt in seen)

@@ -385,7 +385,8 @@ class HFEngine:
         hits = [pool.lookup(prompts[i]) for i in group] if pool is not None else [(0, None)] * len(group)
         reused = torch.tensor([m for m, _ in hits])
         new = [prompts[i][m:] for i, (m, _) in zip(group, hits)]  # the whole prompt on a miss
-        unpadded = self._prefill_unpadded(new, device, weights) \
+        shared = self._shared_prefix and shared_prefix.supports(self.model) and shared_prefix.register()
+        unpadded = self._prefill_unpadded(new, device, weights, attn_dt if shared else None) \
             if self._unpadded and len(group) > 1 and int(reused.max()) == 0 else None
         logits, cache, mask = unpadded if unpadded is not None else self._prefill_padded(new, hits, device, weights)
         self.stats["prompt_tokens"] += int(lens.sum() - reused.sum())
@@ -393,10 +394,12 @@ class HFEngine:
         if pool is not None and not _full_attention(cache):
             self.prefix_pool = pool = None  # sliding-window / hybrid caches: no safe reuse, so none
 
-        shared = self._shared_prefix and shared_prefix.supports(self.model) and shared_prefix.register() \
-            and _full_attention(cache)
+        shared = shared and _full_attention(cache)
         root = common_prefix([prompts[i] for i in group]) if shared and len(group) > 1 else 0
         root = root if root >= _MIN_SHARED_ROOT else 0
+        if shared:  # the chunks read the prompts' KV in attn_dt: cast it once, layer by layer, not per chunk
+            for layer in cache.layers:
+                layer.keys, layer.values = layer.keys.to(attn_dt), layer.values.to(attn_dt)
         for c, rows in enumerate(chunks):
             sel = torch.tensor([r // n for r in rows], device=device)  # prefill row of each decode row
             if shared:  # the prompts' KV once, read by every chunk; rows hold only their own tokens
@@ -436,7 +439,7 @@ class HFEngine:
         ids, mask, pos = ids.to(device), mask.to(device), pos.to(device)
         return self._forward(ids, mask, pos, cache, weights), cache, mask
 
-    def _prefill_unpadded(self, prompts: list[list[int]], device, weights):
+    def _prefill_unpadded(self, prompts: list[list[int]], device, weights, kv_dtype: torch.dtype | None = None):
         """Prefill each of G distinct `prompts` alone, then left-pad their KV into one decode batch.
 
         A padded prefill batch attends through an explicit (G, L, L) mask over the longest prompt's
@@ -446,7 +449,9 @@ class HFEngine:
         `DynamicCache` (G, H_kv, W, D) with W = the longest prompt, its (G, W) attention mask), or
         None when the model's cache is not all full-attention layers (`_full_attention`: sliding-window
         or hybrid caches cannot be padded this way), in which case the caller prefills padded, and so
-        does every later call (found out on the first prompt, so one forward is spent once)."""
+        does every later call (found out on the first prompt, so one forward is spent once). `kv_dtype`:
+        each row's KV is cast to it as soon as the row is prefilled (the dtype shared-prefix decode reads
+        it in), so the rows and their padded batch are never all held in float32 (None: kept as computed)."""
         from types import SimpleNamespace
 
         from transformers import DynamicCache
@@ -460,7 +465,10 @@ class HFEngine:
             if not _full_attention(one):
                 self._unpadded = False
                 return None
-            entries.append((len(x), SimpleNamespace(kv=[(layer.keys[0], layer.values[0]) for layer in one.layers])))
+            kv = [(layer.keys[0], layer.values[0]) for layer in one.layers]
+            if kv_dtype is not None:
+                kv = [(k.to(kv_dtype), v.to(kv_dtype)) for k, v in kv]
+            entries.append((len(x), SimpleNamespace(kv=kv)))
             del one
         past, mask = padded_past(entries)
         return torch.cat(rows), _cache_holding(past, self.model.config), mask.to(device)
