@@ -23,7 +23,6 @@ from typing import (
     Iterable,
     Literal,
     Mapping,
-    Optional,
     Union,
     get_args,
     get_origin,
@@ -47,14 +46,19 @@ class UnusedSettingWarning(UserWarning):
     """A setting that loads but has no effect as configured (e.g. a budget for a tool no domain has)."""
 
 
-def location(value: Optional[str], setting: str, schemes: tuple[str, ...] = ()) -> Optional[str]:
+def location(value: Any, setting: str, schemes: tuple[str, ...] = ()) -> Any:
     """Check a storage location setting: an ``s3://bucket/prefix`` URI (bucket per S3's naming rules,
     no whitespace, no empty path segment), a local path, or ``<scheme>:...`` for a scheme in
     `schemes` (e.g. "bundled", "registry"). Raises ValueError naming `setting` for another scheme
-    (``S3://``, ``hf://``, ``s3:/x``), a malformed S3 URI, an empty or blank string, or two overrides
-    joined by a space."""
-    if value is None:
-        return None
+    (``S3://``, ``hf://``, ``s3:/x``), a malformed S3 URI, an empty or blank string, two overrides
+    joined by a space, or a mapping (YAML reads ``registry: NAME@VERSION``, a space after the colon, as
+    {"registry": "NAME@VERSION"}). Other non-strings are returned as they are, for the field's type check."""
+    if isinstance(value, dict):
+        shown = ", ".join(f"{k}: {v}" for k, v in value.items())
+        raise ValueError(f"{setting} was read as a mapping ({shown}), not a location: YAML splits a value at "
+                         "': ', so write it without a space after the colon (e.g. registry:NAME@VERSION)")
+    if not isinstance(value, str):
+        return value
     if not value.strip():
         raise ValueError(f"{setting} is empty: give a local path or s3://BUCKET/PREFIX"
                          + "".join(f", or {x}:..." for x in schemes))

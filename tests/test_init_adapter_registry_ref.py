@@ -124,6 +124,18 @@ def test_a_malformed_registry_ref_fails_when_the_config_loads(ref, tmp_path):
         load_config("test", {"train": {"init_adapter": ref}})
 
 
+@pytest.mark.parametrize("setting", ["train.init_adapter", "model.ref", "reward.judge_model"])
+def test_a_registry_ref_yaml_read_as_a_mapping_is_named_as_such(setting):
+    """``registry: policy@v1`` (a space after the colon) is a YAML mapping, not pydantic's "not a string"."""
+    with pytest.raises(ConfigError, match=f"{setting} was read as a mapping .*without a space after the colon"):
+        load_config("test", f"{setting}={{registry: policy@v1}}")
+    section, key = setting.split(".")
+    with pytest.raises(ConfigError, match="registry: policy@v1"):
+        load_config("test", {section: {key: {"registry": "policy@v1"}}})
+    with pytest.raises(ConfigError, match="expects a string"):  # other non-strings: the field's type check
+        load_config("test", {section: {key: 5}})
+
+
 def test_a_cluster_check_names_a_local_registry_instead_of_reading_it(tmp_path):
     cfg = load_config("test", {"train": {"init_adapter": "registry:policy@v1"}, "data": {"dvc": "off"},
                                "store": {"root": str(tmp_path / "store"), "registry": str(tmp_path / "nope")}})
