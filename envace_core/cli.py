@@ -95,11 +95,11 @@ def _config(args) -> int:
         return 0
     cfg = load_config(args.profile, args.overrides)
     if args.check or args.remote:
-        from envace_core.stages.preflight import preflight, resolve_references
+        from envace_core.stages.preflight import resolve_and_check
 
-        cfg = resolve_references(cfg, remote=args.remote)  # registry:NAME@VERSION → the version's adapter
-        # --remote: the checks a cluster's resolve_config runs (no download, no vLLM needed here)
-        preflight(cfg, remote=args.remote, resolve_remote=not args.remote)
+        # registry:NAME@VERSION → the version's adapter; --remote: the checks a cluster's resolve_config runs
+        # (no download, no vLLM needed here)
+        cfg = resolve_and_check(cfg, remote=args.remote, resolve_remote=not args.remote)
     print(json.dumps(cfg.to_dict(), indent=2))
     return 0
 

@@ -54,6 +54,9 @@ def location(value: Any, setting: str, schemes: tuple[str, ...] = ()) -> Any:
     joined by a space, or a mapping (YAML reads ``registry: NAME@VERSION``, a space after the colon, as
     {"registry": "NAME@VERSION"}). Other non-strings are returned as they are, for the field's type check."""
     if isinstance(value, dict):
+        if all(v is None for v in value.values()):  # `registry:` alone: YAML's key with no value
+            raise ValueError(f"{setting}={next(iter(value), '')}: names nothing after the colon: write e.g. "
+                             "registry:NAME@VERSION, an s3:// URI or a local path")
         shown = ", ".join(f"{k}: {v}" for k, v in value.items())
         raise ValueError(f"{setting} was read as a mapping ({shown}), not a location: YAML splits a value at "
                          "': ', so write it without a space after the colon (e.g. registry:NAME@VERSION)")
@@ -77,6 +80,11 @@ def location(value: Any, setting: str, schemes: tuple[str, ...] = ()) -> Any:
     if m and m.group(1) == "registry" and "registry" in schemes and not _REGISTRY_REF.fullmatch(value):
         raise ValueError(f"{setting}={value!r} is malformed: write registry:NAME@VERSION, no spaces "
                          "(see `envace registry list`)")
+    if m and m.group(1) == "registry" and "registry" not in schemes and "bundled" in schemes:  # a model setting
+        raise ValueError(f"{setting}={value!r}: registry:NAME@VERSION refs name a trained adapter and are read by "
+                         f"train.init_adapter and `envace eval --model`; {setting} is a base model: "
+                         + ", ".join(f"{x}:..." for x in schemes) + (", " if schemes else "")
+                         + "a local HF model folder, or an s3:// URI (the version's manifest names its base_model)")
     if m and m.group(1) not in schemes:
         allowed = ", ".join(["s3://"] + [f"{x}:" for x in schemes])
         raise ValueError(f"{setting}={value!r} has the scheme {m.group(1)!r}, which envace does not read: "

@@ -53,7 +53,7 @@ class ModelConfig(_Strict):
     @field_validator("ref", mode="before")
     @classmethod
     def _ref(cls, v: str) -> str:
-        return location(v, "model.ref", ("bundled", "registry"))
+        return location(v, "model.ref", ("bundled",))
 
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the policy runs: 'auto' = cuda:$LOCAL_RANK when CUDA is available, "
@@ -283,7 +283,7 @@ class RewardConfig(_Strict):
     @field_validator("judge_model", mode="before")
     @classmethod
     def _judge_model(cls, v: Optional[str]) -> Optional[str]:
-        return location(v, "reward.judge_model", ("bundled", "registry"))
+        return location(v, "reward.judge_model", ("bundled",))
 
     judge_model: str | None = Field(
         None, description="judge model ref (as model.ref); None = the policy's base model, served "

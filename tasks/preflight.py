@@ -5,7 +5,7 @@ from flytekit import FlyteContextManager
 
 import envace_core  # noqa: F401  (offline environment before anything imports tau2)
 from envace_core.config import load_config
-from envace_core.stages.preflight import preflight, resolve_references
+from envace_core.stages.preflight import resolve_and_check
 from tasks.resources import stage_task
 
 
@@ -28,6 +28,5 @@ def resolve_config(profile: str, overrides: str) -> str:
     Not cached: it takes seconds, and its preflight checks must see the world as it is now.
     """
     remote = is_pod_execution()
-    cfg = resolve_references(load_config(profile, overrides), remote=remote)
-    preflight(cfg, remote=remote)
+    cfg = resolve_and_check(load_config(profile, overrides), remote=remote)
     return cfg.model_dump_json(by_alias=True)

@@ -12,7 +12,7 @@ import pytest
 
 from envace_core.cli import main
 from envace_core.config import ConfigError, load_config
-from envace_core.stages.preflight import preflight, resolve_references
+from envace_core.stages.preflight import preflight, resolve_and_check, resolve_references
 from envace_core.store.registry import HMAC_KEY_ENV, Registry
 from envace_core.training.loop import load_init_adapter
 from tests.test_trainer import make_trainer
@@ -143,3 +143,24 @@ def test_a_cluster_check_names_a_local_registry_instead_of_reading_it(tmp_path):
     with pytest.raises(ConfigError, match=r"store.registry=.* is a local path") as e:
         preflight(cfg, remote=True)
     assert "not registered" not in str(e.value)
+
+
+def test_a_cluster_check_lists_every_problem_before_reading_an_s3_registry(s3_server, tmp_path):
+    """On a cluster the settings' report comes first: a registry version that cannot be read (here: not
+    registered) does not hide the local paths a pod cannot reach; once they are fixed, the version is named."""
+    reg = f"{s3_server.root}/reg"
+    over = {"train": {"init_adapter": "registry:policy@v9"}, "model": {"ref": "bundled:smollm2-135m-instruct"},
+            "store": {"root": f"{s3_server.root}/store", "registry": reg},
+            "reward": {"name": "judge", "judge_model": str(tmp_path)}}
+    with pytest.raises(ConfigError) as e:
+        resolve_and_check(load_config("test", over), remote=True)
+    assert "reward.judge_model=" in str(e.value) and "is a local path" in str(e.value)
+    assert "policy@v9" not in str(e.value)
+    del over["reward"]
+    with pytest.raises(ConfigError, match=r"train.init_adapter='registry:policy@v9': .*choose another version"):
+        resolve_and_check(load_config("test", over), remote=True)
+
+
+def test_a_registry_ref_with_nothing_after_the_colon_says_so():
+    with pytest.raises(ConfigError, match=r"train.init_adapter=registry: names nothing after the colon"):
+        load_config("test", "train.init_adapter=registry:")

@@ -143,8 +143,9 @@ def test_adapter_judge_and_registry_refs_are_checked_before_any_work(s3_server, 
     problems = _problems(err)
     assert problems[0].startswith(f"train.init_adapter='{root}/adapters/none': no committed artifact directory")
     assert problems[1].startswith("reward.judge_model=") and "is a local path" in problems[1]
-    with pytest.raises(ConfigError, match=r"model.ref='registry:p@v1' is a registry reference"):
-        preflight(_cfg(store=good, model={"ref": "registry:p@v1"}), remote=True)
+    with pytest.raises(ConfigError, match=r"model.ref='registry:p@v1': registry:NAME@VERSION refs name a trained "
+                                          r"adapter .*model.ref is a base model"):
+        _cfg(store=good, model={"ref": "registry:p@v1"})  # refused when the config loads, before any check
     with pytest.raises(ConfigError, match=r"data.dvc_repo='/nonexistent' holds no .dvc/"):
         preflight(_cfg(data={"dvc": "auto", "dvc_repo": "/nonexistent"}))
 

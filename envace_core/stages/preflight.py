@@ -52,8 +52,11 @@ def resolve_references(cfg: RunConfig, remote: bool = False) -> RunConfig:
         manifest = reg.show(name, version)
     except TransientError:
         raise
-    except (RegistryError, StoreError) as e:  # not registered, no or a corrupt manifest, S3 refused
+    except RegistryError as e:  # not registered, no or a corrupt manifest
         raise ConfigError(f"{named}: {e} (store.registry={cfg.store.registry!r}); {other}") from None
+    except StoreError as e:  # S3 refused: credentials, permissions, no such bucket
+        raise ConfigError(f"{named}: {e} (store.registry={cfg.store.registry!r}); the registry could not be "
+                          "read: fix the access to it, or give the adapter as a path") from None
     if bad:
         raise ConfigError(f"{named} fails verification, refusing to train from it; artifacts that differ from "
                           f"its manifest: {', '.join(bad)}; {other}, or check it with `envace registry verify`")
@@ -69,6 +72,23 @@ def resolve_references(cfg: RunConfig, remote: bool = False) -> RunConfig:
     out = cfg.model_copy(deep=True)
     out.train.init_adapter = f"{reg.uri(name, version)}/artifacts/adapter"
     return out
+
+
+def resolve_and_check(cfg: RunConfig, remote: bool = False, resolve_remote: bool = False) -> RunConfig:
+    """`resolve_references` and `preflight` in the order that reports every problem at once; returns the
+    resolved config. Locally the reference is resolved first (preflight then checks the adapter folder it
+    names); on a cluster (`remote`) preflight runs first, its report listing every local path and placeholder,
+    and the registry version is looked up after, so an unreachable registry does not hide the other problems.
+
+    Raises:
+        ConfigError (and the other errors of `preflight` and `resolve_references`).
+    """
+    if not remote:
+        cfg = resolve_references(cfg)
+        preflight(cfg, resolve_remote=resolve_remote)
+        return cfg
+    preflight(cfg, remote=True, resolve_remote=resolve_remote)
+    return resolve_references(cfg, remote=True)
 
 
 # -------------------------------------------------------------------------------------- preflight
@@ -269,12 +289,8 @@ def check_remote_settings(cfg: RunConfig, probe: bool = True) -> None:
             continue
         if name in ("model.ref", "reward.judge_model") and value.startswith("bundled:"):
             continue
-        if value.startswith("registry:"):
-            if name == "train.init_adapter":  # resolved from the (S3) registry, checked above
-                continue
-            problems.append(f"{setting}={value!r} is a registry reference, which names a trained adapter, not a "
-                            f"base model: set {fix} (a registered model's adapter goes in train.init_adapter)")
-            continue
+        if value.startswith("registry:"):  # train.init_adapter (the model settings refuse it when they load):
+            continue  # resolved from the (S3) registry by resolve_references
         if not value.startswith("s3://"):
             problems.append(f"{setting}={value!r} is a local path: {why_shared}; set {fix}")
             continue
