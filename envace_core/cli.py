@@ -120,9 +120,11 @@ def _registry(args) -> int:
         for name, version in models:
             print(f"{name}@{version}")
         return 0
-    if not args.ref or "@" not in args.ref:
+    ref = args.ref or ""
+    ref = ref[len("registry:"):] if ref.startswith("registry:") else ref  # the form settings and --model take
+    if "@" not in ref:
         raise EnvaceError("give the model as NAME@VERSION (see `envace registry list`)")
-    name, version = args.ref.split("@", 1)
+    name, version = ref.split("@", 1)
     if args.action == "show":
         print(json.dumps(reg.show(name, version), indent=2))
         return 0
@@ -392,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
                    "profile values and meaning as a markdown table (the README's) instead")
     r = sub.add_parser("registry", help="list, show or verify registered models")
     r.add_argument("action", choices=["list", "show", "verify"])
-    r.add_argument("ref", nargs="?", help="NAME@VERSION")
+    r.add_argument("ref", nargs="?", help="NAME@VERSION (or registry:NAME@VERSION)")
     h = sub.add_parser("rehearse", help="Private Rehearsal on one tau2 task: rehearsals, memory, real run")
     h.add_argument("--task", help="tau2 task id DOMAIN/ID, e.g. airline/3 (see --list)")
     h.add_argument("--tasks", metavar="PATH",

@@ -48,6 +48,21 @@ def test_registry_show_unknown_and_bad_ref(tmp_path, capsys):
     assert "NAME@VERSION" in capsys.readouterr().err
 
 
+def test_registry_show_and_verify_take_the_registry_ref_form_too(tmp_path, capsys):
+    """`registry:NAME@VERSION`, as train.init_adapter and `envace eval --model` take it, names the same version."""
+    from envace_core.store.registry import Registry
+
+    (tmp_path / "art").mkdir()
+    (tmp_path / "art" / "w.txt").write_text("weights")
+    Registry(str(tmp_path / "r")).register("policy", "v1", tmp_path / "art", {"base_model": {"ref": "x"}})
+    over = f"store.registry={tmp_path / 'r'}"
+    for ref in ("policy@v1", "registry:policy@v1"):
+        assert main(["--overrides", over, "registry", "show", ref]) == 0
+        assert json.loads(capsys.readouterr().out)["version"] == "v1"
+        assert main(["--overrides", over, "registry", "verify", ref]) == 0
+        assert "OK policy@v1" in capsys.readouterr().out
+
+
 def test_empty_registry_list_says_so_and_train_refuses_a_registry_model_ref(tmp_path, capsys):
     over = f"store.registry={tmp_path / 'r'}"
     (tmp_path / "r").mkdir()  # an empty registry (a missing folder is an error: test_preflight_remote_settings.py)
