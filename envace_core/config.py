@@ -194,9 +194,10 @@ def apply_setting(cfg: RunConfig, key: str, value: str, flag: str) -> None:
 
 
 def _error_line(err: dict[str, Any]) -> str:
-    """One pydantic error as 'key: message', a list item's key
-    with its position (data.synthetic_levels[1]); an unknown key with the closest known one (`_unknown_key`); a string field given a number or boolean (by a JSON file
-    or a dict: YAML text keeps what was typed) says to write it as a JSON string, one given a list to give one value."""
+    """One pydantic error as 'key: message', a list item's key with its position (data.synthetic_levels[1]);
+    an unknown key with the closest known one (`_unknown_key`); a string field given a number or boolean (by a
+    JSON file or a dict: YAML text keeps what was typed) says to write it as a JSON string, one given a list
+    to give one value."""
     key = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
     msg = err["msg"].removeprefix("Value error, ")
     item = (err.get("ctx") or {}).get("error")
