@@ -31,7 +31,8 @@ from typing import (
 PLACEHOLDER = "CHANGE-ME"  # what the profiles put where an operator must name their own bucket
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3 bucket naming rules (AWS S3 user guide)
-_REGISTRY_REF = re.compile(r"registry:[^@\s]+@[^@\s]+")  # registry:NAME@VERSION
+# registry:NAME@VERSION; NAME and VERSION are each one folder of the registry (store.registry._check_ref)
+_REGISTRY_REF = re.compile(r"registry:[^@\s/.][^@\s/]*@[^@\s/.][^@\s/]*")
 _JOINED = re.compile(r"\s[\w.]+=")  # "s3://b/x train.iterations=5": two overrides joined by a space
 # a registry name: one path segment of a local folder and of an S3 key, and the NAME of NAME@VERSION
 MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
@@ -78,8 +79,8 @@ def location(value: Any, setting: str, schemes: tuple[str, ...] = ()) -> Any:
         return value
     m = _SCHEME.match(value)
     if m and m.group(1) == "registry" and "registry" in schemes and not _REGISTRY_REF.fullmatch(value):
-        raise ValueError(f"{setting}={value!r} is malformed: write registry:NAME@VERSION, no spaces "
-                         "(see `envace registry list`)")
+        raise ValueError(f"{setting}={value!r} is malformed: write registry:NAME@VERSION, no spaces or '/', "
+                         "neither part starting with '.' (see `envace registry list`)")
     if m and m.group(1) == "registry" and "registry" not in schemes and "bundled" in schemes:  # a model setting
         raise ValueError(f"{setting}={value!r}: registry:NAME@VERSION refs name a trained adapter and are read by "
                          f"train.init_adapter and `envace eval --model`; {setting} is a base model: "

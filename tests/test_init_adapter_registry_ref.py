@@ -118,7 +118,7 @@ def test_config_check_prints_the_resolved_adapter(adapter, tiny_model_dir, tmp_p
 
 
 @pytest.mark.parametrize("ref", ["registry:policy", "registry:@v1", "registry:policy@", "registry:policy @v1",
-                                 "registry:a@b@c"])
+                                 "registry:a@b@c", "registry:../../etc@v1", "registry:p@.hidden", "registry:a/b@v1"])
 def test_a_malformed_registry_ref_fails_when_the_config_loads(ref, tmp_path):
     with pytest.raises(ConfigError, match="write registry:NAME@VERSION"):
         load_config("test", {"train": {"init_adapter": ref}})
