@@ -35,6 +35,8 @@ def test_local_paths_are_refused_on_a_remote_run_but_fine_locally(tmp_path, monk
     model = _cfg(model={"ref": str(tmp_path)}, store={"root": "s3://xx1/y", "registry": "s3://CHANGE-ME/r"})
     with pytest.raises(ConfigError, match=r"model.ref=.* is a local path.*bundled:smollm2") as err:
         preflight(model, remote=True)
+    assert "not this machine's disk" in str(err.value)  # an input the pod cannot see, not an output it loses
+    assert "later stages would not find" in problems[0]
     assert any(p.startswith("store.registry='s3://CHANGE-ME/r' is a placeholder") for p in _problems(err))
 
 

@@ -251,6 +251,8 @@ def check_remote_settings(cfg: RunConfig, probe: bool = True) -> None:
 
     why_shared = ("on a cluster each stage runs in its own pod, whose disk is gone when the stage ends, so "
                   "later stages would not find what this one wrote")
+    why_input = "on a cluster each stage runs in its own pod, which sees only its image and S3, not this machine's disk"
+    inputs = ("model.ref", "reward.judge_model", "train.init_adapter")  # read by the stages, never written
     settings: list[tuple[str, str, str]] = [  # (setting, value, what to set)
         ("store.root", cfg.store.root, "store.root=s3://BUCKET/PREFIX"),
         ("store.registry", cfg.store.registry, "store.registry=s3://BUCKET/PREFIX"),
@@ -292,7 +294,8 @@ def check_remote_settings(cfg: RunConfig, probe: bool = True) -> None:
         if value.startswith("registry:"):  # train.init_adapter (the model settings refuse it when they load):
             continue  # resolved from the (S3) registry by resolve_references
         if not value.startswith("s3://"):
-            problems.append(f"{setting}={value!r} is a local path: {why_shared}; set {fix}")
+            problems.append(f"{setting}={value!r} is a local path: {why_input if name in inputs else why_shared}; "
+                            f"set {fix}")
             continue
         if not probe:  # registration time: the form only, S3 is the pods' to reach
             continue
