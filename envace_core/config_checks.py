@@ -74,8 +74,9 @@ def location(value: Any, setting: str, schemes: tuple[str, ...] = ()) -> Any:
         if PLACEHOLDER in bucket:  # a profile's placeholder: preflight refuses it, naming what to set
             return value
         if not _BUCKET.match(bucket) or any(c.isspace() for c in value) or key.startswith("/") or "//" in key:
+            why = f"; the bucket {bucket!r} has {len(bucket)} characters" if not 3 <= len(bucket) <= 63 else ""
             raise ValueError(f"{setting}={value!r} is not a valid S3 URI: expected s3://BUCKET/PREFIX, BUCKET "
-                             "3-63 lowercase letters, digits, '.' or '-', no spaces or empty path segments")
+                             f"3-63 lowercase letters, digits, '.' or '-', no spaces or empty path segments{why}")
         return value
     m = _SCHEME.match(value)
     if m and m.group(1) == "registry" and "registry" in schemes and not _REGISTRY_REF.fullmatch(value):
