@@ -231,6 +231,12 @@ def _unknown_key(loc: tuple) -> str:
     close = difflib.get_close_matches(str(loc[-1]), names, n=1)
     if close:
         return f"unknown setting; did you mean {'.'.join([*map(str, loc[:-1]), close[0]])}?"
+    if len(loc) == 1:  # a setting's name without its section (init_adapter=... for train.init_adapter)
+        owners = [f"{sec.alias or n}.{loc[0]}" for n, sec in RunConfig.model_fields.items()
+                  if isinstance(sec.annotation, type) and issubclass(sec.annotation, BaseModel)
+                  and loc[0] in {f.alias or k for k, f in sec.annotation.model_fields.items()}]
+        if owners:
+            return f"unknown setting; did you mean {' or '.join(owners)}? (settings are written SECTION.NAME)"
     return f"unknown setting; {where or 'the config'} has: {', '.join(names)}"
 
 

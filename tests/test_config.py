@@ -193,6 +193,7 @@ def test_dvc_off_is_off_however_yaml_reads_it(override, tmp_path):
     ({"store": {"model_name": 123}}, ["store.model_name: expects a string", 'the number 123', '"123"']),
     ("train.init_adapter=[a, b]", ["train.init_adapter: expects one string, but was given the list ['a', 'b']"]),
     ("store.root=s3://b1/store", ["not a valid S3 URI", "the bucket 'b1' has 2 characters"]),
+    ("init_adapter=/tmp/x", ["init_adapter: unknown setting; did you mean train.init_adapter?"]),
     ("store.model_name=" + "m" * 129, ["store.model_name is 129 characters long", "at most 128"]),
     ("data.train_split=trian", ["data.train_split='trian' is not a tau2 split of every configured domain",
                                 "airline: base, test, train"]),
