@@ -35,7 +35,7 @@ from envace_core.evaluation.protocols import MAX_STEPS, PROTOCOLS, TAU2_ORCHESTR
 def _train(args) -> int:
     from envace_core.stages.curate import curate
     from envace_core.stages.evaluate import evaluate
-    from envace_core.stages.preflight import preflight, resolve_references
+    from envace_core.stages.preflight import resolve_and_check
     from envace_core.stages.register import register
     from envace_core.stages.train import rollout_and_train
     from envace_core.stages.validate import validate
@@ -49,8 +49,7 @@ def _train(args) -> int:
         finally:
             release_free_heap()
 
-    cfg = resolve_references(load_config(args.profile, args.overrides))
-    preflight(cfg)  # what `make train` checks first with `envace config --check`
+    cfg = resolve_and_check(load_config(args.profile, args.overrides))  # what `make train` checks first
     ds = stage(curate, cfg)
     tr = stage(rollout_and_train, cfg, ds, stage(warm_start, cfg, ds))
     val = stage(validate, cfg, ds, tr)
@@ -65,13 +64,13 @@ def _warm_start(args) -> int:
     adapter's URI (a folder a later `--overrides train.init_adapter=...` or `--adapter` takes), or with
     --json the stage's whole record. Without SFT (train.sft_warmup_steps=0) nothing is made: an error."""
     from envace_core.stages.curate import curate
-    from envace_core.stages.preflight import preflight, resolve_references
+    from envace_core.stages.preflight import resolve_and_check
     from envace_core.stages.warm_start import warm_start
 
-    cfg = resolve_references(load_config(args.profile, args.overrides))
+    cfg = load_config(args.profile, args.overrides)
     if cfg.train.sft_warmup_steps <= 0:
         raise EnvaceError("train.sft_warmup_steps=0: this config has no warm start to make (set it > 0)")
-    preflight(cfg)  # a bad model.ref, train.init_adapter or store fails here, in seconds, before curate writes
+    cfg = resolve_and_check(cfg)  # a bad model.ref, train.init_adapter or store fails here, before curate writes
     with contextlib.redirect_stdout(sys.stderr):  # the stages' progress; stdout is the result alone
         record = warm_start(cfg, curate(cfg))
     print(json.dumps(record, indent=1, sort_keys=True, default=str) if args.json else record["adapter_uri"])
