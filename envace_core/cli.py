@@ -119,8 +119,7 @@ def _registry(args) -> int:
         for name, version in models:
             print(f"{name}@{version}")
         return 0
-    ref = args.ref or ""
-    ref = ref[len("registry:"):] if ref.startswith("registry:") else ref  # the form settings and --model take
+    ref = (args.ref or "").removeprefix("registry:")  # the form settings and --model take
     if "@" not in ref:
         raise EnvaceError("give the model as NAME@VERSION (see `envace registry list`)")
     name, version = ref.split("@", 1)
