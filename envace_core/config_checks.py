@@ -28,6 +28,7 @@ from typing import (
     get_origin,
 )
 
+BUNDLED_MODEL = "bundled:smollm2-135m-instruct"  # the one model shipped with envace (models.bundled_gguf_path)
 PLACEHOLDER = "CHANGE-ME"  # what the profiles put where an operator must name their own bucket
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*):")
 _BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")  # S3 bucket naming rules (AWS S3 user guide)
@@ -56,8 +57,10 @@ def location(value: Any, setting: str, schemes: tuple[str, ...] = ()) -> Any:
     {"registry": "NAME@VERSION"}). Other non-strings are returned as they are, for the field's type check."""
     if isinstance(value, dict):
         if all(v is None for v in value.values()):  # `registry:` alone: YAML's key with no value
+            e_g = "registry:NAME@VERSION, " if "registry" in schemes else \
+                f"{BUNDLED_MODEL}, " if "bundled" in schemes else ""
             raise ValueError(f"{setting}={next(iter(value), '')}: names nothing after the colon: write e.g. "
-                             "registry:NAME@VERSION, an s3:// URI or a local path")
+                             f"{e_g}an s3:// URI or a local path")
         shown = ", ".join(f"{k}: {v}" for k, v in value.items())
         raise ValueError(f"{setting} was read as a mapping ({shown}), not a location: YAML splits a value at "
                          "': ', so write it without a space after the colon (e.g. registry:NAME@VERSION)")
@@ -79,6 +82,8 @@ def location(value: Any, setting: str, schemes: tuple[str, ...] = ()) -> Any:
                              f"3-63 lowercase letters, digits, '.' or '-', no spaces or empty path segments{why}")
         return value
     m = _SCHEME.match(value)
+    if m and m.group(1) == "bundled" and "bundled" in schemes and value != BUNDLED_MODEL:
+        raise ValueError(f"{setting}={value!r} is an unknown bundled model: the only one is {BUNDLED_MODEL!r}")
     if m and m.group(1) == "registry" and "registry" in schemes and not _REGISTRY_REF.fullmatch(value):
         raise ValueError(f"{setting}={value!r} is malformed: write registry:NAME@VERSION, no spaces or '/', "
                          "neither part starting with '.' (see `envace registry list`)")

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from envace_core import EnvaceError
+from envace_core.config_checks import BUNDLED_MODEL as BUNDLED
 from envace_core.store.files import atomic_dir, cache_root, sha256_path
 
 if TYPE_CHECKING:
     from envace_core.config import RunConfig
 
-BUNDLED = "bundled:smollm2-135m-instruct"
 _GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 

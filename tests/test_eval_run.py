@@ -95,7 +95,8 @@ def test_a_data_folder_without_the_benchs_files_is_refused_before_any_model_load
 
 
 @pytest.mark.parametrize("model, needle", [
-    ("bundled:nosuch", "--model: unknown bundled model 'bundled:nosuch'"),
+    ("bundled:nosuch", "--model 'bundled:nosuch': is an unknown bundled model: the only one is "
+                       "'bundled:smollm2-135m-instruct'"),
     ("s3://", "--model 's3://': is not a valid S3 URI"),
 ])
 def test_a_model_that_cannot_load_is_refused_before_out_is_made(model, needle, eval_loads_no_model, over, tmp_path,

@@ -164,3 +164,16 @@ def test_a_cluster_check_lists_every_problem_before_reading_an_s3_registry(s3_se
 def test_a_registry_ref_with_nothing_after_the_colon_says_so():
     with pytest.raises(ConfigError, match=r"train.init_adapter=registry: names nothing after the colon"):
         load_config("test", "train.init_adapter=registry:")
+
+
+@pytest.mark.parametrize("setting", ["model.ref", "reward.judge_model"])
+def test_an_unknown_bundled_model_is_refused_when_the_config_loads(setting):
+    with pytest.raises(ConfigError, match=rf"{setting}='bundled:smollm2' is an unknown bundled model: the only "
+                                          r"one is 'bundled:smollm2-135m-instruct'"):
+        load_config("test", f"{setting}=bundled:smollm2")
+
+
+def test_a_model_setting_with_nothing_after_the_colon_offers_the_bundled_model():
+    with pytest.raises(ConfigError, match=r"model.ref=bundled: names nothing after the colon: write e.g. "
+                                          r"bundled:smollm2-135m-instruct, an s3:// URI"):
+        load_config("test", "model.ref=bundled:")
