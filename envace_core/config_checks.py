@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 import re
 import warnings
 from types import UnionType
@@ -54,7 +55,8 @@ def location(value: Any, setting: str, schemes: tuple[str, ...] = ()) -> Any:
     `schemes` (e.g. "bundled", "registry"). Raises ValueError naming `setting` for another scheme
     (``S3://``, ``hf://``, ``s3:/x``), a malformed S3 URI, an empty or blank string, two overrides
     joined by a space, or a mapping (YAML reads ``registry: NAME@VERSION``, a space after the colon, as
-    {"registry": "NAME@VERSION"}). Other non-strings are returned as they are, for the field's type check."""
+    {"registry": "NAME@VERSION"}). Returns the value, a local path's leading ``~`` expanded (``~user`` too; left
+    as written where no such user exists). Other non-strings are returned as they are, for the field's type check."""
     if isinstance(value, dict):
         if all(v is None for v in value.values()):  # `registry:` alone: YAML's key with no value
             e_g = "registry:NAME@VERSION, " if "registry" in schemes else \
@@ -96,7 +98,8 @@ def location(value: Any, setting: str, schemes: tuple[str, ...] = ()) -> Any:
         allowed = ", ".join(["s3://"] + [f"{x}:" for x in schemes])
         raise ValueError(f"{setting}={value!r} has the scheme {m.group(1)!r}, which envace does not read: "
                          f"use {allowed} or a local path")
-    return value
+    # a local path's ~ is expanded here, so the printed and recorded config names the folder the run uses
+    return os.path.expanduser(value) if value.startswith("~") and not m else value
 
 
 def off_word(value: Any) -> Any:

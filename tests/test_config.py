@@ -287,3 +287,15 @@ def test_an_overrides_file_takes_dotted_keys_and_names_itself_when_it_does_not_p
     with pytest.raises(ConfigError, match=f"config overrides file '{f}' must be a mapping"):
         load_config("cpu-smoke", str(f))
     assert load_config("cpu-smoke", '{"train.iterations": 6}').train.iterations == 6
+
+
+def test_a_local_path_with_a_tilde_is_expanded_when_the_config_loads(monkeypatch, tmp_path):
+    """The printed and recorded config names the folder the run uses, not `~` (which --check and the stores
+    expand); a ~user that does not exist stays as written (and fails where it is opened)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    cfg = load_config("test", "store.root=~/envace/store,store.registry=~nosuchuser-envace/reg,"
+                              "train.init_adapter=~/adapters/a")
+    assert cfg.store.root == str(tmp_path / "envace" / "store")
+    assert cfg.store.registry == "~nosuchuser-envace/reg"
+    assert cfg.train.init_adapter == str(tmp_path / "adapters" / "a")
+    assert not (tmp_path / "envace").exists()  # loading creates nothing
