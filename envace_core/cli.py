@@ -104,7 +104,7 @@ def _config(args) -> int:
 
 
 def _registry(args) -> int:
-    from envace_core.store.registry import Registry
+    from envace_core.store.registry import HMAC_KEY_ENV, UNSIGNED, Registry
 
     reg = Registry(load_config(args.profile, args.overrides).store.registry)
     if args.action == "list":
@@ -127,8 +127,12 @@ def _registry(args) -> int:
         print(json.dumps(reg.show(name, version), indent=2))
         return 0
     bad = reg.verify(name, version)
+    if bad == [UNSIGNED]:
+        print(f"UNSIGNED {name}@{version}: every artifact matches its sha256, but ${HMAC_KEY_ENV} is set and the "
+              "manifest carries no signature, so its metrics and lineage are not vouched for")
+        return 1
     if bad:
-        print(f"TAMPERED {name}@{version}: {len(bad)} artifact(s) differ from the manifest:")
+        print(f"TAMPERED {name}@{version}: {len(bad)} file(s) fail verification:")
         for b in bad:
             print(f"  {b}")
         return 1

@@ -286,6 +286,7 @@ def test_s3_registry_verify_reports_tampered_objects_and_rewritten_commits(s3_se
 
 
 def test_s3_registry_signed_manifest_detects_an_edited_metric(s3_server, tmp_path, monkeypatch):
+    from envace_core.store.registry import BAD_SIGNATURE
     from envace_core.store.s3 import S3Store
 
     monkeypatch.setenv("ENVACE_REGISTRY_HMAC_KEY", "k3y")
@@ -298,7 +299,7 @@ def test_s3_registry_signed_manifest_detects_an_edited_metric(s3_server, tmp_pat
     (local / "manifest.json").write_text(json.dumps(man))
     S3Store(reg.root, cache_dir=tmp_path / "attacker").put_dir(local, "m/1")  # a consistent re-commit
     assert reg.show("m", "1")["metrics"]["pass^1"] == 0.9
-    assert reg.verify("m", "1") == ["manifest.json (signature)"]
+    assert reg.verify("m", "1") == [BAD_SIGNATURE]
 
 
 def test_s3_registry_listing_skips_a_version_whose_upload_failed(s3_server, tmp_path, monkeypatch):

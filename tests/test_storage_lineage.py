@@ -8,7 +8,8 @@ from envace_core.buildinfo import git_state
 from envace_core.store.base import StoreError
 from envace_core.store.files import dir_checksums
 from envace_core.store.local import LocalStore
-from envace_core.store.registry import Registry, RegistryError
+from envace_core.cli import main as cli_main
+from envace_core.store.registry import BAD_SIGNATURE, UNSIGNED, Registry, RegistryError
 
 
 def test_put_dir_is_atomic_and_checksummed(tmp_path):
@@ -84,11 +85,25 @@ def test_signed_manifest_detects_an_edited_metric(tmp_path, monkeypatch):
     assert reg.verify("m", "1") == []
     man["metrics"]["pass^1"] = 0.9
     (path / "manifest.json").write_text(json.dumps(man))
-    assert reg.verify("m", "1") == ["manifest.json (signature)"]
+    assert reg.verify("m", "1") == [BAD_SIGNATURE]
     monkeypatch.setenv("ENVACE_REGISTRY_HMAC_KEY", "another key")
     man["metrics"]["pass^1"] = 0.1
     (path / "manifest.json").write_text(json.dumps(man))
-    assert reg.verify("m", "1") == ["manifest.json (signature)"]  # wrong key: not trusted
+    assert reg.verify("m", "1") == [BAD_SIGNATURE]  # wrong key: not trusted
+
+
+def test_a_version_registered_without_a_key_is_unsigned_not_tampered(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("ENVACE_REGISTRY_HMAC_KEY", raising=False)
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "w").write_bytes(b"w")
+    Registry(tmp_path / "reg").register("m", "1", art, {"metrics": {"pass^1": 0.1}})
+    monkeypatch.setenv("ENVACE_REGISTRY_HMAC_KEY", "k3y")
+    assert Registry(tmp_path / "reg").verify("m", "1") == [UNSIGNED]
+    rc = cli_main(["--profile", "test", "--overrides", f"store.registry={tmp_path / 'reg'}", "registry", "verify",
+                   "m@1"])
+    out = capsys.readouterr().out
+    assert rc == 1 and out.startswith("UNSIGNED m@1: every artifact matches its sha256") and "TAMPERED" not in out
 
 
 def test_register_writes_every_lineage_field_the_auditors_need(tmp_path, monkeypatch, capsys):

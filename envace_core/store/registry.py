@@ -34,6 +34,9 @@ from envace_core.store.s3 import S3Store
 
 MANIFEST = "manifest.json"
 HMAC_KEY_ENV = "ENVACE_REGISTRY_HMAC_KEY"  # the signing key comes from the environment, never from config
+# what `Registry.verify` lists for a manifest whose signature fails while a signing key is set
+UNSIGNED = f"manifest.json (no signature: registered while ${HMAC_KEY_ENV} was not set)"
+BAD_SIGNATURE = "manifest.json (signature does not match: edited after registration, or signed with another key)"
 
 
 def _signing_key() -> bytes | None:
@@ -134,7 +137,7 @@ class Registry:
     def verify_copy(self, vdir: str | Path) -> list[str]:
         """What fails verification in a local copy `vdir` of a version (`local_dir`), as `verify`
         reports it: artifacts whose sha256 differs from `vdir/manifest.json`, missing or extra ones,
-        and `manifest.json (signature)` when a signing key is set and the HMAC does not match.
+        and `UNSIGNED` / `BAD_SIGNATURE` when a signing key is set and the HMAC is absent / does not match.
 
         Raises:
             RegistryError: `vdir/manifest.json` is missing or not JSON.
@@ -267,9 +270,9 @@ class Registry:
 
     def verify(self, name: str, version: str) -> list[str]:
         """What fails verification (empty = ok): every artifact whose sha256 differs from the manifest,
-        is missing or is extra, and `manifest.json (signature)` when a signing key is configured
-        ($ENVACE_REGISTRY_HMAC_KEY) and the manifest's HMAC is absent or does not match (an edited
-        manifest). On S3 every object is streamed and hashed; if the manifest object itself no longer
+        is missing or is extra, and `UNSIGNED` / `BAD_SIGNATURE` when a signing key is configured
+        ($ENVACE_REGISTRY_HMAC_KEY) and the manifest's HMAC is absent / does not match (an edited
+        manifest, or another key). On S3 every object is streamed and hashed; if the manifest object itself no longer
         matches its commit, the result lists `manifest.json` and every other file that fails.
 
         Raises:
@@ -303,14 +306,16 @@ def base_model_ref(manifest: dict[str, Any]) -> str | None:
 
 def _differences(manifest: dict[str, Any], actual: dict[str, str]) -> list[str]:
     """Artifacts whose sha256 in `actual` differs from the manifest's (missing and extra ones too),
-    plus `manifest.json (signature)` when a signing key is set and the manifest's HMAC does not match."""
+    plus `UNSIGNED` or `BAD_SIGNATURE` when a signing key is set and the manifest has no HMAC or another one."""
     expected = manifest.get("artifacts") or {}
     bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
     key = _signing_key()
     if key is not None:
         sig = (manifest.get("signature") or {}).get("value", "")
-        if not hmac.compare_digest(sig, manifest_signature(manifest, key)):
-            bad.append(f"{MANIFEST} (signature)")
+        if not sig:
+            bad.append(UNSIGNED)
+        elif not hmac.compare_digest(sig, manifest_signature(manifest, key)):
+            bad.append(BAD_SIGNATURE)
     return bad
 
 
