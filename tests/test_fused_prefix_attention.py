@@ -171,3 +171,27 @@ def test_engine_decodes_alike_with_and_without_the_fused_route(ids_tokenizer, mo
                         break
                     compared += 1
     assert compared >= 40  # of 72 generated tokens
+
+
+@pytest.mark.parametrize("pads", [[0, 0, 0], [0, 7, 2]])
+def test_one_row_per_prompt_as_grouped_heads_equals_the_query_position_layout(pads, monkeypatch):
+    """One row per prompt goes to the kernel as H_kv * g query heads over H_kv key/value heads; the same output
+    and log-sum-exp as the g-queries-per-KV-head layout that several rows per prompt take."""
+    if not shared_prefix.grouped_kernel_available():
+        pytest.skip("this torch's fused CPU attention op takes no grouped key/value heads")
+    layer, query = _layer(pads, 40, list(range(len(pads))))
+    _, mask = layer.fused_route()
+    q = query.float().view(len(pads), H_KV, G, D)
+    grouped = shared_prefix._fused_part(q, layer.prefix_keys, layer.prefix_values, 0.5, mask)
+    monkeypatch.setattr(shared_prefix, "GQA_ONE_ROW", False)
+    positions = shared_prefix._fused_part(q, layer.prefix_keys, layer.prefix_values, 0.5, mask)
+    for a, b in zip(grouped, positions):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-3, rtol=0)
+
+
+def test_grouped_kernel_probe_is_cached_and_needs_the_fused_op(monkeypatch):
+    monkeypatch.setattr(shared_prefix, "_GQA_PROBE", [])
+    monkeypatch.setattr(shared_prefix, "_FUSED_PROBE", [False])
+    assert shared_prefix.grouped_kernel_available() is False
+    assert shared_prefix._GQA_PROBE == [False]
