@@ -72,6 +72,43 @@ def test_bad_rehearsal_spec(text):
         parse_rehearsal(text)
 
 
+def test_a_rehearsal_n_must_pass_the_bounds_of_the_setting_rehearsal_n():
+    from envace_core.config_sections import RehearsalConfig
+    from envace_core.evaluation.options import rehearsal_n_bounds
+
+    lo, hi = rehearsal_n_bounds()
+    meta = {type(m).__name__: m for m in RehearsalConfig.model_fields["n"].metadata}
+    assert (lo, hi) == (meta["Ge"].ge, meta["Le"].le) == (1, 64)  # one bound, the config model's
+    assert parse_rehearsal(f"parallel:{hi}") == ("parallel", hi)
+    for text in (f"parallel:{hi + 1}", "sequential:1000", "parallel:0", "sequential:00"):
+        with pytest.raises(EnvaceError, match=rf"--rehearsal '{text}': N = \d+ is outside 1\.\.64, the bounds of "
+                                              r"the setting rehearsal\.n"):
+            parse_rehearsal(text)
+    with pytest.raises(EnvaceError, match="with 1 <= N <= 64"):
+        parse_rehearsal("parallel:-2")
+
+
+@pytest.mark.parametrize("rehearsal", ["parallel:1000", "sequential:65", "parallel:0"])
+def test_eval_refuses_a_rehearsal_n_out_of_bounds_before_any_model_loads(rehearsal, eval_loads_no_model, over,
+                                                                        tmp_path, capsys):
+    argv = ["--profile", "test", "--overrides", over, "eval", "--model", "bundled:smollm2-135m-instruct",
+            "--bench", "bfcl:multi_turn_base", "--rehearsal", rehearsal, "--limit", "1", "--out", str(tmp_path / "o")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"envace: error: --rehearsal '{rehearsal}': N = "), err
+    assert not (tmp_path / "o").exists()
+
+
+def test_evaluate_workflow_refuses_a_rehearsal_n_out_of_bounds(eval_loads_no_model, over, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # Flyte's local sandbox stays in tmp
+    from workflows.evaluate import evaluate
+
+    with pytest.raises(Exception, match=r"--rehearsal 'parallel:1000': N = 1000 is outside 1\.\.64"):
+        evaluate(model="bundled:smollm2-135m-instruct", bench="tau2:mock", split="full", rehearsal="parallel:1000",
+                 limit=1, out=str(tmp_path / "wf"), profile="test", overrides=over)
+    assert not (tmp_path / "wf").exists()
+
+
 def test_cli_reports_bad_spec_in_one_line_before_loading_a_model(capsys, tmp_path):
     assert main(["eval", "--model", "/nowhere/model", "--bench", "bfcl:cobol", "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err

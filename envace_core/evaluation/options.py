@@ -119,14 +119,31 @@ def check_bench_data(specs: list[BenchSpec]) -> None:
             raise BenchSpecError(f"--bench item {s.label!r}: {e}") from None
 
 
+def rehearsal_n_bounds() -> tuple[int, int]:
+    """(lowest, highest) N of a rehearsal round: the bounds of the setting ``rehearsal.n`` (`RehearsalConfig`),
+    which every N a command or workflow takes (``--rehearsal parallel:N``, ``--n``) must also pass."""
+    from annotated_types import Ge, Le
+
+    from envace_core.config_sections import RehearsalConfig
+
+    meta = RehearsalConfig.model_fields["n"].metadata
+    return (next(int(m.ge) for m in meta if isinstance(m, Ge)), next(int(m.le) for m in meta if isinstance(m, Le)))
+
+
 def parse_rehearsal(text: str) -> tuple[str, int]:
-    """``none`` | ``parallel:N`` | ``sequential:N`` (N >= 1) -> (mode, n); raises `EnvaceError`."""
+    """``none`` | ``parallel:N`` | ``sequential:N`` -> (mode, n), n = 0 for none. N must be within the bounds
+    of the setting ``rehearsal.n`` (`rehearsal_n_bounds`: 1..64). Raises `EnvaceError` naming --rehearsal and
+    `text` for a malformed item or an N out of those bounds."""
+    lo, hi = rehearsal_n_bounds()
     mode, _, n = (text or "none").strip().partition(":")
     if mode == "none" and not n:
         return "none", 0
-    if mode not in REHEARSAL_MODES[1:] or not (n.isascii() and n.isdigit()) or int(n) < 1:  # not '²'/'٣
-        raise EnvaceError(f"--rehearsal {text!r}: write none, parallel:N or sequential:N with N >= 1 "
+    if mode not in REHEARSAL_MODES[1:] or not (n.isascii() and n.isdigit()):  # not '²'/'٣', '-1'
+        raise EnvaceError(f"--rehearsal {text!r}: write none, parallel:N or sequential:N with {lo} <= N <= {hi} "
                           "(e.g. parallel:4)")
+    if not lo <= int(n) <= hi:
+        raise EnvaceError(f"--rehearsal {text!r}: N = {int(n)} is outside {lo}..{hi}, the bounds of the setting "
+                          f"rehearsal.n; write none, parallel:N or sequential:N with {lo} <= N <= {hi}")
     return mode, int(n)
 
 
@@ -162,7 +179,8 @@ class EvalOptions:
 
     def check(self, specs: list[BenchSpec] | None = None, make_out: bool = True) -> None:
         """Raises EnvaceError for an empty or blank --out, --rehearsal, --user-url, --user-model, --judge-url,
-        --judge-model or --user-url-model (given but with no text: never read as "not given"), an option out
+        --judge-model or --user-url-model (given but with no text: never read as "not given"), a malformed
+        --rehearsal or one whose N is outside rehearsal.n's bounds (`parse_rehearsal`), an option out
         of range, a malformed --user-url / --judge-url, with the selected benches `specs` a flag they do not
         use (`check_used`) or --split test with tau2:mock (mock has only tau2's base split, which --split full
         runs), or an --out folder that cannot be created or written (it is created here, last; with
@@ -172,6 +190,7 @@ class EvalOptions:
                             ("--judge-model", self.judge_model), ("--user-url-model", self.user_url_model)):
             if value is not None and not str(value).strip():
                 raise EnvaceError(f"{flag} is empty: give a value or leave the flag out")
+        parse_rehearsal(self.rehearsal)
         if self.trials < 1:
             raise EnvaceError(f"--trials must be >= 1, got {self.trials}")
         if self.split not in SPLITS:
