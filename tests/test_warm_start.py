@@ -295,3 +295,26 @@ def test_the_warm_start_command_prints_the_adapter_alone_and_reuses_it(tiny_mode
     bad["store"]["root"] = str(tmp_path / "a_file" / "store")
     assert main(["--profile", "test", "--overrides", json.dumps(bad), "warm-start"]) == 2
     assert "store.root=" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("damage", ["adapter_cut", "checksums_not_json", "record_edited"])
+def test_a_damaged_stored_warm_start_is_refused_not_retrained_over(setup, tiny_model_dir, sft_steps, damage):
+    """A committed warm start whose files changed afterwards stops the stage with an error naming them; nothing
+    is trained and nothing in the store changes (a killed, never-committed write is replaced: the test above)."""
+    from envace_core.store.base import StoreError
+    from envace_core.store.files import dir_checksums
+
+    root, _, ds = setup
+    cfg = _cfg(tiny_model_dir, root, {"seed": 11 + ["adapter_cut", "checksums_not_json", "record_edited"].index(damage)})
+    first = warm_start(cfg, ds, say=lambda _: None)
+    d = Path(first["adapter_uri"]).parent
+    target = {"adapter_cut": d / "adapter" / "adapter_model.safetensors", "checksums_not_json": d / "CHECKSUMS.json",
+              "record_edited": d / "warm_start.json"}[damage]
+    data = target.read_bytes()
+    target.write_bytes({"adapter_cut": data[:100], "checksums_not_json": b"{bad",
+                        "record_edited": data.replace(b'"steps": 1', b'"steps": 9')}[damage])
+    before = dir_checksums(d)
+    with pytest.raises(StoreError, match=rf"was changed after it was written \(files that differ from its "
+                                         rf"CHECKSUMS.json: [^)]*{target.name}\); .*move .* aside"):
+        warm_start(cfg, ds, say=lambda _: None)
+    assert sft_steps == [1] and dir_checksums(d) == before  # not retrained, nothing rewritten

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     pass
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
-from envace_core.store.files import sha256_bytes
+from envace_core.store.files import CHECKSUMS, sha256_bytes
 from envace_core.store.uri import open_store
 from envace_core.types import Task, ToolCall, ToolSpec
 
@@ -122,7 +122,9 @@ def write_dataset(cfg: RunConfig, records: list[dict[str, Any]], gate: Any,
     tasks always get the same version and re-writing one is a no-op; tasks.parquet and
     manifest.json ({"version", **manifest}) go in with one `put_dir`. The passing `gate`'s results
     (`gates.GateResult`) are saved to `validation/dataset/<version>/gate.json`. Used by `curate`
-    and tool learning (`tool_learning.adapt`). Returns {"store", "key", "dir", "version",
+    and tool learning (`tool_learning.adapt`). A dataset of this version already in the store is reused
+    after checking its files against their checksums (store.StoreError, naming them, if any changed).
+    Returns {"store", "key", "dir", "version",
     "train_version" (the same hash over the train split's records alone: what a warm start depends
     on), "gate", "gate_key"} (`load_dataset` takes it)."""
     version = sha256_bytes(json.dumps(records, sort_keys=True).encode())[:16]
@@ -130,7 +132,9 @@ def write_dataset(cfg: RunConfig, records: list[dict[str, Any]], gate: Any,
     train_version = sha256_bytes(json.dumps(train, sort_keys=True).encode())[:16]
     store = open_store(cfg.store.root)
     key, gate_key = f"datasets/{version}", f"validation/dataset/{version}/gate.json"
-    if not store.exists(f"{key}/manifest.json"):
+    if store.exists(f"{key}/manifest.json") and store.exists(f"{key}/{CHECKSUMS}"):
+        store.get_verified_dir(key)  # reused only if intact (a changed file raises StoreError, naming it)
+    else:
         with tempfile.TemporaryDirectory() as tmp:
             pd.DataFrame(records).to_parquet(Path(tmp) / "tasks.parquet", index=False)
             (Path(tmp) / "manifest.json").write_text(json.dumps({"version": version, **manifest}, indent=2))
@@ -141,8 +145,10 @@ def write_dataset(cfg: RunConfig, records: list[dict[str, Any]], gate: Any,
 
 
 def load_dataset(dataset: dict[str, Any], split: str) -> list[Task]:
-    """The tasks of one split of a curated dataset (fetched from the artifact store if remote)."""
-    path = open_store(dataset["store"]).get_dir(dataset["key"]) / "tasks.parquet"
+    """The tasks of one split of a curated dataset (fetched from the artifact store if remote), its files
+    checked against their checksums first. Raises store.StoreError naming the files of a dataset changed
+    since curate wrote it, EnvaceError for a missing tasks.parquet."""
+    path = open_store(dataset["store"]).get_verified_dir(dataset["key"]) / "tasks.parquet"
     if not path.is_file():
         raise EnvaceError(f"dataset file {path} is missing: re-run the curate stage")
     df = pd.read_parquet(path)

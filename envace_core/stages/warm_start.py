@@ -14,8 +14,9 @@ Where it goes: store key ``warm_starts/<warm_start_id>`` (`WARM_START_KEY`), one
 adapter/ (`PolicyTrainer.save_adapter`: act/ + rehearse/ for a per-role policy, the layout
 train.init_adapter reads) and warm_start.json (the stage's result). `put_dir` commits atomically
 (LocalStore: version folder, CHECKSUMS.json, then one pointer swap; S3Store: the commit object last),
-so a killed write leaves no key; a directory there is reused only when its warm_start.json names the
-same id and every file matches its CHECKSUMS.json (`stored_warm_start`).
+so a killed write leaves no key; a directory there is reused when its warm_start.json names the same id
+and every file matches its CHECKSUMS.json (`stored_warm_start`), and refused otherwise (an error naming the
+changed files: a damaged warm start is neither used nor silently retrained over).
 
 The warm-start id (`warm_start_id`) hashes what decides the weights: the base model's content
 (`models.base_model_lineage`: weight files, or the S3 listing), the train split's version, the LoRA and SFT
@@ -40,6 +41,7 @@ from envace_core.config_checks import (
     effective_act_final_steps,
     effective_act_repeats,
 )
+from envace_core.store.base import StoreError
 from envace_core.store.files import CHECKSUMS, dir_checksums, sha256_bytes
 from envace_core.store.uri import init_adapter_dir, open_store
 from envace_core.types import Task
@@ -223,22 +225,27 @@ def warm_up(cfg: RunConfig, trainer: PolicyTrainer, by_role: dict[str, list[SFTE
 
 
 def stored_warm_start(store: Any, key: str, warm_id: str) -> dict[str, Any] | None:
-    """The result recorded in the complete warm start at store `key`, or None: nothing there, a
-    warm_start.json of another id, or a file that does not match the directory's CHECKSUMS.json
-    (e.g. a directory some other writer left half-written). Its ``adapter_uri`` is where the adapter is in
-    `store` now: the recorded one names where the store was when it was written, which a store copied or
-    moved to another path (another machine's disk, a renamed bucket) no longer holds."""
-    if not store.exists(f"{key}/{META}"):
-        return None
-    d = store.get_dir(key)
+    """The result recorded in the warm start at store `key`, or None when nothing committed is there (no
+    CHECKSUMS.json: nothing, or a write killed before its commit, which the caller's own write replaces). Its
+    ``adapter_uri`` is where the adapter is in `store` now: the recorded one names where the store was when
+    it was written, which a store copied or moved to another path (another machine's disk, a renamed
+    bucket) no longer holds.
+
+    Raises:
+        store.StoreError: a file there no longer matches the directory's checksums (changed, missing or
+            added since it was written; the message names them), or its warm_start.json is not this
+            warm start's record. Nothing is retrained over it or changed: the user moves it aside.
+    """
+    if not (store.exists(f"{key}/{META}") and store.exists(f"{key}/{CHECKSUMS}")):
+        return None  # nothing there, or a write that never committed (put_dir writes CHECKSUMS.json last)
+    d = store.get_verified_dir(key)
     try:
-        expected = json.loads((d / CHECKSUMS).read_text())
         meta = json.loads((d / META).read_text())
-    except (OSError, ValueError):
-        return None
-    actual = {k: v for k, v in dir_checksums(d).items() if k != CHECKSUMS}
-    if not isinstance(meta, dict) or meta.get("warm_start_id") != warm_id or actual != expected:
-        return None
+    except (OSError, ValueError) as e:
+        raise StoreError(f"{store.uri(key)}/{META} cannot be read ({e}): move {store.uri(key)} aside") from e
+    if not isinstance(meta, dict) or meta.get("warm_start_id") != warm_id:
+        raise StoreError(f"{store.uri(key)}/{META} is not the record of warm start {warm_id}: move "
+                         f"{store.uri(key)} aside (or delete it) so that it is trained again")
     return {**meta, "adapter_uri": store.uri(f"{key}/adapter")}
 
 

@@ -204,13 +204,33 @@ class LocalStore:
         return p
 
     def verify_dir(self, key: str) -> list[str]:
-        """Files under `key` whose sha256 no longer matches its CHECKSUMS.json (empty = intact)."""
+        """Files under `key` whose sha256 no longer matches its CHECKSUMS.json, missing or extra ones
+        included (empty = intact); ``[CHECKSUMS.json]`` when that file is no longer a JSON object of
+        {relpath: sha256}. Raises StoreError if `key` has no CHECKSUMS.json."""
         dest = self.path(key)
         if not (dest / CHECKSUMS).is_file():
             raise StoreError(f"artifact {key!r} has no CHECKSUMS.json: it was not written by put_dir")
-        expected = json.loads((dest / CHECKSUMS).read_text())
+        try:
+            expected = json.loads((dest / CHECKSUMS).read_text())
+        except (OSError, ValueError):
+            return [CHECKSUMS]
+        if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
+            return [CHECKSUMS]
         actual = {k: v for k, v in dir_checksums(dest).items() if k != CHECKSUMS}
         return sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
+
+    def get_verified_dir(self, key: str) -> Path:
+        """`get_dir`, after checking every file against the directory's CHECKSUMS.json (`verify_dir`).
+
+        Raises StoreError naming the files that changed, went missing or appeared since `put_dir`
+        wrote the directory (nothing is changed: the caller decides; the message says to move it aside)."""
+        d = self.get_dir(key)
+        bad = self.verify_dir(key)
+        if bad:
+            raise StoreError(f"artifact {key!r} in {self.root} was changed after it was written (files that differ "
+                             f"from its {CHECKSUMS}: {', '.join(bad)}); envace neither uses nor overwrites it: move "
+                             f"{d} aside (or delete it) so that the stage that wrote it writes it again")
+        return d
 
     @staticmethod
     def _version_in(leftover: Path, name: str) -> Path | None:
