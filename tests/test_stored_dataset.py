@@ -52,3 +52,18 @@ def test_an_intact_stored_dataset_is_reused(tmp_path, monkeypatch):
     first = curate(cfg)
     again = curate(cfg)
     assert again["version"] == first["version"] and again["dir"] == first["dir"]
+
+
+def test_a_changed_dataset_folder_given_as_a_tasks_file_is_refused(tmp_path, monkeypatch):
+    """`envace rehearse --tasks <dataset folder>` and the benchmarks read a folder as curate wrote it."""
+    from envace_core import EnvaceError
+    from envace_core.stages.dataset import read_tasks_file
+
+    cfg = _cfg(tmp_path, monkeypatch)
+    d = Path(curate(cfg)["dir"])
+    assert read_tasks_file(d)
+    pd.read_parquet(d / "tasks.parquet").head(1).to_parquet(d / "tasks.parquet", index=False)
+    with pytest.raises(EnvaceError, match=r"dataset folder .* was changed after it was written \(files that differ "
+                                          r"from its CHECKSUMS.json: tasks.parquet\)"):
+        read_tasks_file(d)
+    assert len(read_tasks_file(d / "tasks.parquet")) == 1  # the file itself, named as such, is read as it is

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
     pass
 from envace_core import EnvaceError
 from envace_core.config import RunConfig
-from envace_core.store.files import CHECKSUMS, sha256_bytes
+from envace_core.store.files import CHECKSUMS, changed_files, sha256_bytes
 from envace_core.store.uri import open_store
 from envace_core.types import Task, ToolCall, ToolSpec
 
@@ -80,15 +80,22 @@ def read_tasks_file(path: str | Path) -> list[Task]:
     ``benchmarks/rehearsal_effect.py --heldout`` writes its held-out set).
 
     Raises EnvaceError naming the path when it is missing, not a regular file, of another kind, unreadable
-    (including JSON nested too deep to decode), or holds a record that is not a task record (the record's
-    index, the column and what is wrong), all on one line."""
+    (including JSON nested too deep to decode), a dataset folder whose files differ from its CHECKSUMS.json
+    (naming them), or holds a record that is not a task record (the record's index, the column and what is
+    wrong), all on one line."""
     try:
         p = Path(path).expanduser()
-        if p.is_dir():
+        folder = p if p.is_dir() else None
+        if folder is not None:
             p = p / "tasks.parquet"
         exists, regular = p.exists(), p.is_file()
     except (OSError, RuntimeError) as e:  # a name too long, ~user without a home, ...
         raise EnvaceError(f"tasks file {str(path)[:200]!r} cannot be opened: {_one_line(e)}") from e
+    if folder is not None and (folder / CHECKSUMS).is_file():  # a dataset folder as the store wrote it
+        changed = changed_files(folder)
+        if changed:
+            raise EnvaceError(f"dataset folder {folder} was changed after it was written (files that differ from its "
+                              f"{CHECKSUMS}: {', '.join(changed)}): curate it again, or give an intact copy")
     if not exists:
         raise EnvaceError(f"tasks file {p} does not exist: give a curated dataset folder "
                           "(<store>/datasets/<version>), its tasks.parquet, or a .json list of task records")

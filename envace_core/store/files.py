@@ -172,6 +172,21 @@ def atomic_dir(final: str | Path, build: Callable[[Path], None], exists: str = "
 CHECKSUMS = "CHECKSUMS.json"  # the per-directory manifest {relpath: sha256}; on S3 also the commit object
 
 
+def changed_files(folder: str | Path) -> list[str]:
+    """Files of `folder` whose sha256 differs from its CHECKSUMS.json, missing and extra ones included (sorted
+    relative paths; empty = intact), or ``[CHECKSUMS.json]`` when that file cannot be read or is not a JSON
+    object of {relpath: sha256}."""
+    folder = Path(folder)
+    try:
+        expected = json.loads((folder / CHECKSUMS).read_text())
+    except (OSError, ValueError):
+        return [CHECKSUMS]
+    if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
+        return [CHECKSUMS]
+    actual = {k: v for k, v in dir_checksums(folder).items() if k != CHECKSUMS}
+    return sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
+
+
 def cache_root() -> Path:
     """Where envace caches derived files (dequantised models, S3 downloads): $ENVACE_CACHE or ~/.cache/envace."""
     return Path(os.environ.get("ENVACE_CACHE", Path.home() / ".cache" / "envace"))

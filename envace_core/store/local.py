@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from envace_core.store.base import StoreError, check_key
-from envace_core.store.files import CHECKSUMS, dir_checksums, sha256_bytes, writable_dir_problem
+from envace_core.store.files import CHECKSUMS, changed_files, dir_checksums, sha256_bytes, writable_dir_problem
 
 # hidden siblings of a put_dir key `name`: version folders (v), temporary links (link) and what the
 # earlier two-rename writes left (tmp: a build, old: the swapped-out version inside `old-*/<name>`)
@@ -38,14 +38,7 @@ def _token() -> str:
 
 def _complete(folder: Path) -> bool:
     """True when `folder` holds a CHECKSUMS.json that parses and that every file matches."""
-    try:
-        expected = json.loads((folder / CHECKSUMS).read_text())
-    except (OSError, ValueError):
-        return False
-    if not isinstance(expected, dict):
-        return False
-    actual = {k: v for k, v in dir_checksums(folder).items() if k != CHECKSUMS}
-    return actual == {k: v for k, v in expected.items() if k != CHECKSUMS}
+    return not changed_files(folder)
 
 
 def _remove(p: Path) -> None:
@@ -210,14 +203,7 @@ class LocalStore:
         dest = self.path(key)
         if not (dest / CHECKSUMS).is_file():
             raise StoreError(f"artifact {key!r} has no CHECKSUMS.json: it was not written by put_dir")
-        try:
-            expected = json.loads((dest / CHECKSUMS).read_text())
-        except (OSError, ValueError):
-            return [CHECKSUMS]
-        if not isinstance(expected, dict) or not all(isinstance(v, str) for v in expected.values()):
-            return [CHECKSUMS]
-        actual = {k: v for k, v in dir_checksums(dest).items() if k != CHECKSUMS}
-        return sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
+        return changed_files(dest)
 
     def get_verified_dir(self, key: str) -> Path:
         """`get_dir`, after checking every file against the directory's CHECKSUMS.json (`verify_dir`).
