@@ -143,8 +143,7 @@ def _registry(args) -> int:
 def _rehearse(args) -> int:
     """Private Rehearsal on one tau2 task, shown step by step (`envace_core.rehearsal.inspect`)."""
     from envace_core.rehearsal.inspect import (
-        LIST_HINT,
-        find_task,
+        check_rehearse_args,
         print_result,
         rehearse_task,
         task_ids,
@@ -176,22 +175,10 @@ def _rehearse(args) -> int:
             for split, ids in task_ids(dom).items():
                 print(f"{dom} {split} ({len(ids)}): {' '.join(ids)}")
         return 0
-    if not args.task:
-        raise EnvaceError(f"give the task as --task DOMAIN/ID (e.g. airline/3); {LIST_HINT}")
-    if args.n is not None and args.n < 1:
-        raise EnvaceError(f"--n must be >= 1, got {args.n}")
-    if args.max_turns is not None and args.max_turns < 1:
-        raise EnvaceError(f"--max-turns must be >= 1, got {args.max_turns}")
     cfg = load_config(args.profile, args.overrides)
-    if args.n is not None:
-        apply_setting(cfg, "rehearsal.n", str(args.n), "--n")  # the config's bounds
-    if (args.mode or cfg.rehearsal.mode) == "none":
-        check_rehearse_flags(args, mode_none=True)
-    if args.model is not None:
-        apply_setting(cfg, "model.ref", args.model, "--model")
-    if args.adapter is not None and not args.adapter.strip():
-        raise ConfigError("--adapter is empty: give a LoRA adapter folder, or leave --adapter out")
-    find_task(args.task, args.tasks)  # an unknown id or a bad tasks file fails before the model loads
+    check_rehearse_args(cfg, args.task, mode=args.mode, n=args.n, model=args.model, adapter=args.adapter,
+                        tasks_file=args.tasks, reenter=args.reenter, no_verifier=args.no_verifier,
+                        max_turns=args.max_turns)  # the rehearse workflow's task makes the same checks
     res = rehearse_task(cfg, args.task, args.mode, args.n, adapter_dir=args.adapter, tasks_file=args.tasks,
                                      reenter=True if args.reenter else None,
                                      verifier=False if args.no_verifier else None,
@@ -200,26 +187,20 @@ def _rehearse(args) -> int:
     return 0
 
 
-def check_rehearse_flags(args, mode_none: bool = False) -> None:
-    """Raises `UnusedOptionError` for an `envace rehearse` flag that would be ignored: with --list, every
-    flag of a rehearsal run (--list only prints task ids); with rehearsal mode none (``--mode none`` or the
-    profile's rehearsal.mode), --n, --reenter and --no-verifier, which only shape rehearsals."""
+def check_rehearse_flags(args) -> None:
+    """Raises `UnusedOptionError` for an `envace rehearse` flag that --list would ignore: every flag of a
+    rehearsal run (--list only prints task ids). A run's own checks: `rehearsal.inspect.check_rehearse_args`."""
     from envace_core.evaluation.options import UnusedOptionError
 
     run_flags = {"--task": args.task is not None, "--mode": args.mode is not None, "--n": args.n is not None,
                  "--model": args.model is not None, "--adapter": args.adapter is not None,
                  "--reenter": args.reenter, "--no-verifier": args.no_verifier,
                  "--max-turns": args.max_turns is not None}
-    if args.list is not None and not mode_none:
+    if args.list is not None:
         for flag, given in run_flags.items():
             if given:
                 raise UnusedOptionError(f"{flag}: --list only prints task ids and runs nothing; drop {flag} "
                                         "to list, or drop --list to rehearse --task")
-    if mode_none:
-        for flag in ("--n", "--reenter", "--no-verifier"):
-            if run_flags[flag]:
-                raise UnusedOptionError(f"{flag}: rehearsal mode none makes no rehearsal, so {flag} would be "
-                                        "ignored; drop it or choose --mode parallel or sequential")
 
 
 def check_unused_flags(args) -> None:

@@ -101,6 +101,66 @@ def test_rehearse_workflow_runs_locally(over, tmp_path, monkeypatch):
     assert "Committed execution" in html and "Isolation" in html
 
 
+@pytest.fixture
+def loads_no_model(monkeypatch):
+    """Fail the test if a rehearsal loads a model (for errors that must come first)."""
+    from envace_core.training import policy
+
+    def refuse(*a, **k):
+        raise AssertionError("a model was loaded before the bad argument was reported")
+
+    monkeypatch.setattr(policy, "load_policy", refuse)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"n": 1000}, "--n '1000' (the setting rehearsal.n): Input should be less than or equal to 64"),
+    ({"n": 0}, "--n must be >= 1, got 0"),
+    ({"mode": "none", "n": 7}, "--n: rehearsal mode none makes no rehearsal"),
+    ({"mode": "sideways"}, "--mode 'sideways': choose one of none, parallel, sequential"),
+    ({"task_id": "airline/9999"}, "unknown task id 'airline/9999'"),
+    ({"task_id": " "}, "give the task as --task_id DOMAIN/ID"),
+])
+def test_rehearse_workflow_makes_the_clis_checks_before_any_model_loads(kw, needle, loads_no_model, over, tmp_path,
+                                                                       monkeypatch):
+    monkeypatch.chdir(tmp_path)  # Flyte's local sandbox stays in tmp
+    from workflows.rehearse import rehearse
+
+    with pytest.raises(Exception) as e:
+        rehearse(**{"task_id": "airline/2", **kw}, profile="test", overrides=over)
+    assert needle in " ".join(str(e.value).split()), str(e.value)
+
+
+def test_the_cli_and_the_workflow_task_share_one_argument_check(loads_no_model, over, tmp_path, monkeypatch, capsys):
+    import envace_core.rehearsal.inspect as inspect_mod
+
+    seen = []
+
+    def check(cfg, task_id, **kw):
+        seen.append((task_id, kw.get("mode"), kw.get("n")))
+        raise inspect_mod.EnvaceError("refused by the shared check")
+
+    monkeypatch.setattr(inspect_mod, "check_rehearse_args", check)
+    assert main(["--profile", "test", "--overrides", over, "rehearse", "--task", "airline/2", "--n", "3"]) == 2
+    assert "refused by the shared check" in capsys.readouterr().err
+    import tasks.rehearse as task_mod
+
+    monkeypatch.setattr(task_mod, "check_rehearse_args", check)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(Exception, match="refused by the shared check"):
+        task_mod.rehearse_task(task_id="airline/2", mode=None, n=None, profile="test", overrides=over)
+    assert seen == [("airline/2", None, 3), ("airline/2", None, None)]
+
+
+def test_rehearse_workflows_n_defaults_to_the_profiles_rehearsal_n(over, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # Flyte's local sandbox stays in tmp
+    from workflows.rehearse import rehearse
+
+    o = json.loads(over)
+    o.update({"rehearsal": {"mode": "parallel", "n": 3}, "eval": {"max_turns": 1}})
+    out = json.loads(rehearse(task_id="airline/2", profile="test", overrides=json.dumps(o)))
+    assert out["settings"]["mode"] == "parallel" and out["settings"]["n"] == 3 and out["n_rehearsals"] == 3
+
+
 def _records(tmp_path):
     """Two task records as `stages.dataset.task_record` writes them: tau2's airline/2 under a held-out id."""
     from envace_core.envs.tau2.tasks import load_tasks

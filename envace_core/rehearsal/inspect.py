@@ -87,6 +87,45 @@ def find_task(task_id: str, tasks_file: str | None = None):
 
 
 # ---------------------------------------------------------------------------------------- running
+def check_rehearse_args(cfg: RunConfig, task_id: str | None, *, mode: str | None = None, n: int | None = None,
+                        model: str | None = None, adapter: str | None = None, tasks_file: str | None = None,
+                        reenter: bool = False, no_verifier: bool = False, max_turns: int | None = None,
+                        task_flag: str = "--task") -> None:
+    """The argument checks of one rehearsal run (`envace rehearse`, the rehearse workflow's task), made before any
+    model loads; `n` and `model`, when given, are set in `cfg` (``rehearsal.n``, ``model.ref``) through the
+    settings' own checks. `mode` / `n` None: the profile's ``rehearsal.mode`` / ``rehearsal.n``; `reenter` /
+    `no_verifier`: whether those flags were given; `task_flag`: how the caller names the task id.
+
+    Raises `EnvaceError` naming the flag: no task id, an unknown mode, ``n < 1``, ``max_turns < 1``, an empty
+    adapter; `ConfigError` for an `n` outside the bounds of ``rehearsal.n`` (1..64) or a bad `model`;
+    `evaluation.options.UnusedOptionError` for --n, --reenter or --no-verifier under rehearsal mode none (they
+    would be ignored); `UnknownTaskError` / `EnvaceError` from `find_task` (an unknown id, a bad tasks file)."""
+    from envace_core.config import ConfigError, apply_setting
+    from envace_core.evaluation.options import UnusedOptionError
+
+    if not (task_id or "").strip():
+        raise EnvaceError(f"give the task as {task_flag} DOMAIN/ID (e.g. airline/3); {LIST_HINT}")
+    if mode is not None and mode not in MODES:
+        raise EnvaceError(f"--mode {mode!r}: choose one of {', '.join(MODES)} (or leave it out for the profile's "
+                          f"rehearsal.mode, {cfg.rehearsal.mode})")
+    if n is not None and n < 1:
+        raise EnvaceError(f"--n must be >= 1, got {n}")
+    if max_turns is not None and max_turns < 1:
+        raise EnvaceError(f"--max-turns must be >= 1, got {max_turns}")
+    if n is not None:
+        apply_setting(cfg, "rehearsal.n", str(n), "--n")  # the config's bounds
+    if (mode or cfg.rehearsal.mode) == "none":
+        for flag, given in (("--n", n is not None), ("--reenter", reenter), ("--no-verifier", no_verifier)):
+            if given:
+                raise UnusedOptionError(f"{flag}: rehearsal mode none makes no rehearsal, so {flag} would be "
+                                        "ignored; drop it or choose --mode parallel or sequential")
+    if model is not None:
+        apply_setting(cfg, "model.ref", model, "--model")
+    if adapter is not None and not adapter.strip():
+        raise ConfigError("--adapter is empty: give a LoRA adapter folder, or leave --adapter out")
+    find_task(task_id, tasks_file)  # an unknown id or a bad tasks file fails before the model loads
+
+
 def rehearse_task(cfg: RunConfig, task_id: str, mode: str | None = None, n: int | None = None, *,
                   adapter_dir: str | None = None, reenter: bool | None = None,
                   verifier: bool | None = None, max_turns: int | None = None,
