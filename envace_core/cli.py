@@ -224,9 +224,10 @@ def _eval(args) -> int:
     """Benchmark evaluation (`evaluation.harness.run_eval`), then the report (`evaluation.report`)."""
     from envace_core.evaluation import report
     from envace_core.evaluation.harness import run_eval
-    from envace_core.evaluation.options import EvalOptions
+    from envace_core.evaluation.options import EvalOptions, check_out_folder
 
     check_unused_flags(args)
+    check_out_folder(args.out)  # a folder of the user's files is refused; an earlier --out resumes
     opts = EvalOptions(
         model=args.model, benches=args.bench, out=args.out, rehearsal=args.rehearsal, user_model=args.user_model,
         user_url=args.user_url, user_url_model=args.user_url_model, judge_model=args.judge_model,
@@ -402,7 +403,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("--bench", required=True, help="comma-separated: tau2:DOMAIN, bfcl:CATEGORY, vita:PATH, finmcp:PATH")
     e.add_argument("--rehearsal", default="none", help="none | parallel:N | sequential:N (tau2, VitaBench and "
                    "BFCL multi-turn; single-turn BFCL and FinMCP never rehearse)")
-    e.add_argument("--out", default=".envace/eval", help="output folder (report, results, resume cache)")
+    e.add_argument("--out", default=".envace/eval", help="output folder (report, results, resume cache): a new or "
+                   "empty folder, or an earlier eval --out to resume it")
     e.add_argument("--trials", type=int, default=1, help="k trials per task (pass^k)")
     e.add_argument("--split", default="test", choices=["test", "full"],
                    help="tau2 split (full = every task; tau2:mock has only full)")

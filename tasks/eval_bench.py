@@ -4,7 +4,8 @@ Writes results.json, report.md, report.html, the PNG plots and the resume cache 
 report folder and returns it as a FlyteDirectory, i.e. through Flyte's data plane (the cluster's blob
 store; flytekit's local sandbox in a local run), with the results as JSON and the report as HTML in
 the task's Flyte Deck. The folder is `out` when given (a local run that wants the files in one
-place), else a fresh folder in the task's working directory; a pod's disk is never the only copy.
+place; new, empty or an earlier report folder, else refused: `options.check_out_folder`), else a fresh
+folder in the task's working directory; a pod's disk is never the only copy.
 `resume`, the report folder of an earlier run, is downloaded into the folder first, so its cache
 entries are reused (same fingerprint: same model, benches and settings).
 """
@@ -21,7 +22,7 @@ from flytekit.types.directory import FlyteDirectory
 import envace_core  # noqa: F401  (offline environment before anything imports tau2)
 from envace_core.evaluation import report
 from envace_core.evaluation.harness import run_eval
-from envace_core.evaluation.options import EvalOptions
+from envace_core.evaluation.options import EvalOptions, check_out_folder
 from tasks.resources import stage_task
 
 EvalBench = NamedTuple("EvalBench", [("results", str), ("report", FlyteDirectory)])
@@ -45,6 +46,7 @@ def eval_bench(model: str, bench: str, rehearsal: str, trials: int, split: str, 
     """
     # Flyte inputs cannot be None: limit 0 means "all", an empty user_model/user_url means "the policy".
     local, remote = _report_dir(out)
+    check_out_folder(str(local))  # not a folder of other files (an earlier report folder resumes)
     if resume is not None:
         shutil.copytree(resume.download(), local, dirs_exist_ok=True)
     opts = EvalOptions(model=model, benches=bench, out=str(local), rehearsal=rehearsal, trials=trials, split=split,

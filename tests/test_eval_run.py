@@ -248,6 +248,9 @@ def test_tiny_model_end_to_end_then_resume(tiny_model_dir, over, tmp_path, capsy
     for name in ("report.md", "report.html", "scores.png", "published_comparison.png"):
         assert (out / name).stat().st_size > 0
     assert (out / "scores.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from envace_core.evaluation.options import CACHE_DIR, REPORT_FILES
+
+    assert {e.name for e in out.iterdir()} <= {*REPORT_FILES, CACHE_DIR}  # what check_out_folder knows as eval's
     printed = capsys.readouterr().out
     assert "report: " + str(out / "report.md") in printed and "simple_python" in printed
 
@@ -356,3 +359,94 @@ def test_an_out_path_that_is_a_file_is_refused_before_any_work(tmp_path):
     EvalOptions(model="bundled:smollm2-135m-instruct", benches="bfcl:simple", out=str(tmp_path / "new")).check()
     with pytest.raises(EnvaceError, match="--out: cannot use the path .File name too long"):
         EvalOptions(model="bundled:smollm2-135m-instruct", benches="bfcl:simple", out=str(tmp_path / ("a" * 300))).check()
+
+
+# ------------------------------------------------------------------------------ --out of other files
+def _earlier_out(d: Path, cache: bool = True, results: bool = True) -> Path:
+    """A folder as an earlier `envace eval --out` leaves it (report files, a cache per fingerprint)."""
+    d.mkdir(parents=True)
+    for name in ("report.md", "report.html", "scores.png"):
+        (d / name).write_text("eval's")
+    if results:
+        (d / "results.json").write_text(json.dumps({"fingerprint": "0123456789abcdef", "benches": []}))
+    if cache:
+        (d / "cache" / "0123456789abcdef").mkdir(parents=True)
+        (d / "cache" / "0123456789abcdef" / "bfcl_simple_python_limit-1.json").write_text("{}")
+    return d
+
+
+def test_check_out_folder_accepts_new_empty_and_earlier_outs(tmp_path):
+    from envace_core.evaluation.options import check_out_folder
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "afile").write_text("x")
+    for d in (tmp_path / "new" / "sub", tmp_path / "empty", _earlier_out(tmp_path / "earlier"),
+              _earlier_out(tmp_path / "no-cache", cache=False), _earlier_out(tmp_path / "interrupted", results=False),
+              tmp_path / "afile"):  # a file in the way is EvalOptions.check's to name
+        check_out_folder(str(d))
+    (tmp_path / "interrupted" / "report.md").rename(tmp_path / "interrupted" / "report.md.tmp")  # a write cut short
+    check_out_folder(str(tmp_path / "interrupted"))
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda d: (d / "report.md").write_text("my notes"),
+     "holds report.md but no eval resume cache (cache/<fingerprint>/) or eval results.json"),
+    (lambda d: (d / "results.json").write_text('{"mine": 1}'), "holds results.json but no eval resume cache"),
+    (lambda d: (_earlier_out(d / "x"), (d / "x" / "todo.txt").write_text("mine")), "did not write (todo.txt)"),
+    (lambda d: [(d / f"f{i}.txt").write_text("") for i in range(7)],
+     "did not write (f0.txt, f1.txt, f2.txt, f3.txt, f4.txt and 2 more)"),
+    (lambda d: (d / "cache" / "not-a-fingerprint").mkdir(parents=True), "holds cache but no eval resume cache"),
+])
+def test_check_out_folder_refuses_a_folder_of_other_files(make, needle, tmp_path):
+    from envace_core.evaluation.options import check_out_folder
+
+    d = tmp_path / "o"
+    d.mkdir()
+    make(d)
+    if (d / "x").exists():
+        d = d / "x"
+    with pytest.raises(EnvaceError) as e:
+        check_out_folder(str(d))
+    msg = str(e.value)
+    assert needle in msg and "choose an empty or new folder" in msg and f"--out {str(d)!r}" in msg, msg
+
+
+def test_check_out_folder_refuses_a_registry_version_and_a_folder_in_it(tmp_path):
+    from envace_core.evaluation.options import check_out_folder
+
+    version = tmp_path / "registry" / "envace-policy" / "20260101T000000Z-abcdef01"
+    (version / "artifacts" / "adapter").mkdir(parents=True)
+    (version / "manifest.json").write_text("{}")
+    for d in (version, version / "eval", version / "artifacts" / "adapter"):
+        with pytest.raises(EnvaceError, match=f"is inside the model registry version '{version}'"):
+            check_out_folder(str(d))
+    with pytest.raises(EnvaceError, match=r"did not write \(20260101T000000Z-abcdef01\)"):
+        check_out_folder(str(version.parent))  # the model's folder of versions
+
+
+def test_eval_refuses_an_out_of_the_users_files_before_any_model_loads(eval_loads_no_model, over, tmp_path, capsys):
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "report.md").write_text("my report")
+    (d / "results.json").write_text('{"my": "results"}')
+    argv = ["--profile", "test", "--overrides", over, "eval", "--model", "bundled:smollm2-135m-instruct", "--bench",
+            "bfcl:simple", "--limit", "1", "--out", str(d)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"envace: error: --out {str(d)!r} holds "), err
+    assert "choose an empty or new folder" in err
+    assert (d / "report.md").read_text() == "my report" and sorted(p.name for p in d.iterdir()) == ["report.md",
+                                                                                                   "results.json"]
+
+
+def test_evaluate_workflow_refuses_an_out_of_the_users_files(eval_loads_no_model, over, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # Flyte's local sandbox stays in tmp
+    from workflows.evaluate import evaluate
+
+    d = tmp_path / "mine"
+    d.mkdir()
+    (d / "report.html").write_text("<p>mine</p>")
+    with pytest.raises(Exception, match="holds report.html but no eval resume cache"):
+        evaluate(model="bundled:smollm2-135m-instruct", bench="bfcl:simple", limit=1, out=str(d), profile="test",
+                 overrides=over)
+    assert (d / "report.html").read_text() == "<p>mine</p>"

@@ -11,7 +11,8 @@ Same inputs as `envace eval`, `--protocol` included (limit 0 = all; empty user_m
 policy plays the user). Returns the results as JSON; the task's Flyte Deck shows the report (tables,
 plots, published figures). The report folder (results.json, report.md/.html, PNGs, resume cache) is the
 eval_bench task's FlyteDirectory output, in Flyte's blob store; with `out` "" (the default) the JSON's
-`report_paths` are URIs there. `out` names a local folder instead (local runs). `resume` (an earlier
+`report_paths` are URIs there. `out` names a local folder instead (local runs): a new or empty folder, or
+an earlier run's report folder (a folder of other files is refused before the model loads). `resume` (an earlier
 run's report folder, e.g. its `report_paths.folder`) seeds the resume cache. `evaluate` puts the
 task on the `cpu` tier (CPU profiles), `evaluate_on_gpu` on the `gpu` tier with the GPU type.
 """

@@ -231,6 +231,64 @@ class EvalOptions:
                               "write (the report and the resume cache are written under --out)")
 
 
+# what `envace eval` writes in its --out folder: `report.write_report`'s files and `harness.run_eval`'s resume cache
+REPORT_FILES = ("results.json", "report.md", "report.html", "scores.png", "published_comparison.png")
+CACHE_DIR = "cache"  # cache/<fingerprint: 16 hex>/, one folder per fingerprint
+
+
+def _is_eval_cache(d: Path) -> bool:
+    """`d` is a folder whose entries are all `run_eval` cache folders (16 hex digits: a fingerprint)."""
+    return d.is_dir() and all(c.is_dir() and len(c.name) == 16 and all(ch in "0123456789abcdef" for ch in c.name)
+                              for c in d.iterdir())
+
+
+def _is_eval_results(f: Path) -> bool:
+    """`f` is a results.json that `report.write_report` wrote (a JSON object with a fingerprint and benches)."""
+    try:
+        data = json.loads(f.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return False
+    return isinstance(data, dict) and {"fingerprint", "benches"} <= data.keys()
+
+
+def check_out_folder(out: str) -> None:
+    """Refuse an ``envace eval`` --out whose files the report would replace or the run would add to: a folder
+    inside a model registry version (one holding manifest.json and artifacts/, or under one), or an existing
+    non-empty folder that is not an earlier eval --out. An earlier --out (entries only `REPORT_FILES`, their
+    ``.tmp`` siblings and ``cache/``, with eval's cache folders or eval's results.json) is accepted: the run
+    resumes from its cache.
+    A missing or empty folder is accepted; a path that is not a folder is left to `EvalOptions.check`. Reads
+    only. Raises `EnvaceError` naming --out, what is there, and to choose an empty or new folder."""
+    from envace_core.store.registry import MANIFEST
+
+    d = Path(out).expanduser()
+    try:
+        for q in (d, *d.parents):
+            if (q / MANIFEST).is_file() and (q / "artifacts").is_dir():
+                raise EnvaceError(f"--out {out!r} is inside the model registry version {str(q)!r} (its artifacts "
+                                  f"are checked against its {MANIFEST}): choose an empty or new folder outside the "
+                                  "registry")
+        if not d.is_dir():
+            return
+        names = sorted(e.name for e in d.iterdir())
+    except OSError:
+        return  # an unusable path: `EvalOptions.check` names it
+    if not names:
+        return
+    ours = {*REPORT_FILES, *(f + ".tmp" for f in REPORT_FILES), CACHE_DIR}  # .tmp: an atomic write cut short
+    foreign = [n for n in names if n not in ours]
+    why = None
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        why = f"holds files eval did not write ({shown})"
+    elif not (_is_eval_cache(d / CACHE_DIR) or _is_eval_results(d / "results.json")):
+        why = f"holds {', '.join(names)} but no eval resume cache ({CACHE_DIR}/<fingerprint>/) or eval results.json"
+    if why:
+        raise EnvaceError(f"--out {out!r} {why}: eval writes {', '.join(REPORT_FILES[:3])}, PNGs and its resume "
+                          f"cache there, replacing files of those names; choose an empty or new folder (or an "
+                          "earlier eval --out, to resume its run)")
+
+
 def check_url(flag: str, url: str) -> None:
     """Raises EnvaceError naming `flag` unless `url` is an http(s) URL with a host (an OpenAI-compatible
     base URL such as http://localhost:8000/v1)."""
