@@ -74,7 +74,30 @@ def test_corrupt_manifest_is_a_registry_error(tmp_path):
     path = reg.register("m", "1", art, {})
     (path / "manifest.json").write_text("{broken")
     with pytest.raises(RegistryError, match="corrupt"):
-        reg.verify("m", "1")
+        reg.show("m", "1")
+    bad = reg.verify("m", "1")  # verify lists it as what fails (exit 1), as it does a changed artifact
+    assert len(bad) == 1 and bad[0].startswith("manifest.json (Expecting property name")
+
+
+@pytest.mark.parametrize("content, problem", [
+    ("[1, 2]", "it holds a JSON list, not an object"),
+    ('{"artifacts": "x"}', "it records no artifacts"),
+    ("{}", "it records no artifacts"),
+    ('{"name": "other", "artifacts": {"artifacts/w": "0"}}', "its name is 'other', not 'm'"),
+    ('{"artifacts": {"artifacts/w": 1}}', "its artifacts are not {path: sha256} strings"),
+])
+def test_a_manifest_that_is_valid_json_but_no_manifest_fails_verification(tmp_path, content, problem, monkeypatch):
+    from envace_core.store.registry import CorruptManifestError, Registry
+
+    monkeypatch.delenv("ENVACE_REGISTRY_HMAC_KEY", raising=False)
+    art = tmp_path / "a"
+    art.mkdir()
+    (art / "w").write_text("w")
+    reg = Registry(tmp_path / "reg")
+    (reg.register("m", "1", art, {}) / "manifest.json").write_text(content)
+    assert reg.verify("m", "1") == [f"manifest.json ({problem})"]
+    with pytest.raises(CorruptManifestError, match=rf"is corrupt: {re.escape(problem)}; this version cannot be"):
+        reg.show("m", "1")
 
 
 def _fields(model: type[BaseModel] = RunConfig, prefix: str = ""):

@@ -55,6 +55,32 @@ class RegistryError(EnvaceError):
     """A registry operation was refused (duplicate version, missing model, tampered artifact)."""
 
 
+class CorruptManifestError(RegistryError):
+    """A registered version's manifest.json is not a manifest: unreadable, not a JSON object, no artifacts.
+    `problem` says what is wrong (the message's middle part)."""
+
+    def __init__(self, message: str, problem: str):
+        super().__init__(message)
+        self.problem = problem
+
+
+def manifest_problem(manifest: Any, name: str, version: str) -> str | None:
+    """What makes decoded manifest.json content unusable as `name@version`'s manifest, or None: not a JSON
+    object, no ``artifacts`` object of {"artifacts/<relpath>": sha256} (at least one), or a ``name`` /
+    ``version`` field naming another version (fields a hand-made manifest may lack are not required)."""
+    if not isinstance(manifest, dict):
+        return f"it holds a JSON {type(manifest).__name__}, not an object"
+    arts = manifest.get("artifacts")
+    if not isinstance(arts, dict) or not arts:
+        return "it records no artifacts"
+    if not all(isinstance(k, str) and isinstance(v, str) for k, v in arts.items()):
+        return "its artifacts are not {path: sha256} strings"
+    for field, want in (("name", name), ("version", version)):
+        if field in manifest and manifest[field] != want:
+            return f"its {field} is {manifest[field]!r}, not {want!r}"
+    return None
+
+
 class Registry:
     """A model registry in a local directory or under `s3://bucket/prefix`.
 
@@ -230,14 +256,18 @@ class Registry:
         _check_ref(name, version)
         try:
             raw = self._read_manifest(name, version)
-            return json.loads(raw)
+            manifest = json.loads(raw)
+            problem = manifest_problem(manifest, name, version)
         except (json.JSONDecodeError, UnicodeDecodeError, StoreError) as e:
             if isinstance(e, TransientError):
                 raise
             if isinstance(e, StoreError) and "not found" in str(e):
                 raise RegistryError(f"{name}@{version} is not registered in {self.root}") from None
-            raise RegistryError(f"the manifest of {name}@{version} ({self.uri(name, version)}/{MANIFEST}) "
-                                f"is corrupt: {e}; this version cannot be trusted") from None
+            problem = str(e)
+        if problem is not None:
+            raise CorruptManifestError(f"the manifest of {name}@{version} ({self.uri(name, version)}/{MANIFEST}) "
+                                       f"is corrupt: {problem}; this version cannot be trusted", problem)
+        return manifest
 
     def _read_manifest(self, name: str, version: str) -> bytes:
         if self._s3 is not None:
@@ -275,16 +305,20 @@ class Registry:
         manifest, or another key). On S3 every object is streamed and hashed; if the manifest object itself no longer
         matches its commit, the result lists `manifest.json` and every other file that fails.
 
+        A manifest that is not one (`manifest_problem`) is listed as ``manifest.json (<what is wrong>)``.
+
         Raises:
             RegistryError: `name@version` is not registered.
         """
         try:
             manifest = self.show(name, version)
-        except RegistryError:
+        except RegistryError as e:
             broken = self._broken_s3_manifest(name, version)
-            if broken is None:
-                raise
-            return broken
+            if broken is not None:
+                return broken
+            if isinstance(e, CorruptManifestError):
+                return [f"{MANIFEST} ({e.problem})"]
+            raise
         return _differences(manifest, self._actual_artifacts(name, version))
 
     def _broken_s3_manifest(self, name: str, version: str) -> list[str] | None:
