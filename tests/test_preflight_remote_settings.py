@@ -87,8 +87,12 @@ def test_reading_a_missing_local_registry_says_so_and_creates_nothing(tmp_path, 
     reg = Registry(missing)
     for read in (reg.list, lambda: reg.show("m", "1"), lambda: reg.verify("m", "1"), lambda: reg.local_dir("m", "1")):
         with pytest.raises(RegistryError, match=r"model registry folder .*misspelt/folder \(store.registry\) "
-                                                r"does not exist: nothing is registered there"):
+                                                r"does not exist: nothing is registered there; fix store.registry"):
             read()
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(RegistryError, match=r"a-file \(store.registry\) is a file, not a folder: nothing is "
+                                            r"registered there; give store.registry a folder$"):
+        Registry(tmp_path / "a-file").list()
     assert main(["--overrides", f"store.registry={missing}", "registry", "list"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("envace: error: the model registry folder") and "does not exist" in err

@@ -93,6 +93,9 @@ def test_file_that_is_not_json_gives_line_and_column(tmp_path):
 def test_missing_file_empty_list_and_wrong_top_level(tmp_path):
     with pytest.raises(ToolSchemaError, match="absent.json: no such file"):
         load_tools(tmp_path / "absent.json")
+    (tmp_path / "a_folder").mkdir()
+    with pytest.raises(ToolSchemaError, match="a_folder: a folder, not a file"):
+        load_tools(tmp_path / "a_folder")
     assert "the list is empty" in _error(tmp_path, [])
     assert "expected a list of tools" in _error(tmp_path, {"function": {}})
     assert "extra: unknown top-level field" in _error(tmp_path, {"tools": [_tool()], "extra": 1})

@@ -120,11 +120,13 @@ class Registry:
         """For reading a local registry: RegistryError when its folder does not exist or is a file (reads
         never create it); the message starts with `ref` (NAME@VERSION) is not registered, when given."""
         if not os.path.isdir(self.root):  # (False, not OSError, for a name over the filesystem's limit)
-            what = "is a file, not a folder" if os.path.exists(self.root) else "does not exist"
+            exists = os.path.exists(self.root)
+            what = "is a file, not a folder" if exists else "does not exist"
             head = f"{ref} is not registered: " if ref else ""
+            fix = "give store.registry a folder" if exists else \
+                "fix store.registry if it is misspelt (registering the first model creates the folder)"
             raise RegistryError(f"{head}the model registry folder {self.root} (store.registry) {what}: nothing is "
-                                "registered there; fix store.registry (or --registry) if it is misspelt "
-                                "(registering the first model creates the folder)")
+                                f"registered there; {fix}")
 
     def version_dir(self, name: str, version: str) -> Path:
         """The local directory of `name@version` (RegistryError for an invalid name or an S3 registry)."""

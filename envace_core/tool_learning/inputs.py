@@ -221,7 +221,8 @@ def _parse_tool(el: Any, i: int) -> tuple[NewTool | None, list[tuple[list, str]]
 
 def _read_json(path: Path, label: str) -> Any:
     if not os.path.isfile(path):  # (False, not OSError, for a name over the filesystem's limit)
-        raise ToolSchemaError([f"{label}: no such file (expected a JSON file of OpenAI-format tool schemas)"])
+        what = "a folder, not a file" if os.path.isdir(path) else "no such file"
+        raise ToolSchemaError([f"{label}: {what} (expected a JSON file of OpenAI-format tool schemas)"])
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except json.JSONDecodeError as e:
@@ -341,7 +342,8 @@ def load_examples(path: str | Path, tools: Sequence[NewTool | ToolSpec]) -> list
     label = str(path)
     p = Path(path).expanduser()
     if not p.is_file():
-        raise ToolSchemaError([f"{label}: no such file (expected JSON lines of tool-call examples)"])
+        what = "a folder, not a file" if p.is_dir() else "no such file"
+        raise ToolSchemaError([f"{label}: {what} (expected JSON lines of tool-call examples)"])
     specs = {(t.spec if isinstance(t, NewTool) else t).name: (t.spec if isinstance(t, NewTool) else t)
              for t in tools}
     examples, errors = [], []
