@@ -294,6 +294,11 @@ def _adapt_tools(args) -> int:
 
     if args.tasks < 2:
         raise EnvaceError(f"--tasks must be >= 2 (adaptation needs at least 2 tasks), got {args.tasks}")
+    given = [f for f, v in (("--trials", args.trials), ("--seed", args.seed)) if v is not None]
+    if given and not args.measure:
+        raise EnvaceError(f"{' and '.join(given)} only shape --measure's held-out comparison: add --measure or "
+                          f"drop {'them' if len(given) > 1 else 'it'}")
+    args.trials, args.seed = (1 if args.trials is None else args.trials), (0 if args.seed is None else args.seed)
     if args.trials < 1:
         raise EnvaceError(f"--trials must be >= 1, got {args.trials}")
     over = merged_overrides(args.overrides, args.set)
@@ -435,8 +440,9 @@ def main(argv: list[str] | None = None) -> int:
                    "store.model_name)")
     a.add_argument("--registry", help="model registry: folder or s3:// URI (default: store.registry)")
     a.add_argument("--measure", action="store_true", help="also measure parent vs adapted on the held-out tasks")
-    a.add_argument("--trials", type=int, default=1, help="--measure: trials per held-out task")
-    a.add_argument("--seed", type=seed_arg, default=0, help="--measure: sampling and bootstrap seed, 0..2^31-1")
+    a.add_argument("--trials", type=int, default=None, help="--measure: trials per held-out task (default 1)")
+    a.add_argument("--seed", type=seed_arg, default=None,
+                   help="--measure: sampling and bootstrap seed, 0..2^31-1 (default 0)")
     w = sub.add_parser("warm-start", help="curate, then make (or reuse from the store) the config's SFT warm start; "
                        "print its adapter")
     w.add_argument("--json", action="store_true", help="print the stage's whole record (id, settings, "

@@ -66,6 +66,18 @@ def test_cli_rejects_a_set_without_a_value(capsys, no_model_loads):
     assert rc == 2 and "--set 'train.iterations': write KEY=VALUE" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--trials", "3"], "--trials only shape --measure's held-out comparison: add --measure or drop it"),
+    (["--seed", "5", "--trials", "1"], "--trials and --seed only shape --measure's held-out comparison: add --measure "
+                                       "or drop them"),
+])
+def test_cli_refuses_measure_flags_without_measure(tmp_path, capsys, no_model_loads, flags, needle):
+    store = ["--set", f"store.root={tmp_path / 'store'}", "--registry", str(tmp_path / "reg")]
+    rc = main(["adapt-tools", "--model", "bundled:smollm2-135m-instruct", "--tools", str(TOOLS), *store, *flags])
+    assert rc == 2 and needle in capsys.readouterr().err
+    assert not (tmp_path / "store").exists()
+
+
 def test_cli_checks_task_count_model_and_name_before_building_tasks(tmp_path, capsys, monkeypatch):
     """Bad --tasks, --model or --name stop before any task is built or dataset written."""
     import envace_core.tool_learning.tasks as tasks_mod
