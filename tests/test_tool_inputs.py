@@ -334,3 +334,13 @@ def test_init_adapter_from_an_s3_registry_version(parent_adapter, s3_server, tmp
     assert (got / "adapter_model.safetensors").read_bytes() == (adapter / "adapter_model.safetensors").read_bytes()
     with pytest.raises(EnvaceError, match="no committed artifact directory"):
         init_adapter_dir(f"{s3_server.root}/registry/policy/v2/artifacts/adapter")
+
+
+def test_an_oversized_description_or_documentation_is_named_with_its_length_not_quoted(tmp_path):
+    tool = {"type": "function", "function": {"name": "lookup", "description": "Look up a thing.",
+                                             "parameters": {"type": "object", "properties": {}}}}
+    msg = _error(tmp_path, [{**tool, "documentation": "x" * 50_000}])
+    assert "tools[0].documentation: 50000 characters, too long (at most 16000 characters" in msg
+    assert "xxxx" not in msg  # jsonschema's own message quotes the whole text
+    long_desc = {**tool, "function": {**tool["function"], "description": "d" * 5000}}
+    assert "tools[0].function.description: 5000 characters, too long" in _error(tmp_path, [long_desc])

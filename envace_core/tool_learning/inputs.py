@@ -51,12 +51,12 @@ _PARAMETERS_SHAPE = {  # what a tool's `parameters` must be beyond a valid JSON 
 }
 _FUNCTION_FIELDS = {  # the OpenAI function object
     "name": {"type": "string", "pattern": TOOL_NAME_PATTERN},
-    "description": {"type": "string", "minLength": 1},
+    "description": {"type": "string", "minLength": 1, "maxLength": 4000},
     "parameters": _PARAMETERS_SHAPE,
     "strict": {"type": "boolean"},
 }
 _EXTRA_FIELDS = {  # envace's optional per-tool keys
-    "documentation": {"type": "string"},
+    "documentation": {"type": "string", "maxLength": 16000},
     "implementation": {"type": "string", "pattern": IMPLEMENTATION_PATTERN},
 }
 _FUNCTION_SHAPE = {"type": "object", "required": ["name", "description", "parameters"],
@@ -68,6 +68,10 @@ _BARE_SHAPE = {**_FUNCTION_SHAPE, "properties": {**_FUNCTION_FIELDS, **_EXTRA_FI
 _HINTS = {  # appended to jsonschema's message for these fields
     "name": "tool names are 1-64 letters, digits, '_' or '-'",
     "implementation": "write 'package.module:function'",
+    # every ACT prompt lists the tools, and the synthesized requests quote the documentation (tau2's longest
+    # tool description is 548 characters)
+    "description": "a tool's description goes into every prompt: at most 4000 characters",
+    "documentation": "at most 16000 characters: keep what the model needs to call the tool",
 }
 
 
@@ -151,6 +155,8 @@ def _shape_errors(obj: Any, shape: dict, where: list[str | int]) -> list[tuple[l
             allowed = sorted(e.schema.get("properties", {}))
             out += [(path + [k], f"unknown field; allowed: {', '.join(allowed)}")
                     for k in sorted(set(e.instance) - set(allowed))]
+        elif e.validator == "maxLength" and isinstance(e.instance, str):  # jsonschema quotes the whole text
+            out.append((path, f"{len(e.instance)} characters, too long ({_HINTS.get(str(path[-1]), '')})"))
         else:
             hint = _HINTS.get(str(path[-1])) if e.validator == "pattern" else None
             out.append((path, e.message + (f" ({hint})" if hint else "")))
