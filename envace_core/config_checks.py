@@ -55,8 +55,9 @@ def location(value: Any, setting: str, schemes: tuple[str, ...] = ()) -> Any:
     `schemes` (e.g. "bundled", "registry"). Raises ValueError naming `setting` for another scheme
     (``S3://``, ``hf://``, ``s3:/x``), a malformed S3 URI, an empty or blank string, two overrides
     joined by a space, or a mapping (YAML reads ``registry: NAME@VERSION``, a space after the colon, as
-    {"registry": "NAME@VERSION"}). Returns the value, a local path's leading ``~`` expanded (``~user`` too; left
-    as written where no such user exists). Other non-strings are returned as they are, for the field's type check."""
+    {"registry": "NAME@VERSION"}), or a ``~user`` path of a user this machine does not know. Returns the value, a
+    local path's leading ``~`` / ``~user`` expanded. Other non-strings are returned as they are, for the field's
+    type check."""
     if isinstance(value, dict):
         if all(v is None for v in value.values()):  # `registry:` alone: YAML's key with no value
             e_g = "registry:NAME@VERSION, " if "registry" in schemes else \
@@ -99,7 +100,13 @@ def location(value: Any, setting: str, schemes: tuple[str, ...] = ()) -> Any:
         raise ValueError(f"{setting}={value!r} has the scheme {m.group(1)!r}, which envace does not read: "
                          f"use {allowed} or a local path")
     # a local path's ~ is expanded here, so the printed and recorded config names the folder the run uses
-    return os.path.expanduser(value) if value.startswith("~") and not m else value
+    if value.startswith("~") and not m:
+        expanded = os.path.expanduser(value)
+        if expanded.startswith("~"):
+            raise ValueError(f"{setting}={value!r}: {value.split('/', 1)[0]} names no user with a home folder on "
+                             "this machine: write the full path")
+        return expanded
+    return value
 
 
 def off_word(value: Any) -> Any:

@@ -314,11 +314,12 @@ def test_an_overrides_file_takes_dotted_keys_and_names_itself_when_it_does_not_p
 
 def test_a_local_path_with_a_tilde_is_expanded_when_the_config_loads(monkeypatch, tmp_path):
     """The printed and recorded config names the folder the run uses, not `~` (which --check and the stores
-    expand); a ~user that does not exist stays as written (and fails where it is opened)."""
+    expand); a ~user this machine does not know is refused when the config loads (the stores' expansion raised)."""
     monkeypatch.setenv("HOME", str(tmp_path))
-    cfg = load_config("test", "store.root=~/envace/store,store.registry=~nosuchuser-envace/reg,"
-                              "train.init_adapter=~/adapters/a")
+    cfg = load_config("test", "store.root=~/envace/store,train.init_adapter=~/adapters/a")
     assert cfg.store.root == str(tmp_path / "envace" / "store")
-    assert cfg.store.registry == "~nosuchuser-envace/reg"
     assert cfg.train.init_adapter == str(tmp_path / "adapters" / "a")
     assert not (tmp_path / "envace").exists()  # loading creates nothing
+    with pytest.raises(ConfigError, match=r"store.registry='~nosuchuser-envace/reg': ~nosuchuser-envace names no "
+                                          r"user with a home folder on this machine: write the full path"):
+        load_config("test", "store.registry=~nosuchuser-envace/reg")

@@ -228,3 +228,32 @@ def test_a_store_root_that_is_a_file_or_unwritable_is_named(tmp_path):
     store.root = Path("/proc")  # a folder nobody writes, root included (os.access says yes there)
     with pytest.raises(StoreError, match="is not writable"):
         store.check()
+
+
+@pytest.mark.parametrize("signature", ["abc", ["x"], {"value": 123}, {"value": "\u00e9\u00e9\u00e9"}, {"alg": "x"}])
+def test_a_malformed_signature_field_fails_verification_without_a_traceback(tmp_path, monkeypatch, signature):
+    monkeypatch.setenv("ENVACE_REGISTRY_HMAC_KEY", "k3y")
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "w").write_bytes(b"w")
+    reg = Registry(tmp_path / "reg")
+    path = reg.register("m", "1", art, {})
+    man = json.loads((path / "manifest.json").read_text())
+    man["signature"] = signature
+    (path / "manifest.json").write_text(json.dumps(man))
+    assert reg.verify("m", "1") == [UNSIGNED if signature == {"alg": "x"} else BAD_SIGNATURE]
+
+
+@pytest.mark.parametrize("content, problem", [("[" * 100_000, "nested too deep"),
+                                              ('{"n": ' + "9" * 5000 + "}", "digits")])
+def test_a_manifest_python_cannot_parse_is_corrupt_not_a_traceback(tmp_path, monkeypatch, content, problem):
+    monkeypatch.delenv("ENVACE_REGISTRY_HMAC_KEY", raising=False)
+    art = tmp_path / "art"
+    art.mkdir()
+    (art / "w").write_bytes(b"w")
+    reg = Registry(tmp_path / "reg")
+    (reg.register("m", "1", art, {}) / "manifest.json").write_text(content)
+    bad = reg.verify("m", "1")
+    assert len(bad) == 1 and bad[0].startswith("manifest.json (") and problem in bad[0]
+    with pytest.raises(RegistryError, match="is corrupt"):
+        reg.show("m", "1")

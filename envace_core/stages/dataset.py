@@ -80,18 +80,18 @@ def read_tasks_file(path: str | Path) -> list[Task]:
     ``benchmarks/rehearsal_effect.py --heldout`` writes its held-out set).
 
     Raises EnvaceError naming the path when it is missing, not a regular file, of another kind, unreadable
-    (including JSON nested too deep to decode), a dataset folder whose files differ from its CHECKSUMS.json
-    (naming them), or holds a record that is not a task record (the record's index, the column and what is
-    wrong), all on one line."""
+    (including JSON nested too deep to decode), a dataset folder (or its tasks.parquet) whose files differ
+    from the folder's CHECKSUMS.json (naming them), or holds a record that is not a task record (the
+    record's index, the column and what is wrong), all on one line."""
     try:
         p = Path(path).expanduser()
-        folder = p if p.is_dir() else None
-        if folder is not None:
+        folder = p if p.is_dir() else p.parent if p.name == "tasks.parquet" else None
+        if p.is_dir():
             p = p / "tasks.parquet"
         exists, regular = p.exists(), p.is_file()
     except (OSError, RuntimeError) as e:  # a name too long, ~user without a home, ...
         raise EnvaceError(f"tasks file {str(path)[:200]!r} cannot be opened: {_one_line(e)}") from e
-    if folder is not None and (folder / CHECKSUMS).is_file():  # a dataset folder as the store wrote it
+    if folder is not None and (folder / CHECKSUMS).is_file():  # a dataset folder as the store wrote it, or its file
         changed = changed_files(folder)
         if changed:
             raise EnvaceError(f"dataset folder {folder} was changed after it was written (files that differ from its "

@@ -213,9 +213,12 @@ class LocalStore:
         d = self.get_dir(key)
         bad = self.verify_dir(key)
         if bad:
+            real = d.resolve()
+            where = f"move {d} aside" if real == d else \
+                f"delete {d} (a link) and move the folder it names, {real}, aside"
             raise StoreError(f"artifact {key!r} in {self.root} was changed after it was written (files that differ "
-                             f"from its {CHECKSUMS}: {', '.join(bad)}); envace neither uses nor overwrites it: move "
-                             f"{d} aside (or delete it) so that the stage that wrote it writes it again")
+                             f"from its {CHECKSUMS}: {', '.join(bad)}); envace neither uses nor overwrites it: {where} "
+                             "(or delete it) so that the stage that wrote it writes it again")
         return d
 
     @staticmethod

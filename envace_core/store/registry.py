@@ -260,12 +260,12 @@ class Registry:
             raw = self._read_manifest(name, version)
             manifest = json.loads(raw)
             problem = manifest_problem(manifest, name, version)
-        except (json.JSONDecodeError, UnicodeDecodeError, StoreError) as e:
+        except (ValueError, RecursionError, StoreError) as e:  # ValueError: JSON / UTF-8 / a 5 000-digit int
             if isinstance(e, TransientError):
                 raise
             if isinstance(e, StoreError) and "not found" in str(e):
                 raise RegistryError(f"{name}@{version} is not registered in {self.root}") from None
-            problem = str(e)
+            problem = str(e)[:200] if not isinstance(e, RecursionError) else "its JSON is nested too deep to read"
         if problem is not None:
             raise CorruptManifestError(f"the manifest of {name}@{version} ({self.uri(name, version)}/{MANIFEST}) "
                                        f"is corrupt: {problem}; this version cannot be trusted", problem)
@@ -347,10 +347,12 @@ def _differences(manifest: dict[str, Any], actual: dict[str, str]) -> list[str]:
     bad = sorted(k for k in set(expected) | set(actual) if expected.get(k) != actual.get(k))
     key = _signing_key()
     if key is not None:
-        sig = (manifest.get("signature") or {}).get("value", "")
-        if not sig:
+        sig = manifest.get("signature")
+        value = sig.get("value") if isinstance(sig, dict) else sig
+        if not value:
             bad.append(UNSIGNED)
-        elif not hmac.compare_digest(sig, manifest_signature(manifest, key)):
+        elif not isinstance(value, str) or not hmac.compare_digest(
+                value.encode("utf-8", "replace"), manifest_signature(manifest, key).encode()):
             bad.append(BAD_SIGNATURE)
     return bad
 
