@@ -134,10 +134,23 @@ def _registry(args) -> int:
     if bad:
         print(f"TAMPERED {name}@{version}: {len(bad)} file(s) fail verification:")
         for b in bad:
-            print(f"  {b}")
+            print(f"  {b}{_artifact_state(reg, name, version, b)}")
         return 1
     print(f"OK {name}@{version}: every artifact matches its sha256")
     return 0
+
+
+def _artifact_state(reg, name: str, version: str, item: str) -> str:
+    """" (missing)", " (not in the manifest)" or " (changed)" for an artifacts/… path `verify` listed in a local
+    registry; "" for other items (the manifest's own lines say what they are) and for an S3 registry."""
+    if not item.startswith("artifacts/"):
+        return ""
+    try:
+        recorded = item in (reg.show(name, version).get("artifacts") or {})
+        present = (reg.version_dir(name, version) / item).is_file()  # RegistryError for an S3 registry
+    except EnvaceError:
+        return ""
+    return " (not in the manifest)" if not recorded else " (changed)" if present else " (missing)"
 
 
 def _rehearse(args) -> int:

@@ -257,3 +257,20 @@ def test_a_manifest_python_cannot_parse_is_corrupt_not_a_traceback(tmp_path, mon
     assert len(bad) == 1 and bad[0].startswith("manifest.json (") and problem in bad[0]
     with pytest.raises(RegistryError, match="is corrupt"):
         reg.show("m", "1")
+
+
+def test_verify_says_which_artifacts_are_changed_missing_or_not_in_the_manifest(tmp_path, monkeypatch, capsys):
+    monkeypatch.delenv("ENVACE_REGISTRY_HMAC_KEY", raising=False)
+    art = tmp_path / "art"
+    art.mkdir()
+    for name in ("a", "b"):
+        (art / name).write_bytes(name.encode())
+    path = Registry(tmp_path / "reg").register("m", "1", art, {})
+    (path / "artifacts" / "a").write_bytes(b"changed")
+    (path / "artifacts" / "b").unlink()
+    (path / "artifacts" / "c").write_bytes(b"extra")
+    rc = cli_main(["--profile", "test", "--overrides", f"store.registry={tmp_path / 'reg'}", "registry", "verify",
+                   "m@1"])
+    assert rc == 1 and capsys.readouterr().out.splitlines() == [
+        "TAMPERED m@1: 3 file(s) fail verification:", "  artifacts/a (changed)", "  artifacts/b (missing)",
+        "  artifacts/c (not in the manifest)"]

@@ -157,8 +157,11 @@ def test_a_killed_warm_start_write_is_not_reused(setup, tiny_model_dir, sft_step
     # ... and a writer that is not atomic leaves the key itself half-written, meta first
     (key_dir / "adapter").mkdir(parents=True)
     (key_dir / "warm_start.json").write_text(json.dumps({"warm_start_id": warm_id, "adapter_uri": "x"}))
-    got = warm_start(cfg, ds, say=lambda _: None)
+    said: list[str] = []
+    got = warm_start(cfg, ds, say=said.append)
     assert sft_steps == [1] and got["warm_start_id"] == warm_id  # trained, not taken from the leftovers
+    assert any("holds a write that never finished (no CHECKSUMS.json): training the warm start again" in line
+               for line in said)
     assert not leftover.exists() and key_dir.is_symlink()  # cleaned up; the key is now a committed version
     assert json.loads((Path(got["adapter_uri"]) / "adapter_config.json").read_text())["r"] == cfg.train.lora_r
     assert warm_start(cfg, ds, say=lambda _: None) == got and sft_steps == [1]  # now complete: reused
@@ -305,7 +308,8 @@ def test_a_damaged_stored_warm_start_is_refused_not_retrained_over(setup, tiny_m
     from envace_core.store.files import dir_checksums
 
     root, _, ds = setup
-    cfg = _cfg(tiny_model_dir, root, {"seed": 11 + ["adapter_cut", "checksums_not_json", "record_edited"].index(damage)})
+    seed = 11 + ["adapter_cut", "checksums_not_json", "record_edited"].index(damage)
+    cfg = _cfg(tiny_model_dir, root, {"seed": seed})  # its own id per case
     first = warm_start(cfg, ds, say=lambda _: None)
     d = Path(first["adapter_uri"]).parent
     target = {"adapter_cut": d / "adapter" / "adapter_model.safetensors", "checksums_not_json": d / "CHECKSUMS.json",

@@ -292,6 +292,9 @@ def warm_start(cfg: RunConfig, dataset: dict[str, Any], say: Callable[[str], Non
         say(f"[warm_start] {warm_id}: reusing the warm start at {found['adapter_uri']} "
             f"(trained in {found['seconds']:.0f}s; examples {found['examples']})")
         return found
+    if store.exists(key):
+        say(f"[warm_start] {warm_id}: {store.uri(key)} holds a write that never finished (no CHECKSUMS.json): "
+            "training the warm start again, then replacing it")
     final = effective_act_final_steps(cfg.train)
     trained = train_act_final(cfg, dataset, final, say) if final else train_warm_start(cfg, dataset, say)
     record.update(key=key, adapter_uri=store.uri(f"{key}/adapter"), examples=trained["examples"],
