@@ -133,24 +133,30 @@ def _registry(args) -> int:
         return 1
     if bad:
         print(f"TAMPERED {name}@{version}: {len(bad)} file(s) fail verification:")
+        state = _artifact_states(reg, name, version)
         for b in bad:
-            print(f"  {b}{_artifact_state(reg, name, version, b)}")
+            print(f"  {b}{state(b)}")
         return 1
     print(f"OK {name}@{version}: every artifact matches its sha256")
     return 0
 
 
-def _artifact_state(reg, name: str, version: str, item: str) -> str:
-    """" (missing)", " (not in the manifest)" or " (changed)" for an artifacts/… path `verify` listed in a local
-    registry; "" for other items (the manifest's own lines say what they are) and for an S3 registry."""
-    if not item.startswith("artifacts/"):
-        return ""
+def _artifact_states(reg, name: str, version: str):
+    """A function of an item `verify` listed: " (missing)", " (not in the manifest)" or " (changed)" for an
+    artifacts/… path of a local registry (its manifest read once, here); "" for other items (the manifest's own
+    lines say what they are), and for every item of an S3 registry or a manifest that cannot be read."""
     try:
-        recorded = item in (reg.show(name, version).get("artifacts") or {})
-        present = (reg.version_dir(name, version) / item).is_file()  # RegistryError for an S3 registry
+        recorded = reg.show(name, version)["artifacts"]
+        vdir = reg.version_dir(name, version)  # RegistryError for an S3 registry
     except EnvaceError:
-        return ""
-    return " (not in the manifest)" if not recorded else " (changed)" if present else " (missing)"
+        return lambda item: ""
+
+    def state(item: str) -> str:
+        if not item.startswith("artifacts/"):
+            return ""
+        return " (not in the manifest)" if item not in recorded else " (changed)" if (vdir / item).is_file() \
+            else " (missing)"
+    return state
 
 
 def _rehearse(args) -> int:

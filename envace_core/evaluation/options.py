@@ -17,6 +17,7 @@ from envace_core.evaluation.protocols import (
     USER_MAX_NEW_TOKENS,
     check_protocol,
 )
+from envace_core.evaluation.report import REPORT_FILES
 from envace_core.models import (
     ResolvedModel,
 )
@@ -231,8 +232,7 @@ class EvalOptions:
                               "write (the report and the resume cache are written under --out)")
 
 
-# what `envace eval` writes in its --out folder: `report.write_report`'s files and `harness.run_eval`'s resume cache
-REPORT_FILES = ("results.json", "report.md", "report.html", "scores.png", "published_comparison.png")
+# what `envace eval` writes in its --out folder: `report.REPORT_FILES` and `harness.run_eval`'s resume cache
 CACHE_DIR = "cache"  # cache/<fingerprint: 16 hex>/, one folder per fingerprint
 
 

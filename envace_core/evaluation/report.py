@@ -335,6 +335,11 @@ def render_html(results: dict, out_dir: str | Path) -> str:
 
 
 # --------------------------------------------------------------------------------------------- write
+# every file `write_report` may write (the PNGs only when there is something to plot); `evaluation.options.
+# check_out_folder` tells an earlier --out by them
+REPORT_FILES = ("results.json", "report.md", "report.html", "scores.png", "published_comparison.png")
+
+
 def write_report(results: dict, out_dir: str | Path) -> dict[str, str]:
     """Write ``results.json``, the PNGs, ``report.md`` and ``report.html`` into `out_dir`; return their paths."""
     out = Path(out_dir).expanduser()
